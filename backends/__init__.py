@@ -1,0 +1,1 @@
+"""Prefix-cache backends. Each module registers its class with `cachelib.register_backend`."""

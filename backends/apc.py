@@ -1,0 +1,390 @@
+"""apc: vLLM V1 Automatic Prefix Caching (reference: vLLM 0.33, `vllm/v1/core/`).
+
+A pool of blocks with ref counts, a table from chained block hash to cached block, and the
+free queue as the LRU order (DESIGN §4 apc). What it reproduces, decision for decision:
+
+- Only full blocks are hashed and cached. Lookup walks the request's block hashes from the
+  first and stops at the first miss; the hit is capped at `len - 1` tokens and rounded down
+  to a block, so a fully cached prompt still recomputes its last block.
+- A cached block with no user waits in the free queue. A hit removes it from the queue
+  (`touch`); new blocks come from the head, and a head block that still has a hash is
+  evicted only then (lazy eviction). Admission is all-or-nothing, and hit blocks sitting in
+  the free queue count against the blocks available for the new ones.
+- Release walks the table last to first; a block whose ref count drops to 0 goes to the
+  tail if hashed (evicted late) or to the head if not (reused first).
+- Blocks that fill during decode are cached too. A block recomputed while an equal one is
+  cached becomes a duplicate (tables are append-only); lookups return the oldest.
+
+Differences from vLLM, on purpose: there is no reserved null block (vLLM gives block 0 to
+it, so vLLM's pool of P blocks has P - 1 usable ones; compare at equal *usable* blocks), and
+`evict(n)` exists for the contract (vLLM only evicts lazily): it clears the first `n` cached
+blocks of the queue in LRU order and moves them to the head.
+
+Options beyond vLLM: `hash_algorithm` (`xxh3_128` default, `sha256`), and
+`verify_tokens=True`, which stores each cached block's tokens, extra keys and parent, and
+accepts a hit only when they equal the request's, so a hash collision can never return
+wrong KV. (With it, a block whose parent was a *duplicate* of the block the walk chose is
+treated as a miss: conservative, never wrong.)
+"""
+
+from __future__ import annotations
+
+from itertools import islice
+import numpy as np
+
+from cachelib.errors import InvalidRequestError, InvariantViolation, StaleMatchError
+from cachelib.free_queue import FreeBlockQueue, KVBlock
+from cachelib.hashing import BlockHash, BlockHasher, HashFn
+from cachelib.interface import PrefixCache
+from cachelib.registry import register_backend
+from cachelib.types import CacheStats, CopyOp, Match, Sequence
+
+# Modelled bytes of index metadata, as a compact native implementation would keep it:
+# per block a ref count (4), links (2 x 4) and a hash (16); per table entry key + block id.
+_BLOCK_BYTES = 28
+_ENTRY_BYTES = 20
+
+
+class _Held:
+    """An admitted sequence: its blocks, and how many leading ones are hashed (published)."""
+
+    __slots__ = ("seq", "blocks", "num_cached")
+
+    def __init__(self, seq: Sequence, blocks: list[KVBlock], num_cached: int) -> None:
+        self.seq = seq
+        self.blocks = blocks
+        self.num_cached = num_cached
+
+
+@register_backend("apc")
+class APCCache(PrefixCache):
+    """vLLM V1 automatic prefix caching over `num_pages` blocks of `page_size` tokens."""
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        *,
+        hash_algorithm: str = "xxh3_128",
+        hash_fn: HashFn | None = None,
+        verify_tokens: bool = False,
+    ) -> None:
+        super().__init__(num_pages, page_size)
+        self.hasher = BlockHasher(page_size, hash_algorithm, hash_fn)
+        self.verify_tokens = verify_tokens
+        self.blocks = [KVBlock(i) for i in range(num_pages)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        # hash -> the cached block, or {block_id: block} once duplicates exist (oldest first)
+        self._table: dict[BlockHash, KVBlock | dict[int, KVBlock]] = {}
+        self._live: dict[str, _Held] = {}
+        self._num_cached_free = 0  # hashed blocks with ref 0 (in the free queue)
+        self._epoch = 0  # bumped by every eviction: a Match from before is stale
+        self._memo_key = object()
+        self._counters = dict(lookups=0, lookup_tokens=0, admitted=0, admitted_tokens=0, hit_tokens=0, evicted_pages=0, copied_pages=0)
+        if verify_tokens:
+            # what each cached block was computed from: tokens, extra keys, parent instance
+            self._tokens = np.zeros((num_pages, page_size), dtype=np.int32)
+            self._extra: list[bytes] = [b""] * num_pages
+            self._parent: list[tuple[int, int] | None] = [None] * num_pages
+            self._generation = [0] * num_pages
+
+    # -- hashing --------------------------------------------------------------------
+
+    def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
+        """The chained hashes of `seq`'s first `num_blocks` full blocks (memoised on seq)."""
+        memo = seq.cache_memo
+        if memo is None or memo[0] is not self._memo_key:
+            memo = (self._memo_key, [])
+            seq.cache_memo = memo
+        hashes = memo[1]
+        have = len(hashes)
+        if have < num_blocks:
+            parent = hashes[-1] if hashes else None
+            hashes.extend(self.hasher.hash_blocks(seq.tokens, seq.extra, have, num_blocks, parent))
+        return hashes
+
+    # -- the contract ---------------------------------------------------------------
+
+    def match(self, seq: Sequence) -> Match:
+        if not isinstance(seq, Sequence):
+            raise InvalidRequestError(f"expected a Sequence, got {type(seq).__name__}")
+        max_blocks = (len(seq) - 1) // self.page_size
+        hashes = self._block_hashes(seq, max_blocks)
+        table = self._table
+        hit: list[KVBlock] = []
+        if self.verify_tokens:
+            hit = self._verified_walk(seq, hashes[:max_blocks])
+        else:
+            append = hit.append
+            for h in islice(hashes, max_blocks):
+                block = table.get(h)
+                if block is None:
+                    break
+                if block.__class__ is not KVBlock:
+                    block = next(iter(block.values()))
+                append(block)
+        self._counters["lookups"] += 1
+        self._counters["lookup_tokens"] += len(seq)
+        return Match(seq.request_id, len(hit) * self.page_size, tuple([b.block_id for b in hit]), hit, self._epoch)
+
+    def _verified_walk(self, seq: Sequence, hashes: list[BlockHash]) -> list[KVBlock]:
+        size = self.page_size
+        tokens = seq.tokens
+        hit: list[KVBlock] = []
+        for i, h in enumerate(hashes):
+            entry = self._table.get(h)
+            if entry is None:
+                break
+            candidates = [entry] if entry.__class__ is KVBlock else list(entry.values())
+            want_parent = None if i == 0 else (hit[-1].block_id, self._generation[hit[-1].block_id])
+            extra = self.hasher.extra_bytes(seq.extra, i)
+            block_tokens = tokens[i * size : (i + 1) * size]
+            found = None
+            for block in candidates:
+                bid = block.block_id
+                if (
+                    self._parent[bid] == want_parent
+                    and self._extra[bid] == extra
+                    and np.array_equal(self._tokens[bid], block_tokens)
+                ):
+                    found = block
+                    break
+            if found is None:
+                break
+            hit.append(found)
+        return hit
+
+    def admit(self, seq: Sequence, match: Match, num_tokens: int) -> list[CopyOp] | None:
+        self._check_new(seq, self._live)
+        self._check_match(seq, match)
+        if match.epoch != self._epoch:
+            raise StaleMatchError(f"request {seq.request_id!r}: the cache evicted since this match; match again")
+        self._check_num_tokens(seq, num_tokens, max(match.num_tokens, 1))
+        hit: list[KVBlock] = match.handle
+        num_new = self.pages_for(num_tokens) - len(hit)
+        # Hit blocks still in the free queue are about to leave it: they are not free for us.
+        num_free_hit = sum(1 for b in hit if b.ref_cnt == 0)
+        if num_new > self.free_queue.num_free - num_free_hit:
+            return None
+        queue = self.free_queue
+        for block in hit:
+            if block.ref_cnt == 0:
+                queue.remove(block)
+                self._num_cached_free -= 1
+            block.ref_cnt += 1
+        blocks = hit + self._take_new(num_new)
+        self._live[seq.request_id] = _Held(seq, blocks, len(hit))
+        seq.page_table = [b.block_id for b in blocks]
+        seq.num_computed = match.num_tokens
+        c = self._counters
+        c["admitted"] += 1
+        c["admitted_tokens"] += len(seq)
+        c["hit_tokens"] += match.num_tokens
+        return []
+
+    def _take_new(self, n: int) -> list[KVBlock]:
+        """Pop `n` blocks from the queue head, evicting those that still hold a cached block."""
+        new = self.free_queue.popleft_n(n)
+        for block in new:
+            if block.block_hash is not None:
+                self._evict_block(block)
+            block.ref_cnt = 1
+        return new
+
+    def _evict_block(self, block: KVBlock) -> None:
+        h = block.block_hash
+        entry = self._table[h]
+        if entry.__class__ is KVBlock:
+            del self._table[h]
+        else:
+            del entry[block.block_id]
+            if len(entry) == 1:
+                self._table[h] = next(iter(entry.values()))
+        block.block_hash = None
+        self._num_cached_free -= 1
+        self._counters["evicted_pages"] += 1
+        self._epoch += 1
+        if self.verify_tokens:
+            self._generation[block.block_id] += 1
+            self._parent[block.block_id] = None
+
+    def grow(self, seq: Sequence, num_tokens: int) -> list[CopyOp] | None:
+        held = self._check_live(seq, self._live)
+        self._check_num_tokens(seq, num_tokens, 0)
+        num_new = self.pages_for(num_tokens) - len(held.blocks)
+        if num_new <= 0:
+            return []
+        if num_new > self.free_queue.num_free:
+            return None
+        new = self._take_new(num_new)
+        held.blocks.extend(new)
+        seq.page_table.extend([b.block_id for b in new])
+        return []
+
+    def commit(self, seq: Sequence, num_computed: int) -> None:
+        held = self._check_live(seq, self._live)
+        self._check_num_tokens(seq, num_computed, seq.num_computed)
+        if num_computed > len(held.blocks) * self.page_size:
+            raise InvalidRequestError(
+                f"request {seq.request_id!r}: {num_computed} tokens computed but pages cover {len(held.blocks) * self.page_size}"
+            )
+        seq.num_computed = num_computed
+        full = num_computed // self.page_size
+        if full <= held.num_cached:
+            return
+        hashes = self._block_hashes(seq, full)
+        table = self._table
+        blocks = held.blocks
+        for i in range(held.num_cached, full):
+            block = blocks[i]
+            h = hashes[i]
+            block.block_hash = h
+            entry = table.get(h)
+            if entry is None:
+                table[h] = block
+            elif entry.__class__ is KVBlock:
+                table[h] = {entry.block_id: entry, block.block_id: block}
+            else:
+                entry[block.block_id] = block
+        if self.verify_tokens:
+            self._record_contents(seq, blocks, held.num_cached, full)
+        held.num_cached = full
+
+    def _record_contents(self, seq: Sequence, blocks: list[KVBlock], start: int, stop: int) -> None:
+        size = self.page_size
+        tokens = seq.tokens
+        for i in range(start, stop):
+            bid = blocks[i].block_id
+            self._tokens[bid] = tokens[i * size : (i + 1) * size]
+            self._extra[bid] = self.hasher.extra_bytes(seq.extra, i)
+            prev = blocks[i - 1].block_id if i else None
+            self._parent[bid] = None if prev is None else (prev, self._generation[prev])
+
+    def fork(self, parent: Sequence, child: Sequence) -> list[CopyOp] | None:
+        held = self._check_live(parent, self._live)
+        self._check_new(child, self._live)
+        computed = parent.num_computed
+        if len(child) < computed or not np.array_equal(child.tokens[:computed], parent.tokens[:computed]):
+            raise InvalidRequestError(f"fork: {child.request_id!r} does not hold {parent.request_id!r}'s computed tokens")
+        full = computed // self.page_size
+        partial = computed % self.page_size != 0
+        if partial and self.free_queue.num_free < 1:
+            return None
+        shared = held.blocks[:full]
+        for block in shared:
+            block.ref_cnt += 1  # pinned blocks: none of them is in the free queue
+        blocks = list(shared)
+        ops: list[CopyOp] = []
+        if partial:
+            (copy,) = self._take_new(1)
+            ops.append(CopyOp(held.blocks[full].block_id, copy.block_id))
+            blocks.append(copy)
+            self._counters["copied_pages"] += 1
+        self._live[child.request_id] = _Held(child, blocks, full)
+        child.page_table = [b.block_id for b in blocks]
+        child.num_computed = computed
+        if parent.cache_memo is not None and parent.cache_memo[0] is self._memo_key:
+            child.cache_memo = (self._memo_key, parent.cache_memo[1][:full])
+        return ops
+
+    def release(self, seq: Sequence) -> None:
+        held = self._check_live(seq, self._live)
+        del self._live[seq.request_id]
+        queue = self.free_queue
+        to_tail: list[KVBlock] = []
+        for block in reversed(held.blocks):
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is not None:
+                    to_tail.append(block)
+                else:
+                    queue.appendleft(block)
+        queue.append_n(to_tail)
+        self._num_cached_free += len(to_tail)
+
+    def evict(self, num_pages: int) -> int:
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
+            raise InvalidRequestError(f"evict: num_pages must be a non-negative int, got {num_pages!r}")
+        victims = []
+        if num_pages:
+            for block in self.free_queue:
+                if block.block_hash is not None:
+                    victims.append(block)
+                    if len(victims) == num_pages:
+                        break
+        for block in reversed(victims):
+            self._evict_block(block)
+            self.free_queue.remove(block)
+            self.free_queue.appendleft(block)
+        return len(victims)
+
+    # -- observation ----------------------------------------------------------------
+
+    def stats(self) -> CacheStats:
+        pinned = self.num_pages - self.free_queue.num_free
+        return CacheStats(
+            backend=self.name,
+            num_pages=self.num_pages,
+            page_size=self.page_size,
+            pages_free=self.free_queue.num_free - self._num_cached_free,
+            pages_cached=self._num_cached_free,
+            pages_pinned=pinned,
+            metadata_bytes=self.num_pages * _BLOCK_BYTES + self._num_entries() * _ENTRY_BYTES,
+            extra={"table_entries": self._num_entries()},
+            **self._counters,
+        )
+
+    def _num_entries(self) -> int:
+        return sum(1 if e.__class__ is KVBlock else len(e) for e in self._table.values())
+
+    def cached_blocks_in_lru_order(self) -> list[int]:
+        """Ids of cached blocks with no user, next evicted first."""
+        return [b.block_id for b in self.free_queue if b.block_hash is not None]
+
+    def check_invariants(self) -> None:
+        def fail(msg: str) -> None:
+            raise InvariantViolation(f"apc: {msg}")
+
+        self.free_queue.check()
+        in_queue = {b.block_id for b in self.free_queue}
+        refs = [0] * self.num_pages
+        for rid, held in self._live.items():
+            if not 0 <= held.num_cached <= len(held.blocks):
+                fail(f"{rid}: num_cached {held.num_cached} outside its table")
+            for i, block in enumerate(held.blocks):
+                refs[block.block_id] += 1
+                if (i < held.num_cached) != (block.block_hash is not None):
+                    fail(f"{rid}: block {i} hashed={block.block_hash is not None} but num_cached={held.num_cached}")
+        cached_free = 0
+        for block in self.blocks:
+            if block.ref_cnt != refs[block.block_id]:
+                fail(f"block {block.block_id} ref {block.ref_cnt} but held by {refs[block.block_id]} tables")
+            if (block.ref_cnt == 0) != (block.block_id in in_queue):
+                fail(f"block {block.block_id} ref {block.ref_cnt} but in_queue={block.block_id in in_queue}")
+            if block.block_hash is not None:
+                entry = self._table.get(block.block_hash)
+                members = {} if entry is None else ({entry.block_id: entry} if entry.__class__ is KVBlock else entry)
+                if members.get(block.block_id) is not block:
+                    fail(f"hashed block {block.block_id} missing from the table")
+                cached_free += block.ref_cnt == 0
+        for h, entry in self._table.items():
+            members = [entry] if entry.__class__ is KVBlock else list(entry.values())
+            if not members or (entry.__class__ is not KVBlock and len(members) < 2):
+                fail("table entry with a wrong number of blocks")
+            for block in members:
+                if block.block_hash != h:
+                    fail(f"table entry points at block {block.block_id} whose hash differs")
+        if cached_free != self._num_cached_free:
+            fail(f"cached-free count {self._num_cached_free}, actual {cached_free}")
+        s = self.stats()
+        if s.pages_free + s.pages_cached + s.pages_pinned != self.num_pages or min(s.pages_free, s.pages_cached, s.pages_pinned) < 0:
+            fail(f"free {s.pages_free} + cached {s.pages_cached} + pinned {s.pages_pinned} != {self.num_pages}")
+        # index entries point only at pages whose content matches: rehash every live table
+        for rid, held in self._live.items():
+            seq = held.seq
+            if seq.page_table != [b.block_id for b in held.blocks]:
+                fail(f"{rid}: page table differs from the blocks held")
+            fresh = self.hasher.hash_blocks(seq.tokens, seq.extra, 0, held.num_cached, None)
+            for i, (block, h) in enumerate(zip(held.blocks, fresh)):
+                if block.block_hash != h:
+                    fail(f"{rid}: block {i} (page {block.block_id}) is cached under another content's hash")

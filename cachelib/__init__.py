@@ -1,0 +1,39 @@
+"""The prefix-cache contract and what every backend shares.
+
+Nothing here knows about tensors, schedulers or attention kernels: a cache hands out
+page ids and `CopyOp`s; the executor moves KV.
+"""
+
+from __future__ import annotations
+
+from cachelib.errors import (
+    CacheError,
+    InvalidRequestError,
+    InvariantViolation,
+    StaleMatchError,
+    UnknownBackendError,
+    UnknownSequenceError,
+)
+from cachelib.interface import PrefixCache
+from cachelib.registry import available_backends, create_cache, get_backend, register_backend
+from cachelib.types import CacheStats, CopyOp, ExtraKeys, Match, MultiModalSpan, Sequence
+
+__all__ = [
+    "CacheError",
+    "CacheStats",
+    "CopyOp",
+    "ExtraKeys",
+    "InvalidRequestError",
+    "InvariantViolation",
+    "Match",
+    "MultiModalSpan",
+    "PrefixCache",
+    "Sequence",
+    "StaleMatchError",
+    "UnknownBackendError",
+    "UnknownSequenceError",
+    "available_backends",
+    "create_cache",
+    "get_backend",
+    "register_backend",
+]

@@ -1,0 +1,195 @@
+"""The small value types of the cache contract (DESIGN §3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from cachelib.errors import InvalidRequestError
+
+INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def as_token_ids(tokens: Any, *, what: str = "prompt", allow_empty: bool = False) -> np.ndarray:
+    """Validate `tokens` and return them as a 1-D `numpy.int32` array.
+
+    Raises `InvalidRequestError` naming the problem: an empty array (unless allowed), a
+    non-integer dtype, a negative id, or an id that does not fit int32.
+    """
+    if isinstance(tokens, np.ndarray) and tokens.dtype == np.int32 and tokens.ndim == 1:
+        arr = tokens
+    else:
+        try:
+            raw = np.asarray(tokens)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError(f"{what}: token ids must be integers ({exc})") from exc
+        if raw.ndim != 1:
+            raise InvalidRequestError(f"{what}: token ids must be a flat sequence, got shape {raw.shape}")
+        if raw.size and not np.issubdtype(raw.dtype, np.integer):
+            raise InvalidRequestError(f"{what}: token ids must be integers, got dtype {raw.dtype}")
+        if raw.size:
+            lo, hi = int(raw.min()), int(raw.max())
+            if lo < 0:
+                raise InvalidRequestError(f"{what}: negative token id {lo}")
+            if hi > INT32_MAX:
+                raise InvalidRequestError(f"{what}: token id {hi} does not fit int32")
+        arr = raw.astype(np.int32, copy=True)
+        return _check_nonempty(arr, what, allow_empty)
+    if arr.size and int(arr.min()) < 0:
+        raise InvalidRequestError(f"{what}: negative token id {int(arr.min())}")
+    return _check_nonempty(arr, what, allow_empty)
+
+
+def _check_nonempty(arr: np.ndarray, what: str, allow_empty: bool) -> np.ndarray:
+    if arr.size == 0 and not allow_empty:
+        raise InvalidRequestError(f"{what}: empty token sequence")
+    return arr
+
+
+class MultiModalSpan(NamedTuple):
+    """A multimodal input occupying tokens `[offset, offset + length)`, identified by its hash."""
+
+    offset: int
+    length: int
+    mm_hash: str
+
+
+@dataclass(frozen=True, slots=True)
+class ExtraKeys:
+    """Everything besides token ids that changes a token's KV.
+
+    `cache_salt` isolates tenants (it enters the first block's key), `lora_id` the adapter
+    (every block's key), `mm` the multimodal inputs (the blocks they overlap).
+    """
+
+    cache_salt: str | None = None
+    lora_id: int | None = None
+    mm: tuple[MultiModalSpan, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.lora_id is not None and (not isinstance(self.lora_id, int) or self.lora_id < 0):
+            raise InvalidRequestError(f"lora_id must be a non-negative int, got {self.lora_id!r}")
+        for span in self.mm:
+            if span.offset < 0 or span.length <= 0:
+                raise InvalidRequestError(f"bad multimodal span {span}")
+
+    @property
+    def namespace(self) -> tuple[str | None, int | None]:
+        """The key under which tree-shaped indexes keep this request apart from others."""
+        return (self.cache_salt, self.lora_id)
+
+
+NO_EXTRA = ExtraKeys()
+
+
+class Sequence:
+    """One request as the cache sees it: token ids, extra keys, page table, computed count.
+
+    Tokens live in a growable int32 buffer (`tokens` is a view, never a copy). The page
+    table is written by the cache that holds the sequence; token t lives at page
+    `page_table[t // page_size]`, slot `t % page_size`. `cache_memo` is scratch space for
+    the cache that matched the sequence (vLLM keeps block hashes on its Request likewise).
+    """
+
+    __slots__ = ("request_id", "extra", "prompt_len", "page_table", "num_computed", "prefix_id", "cache_memo", "_buf", "_len")
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: Any,
+        extra: ExtraKeys = NO_EXTRA,
+        *,
+        prefix_id: int | None = None,
+    ) -> None:
+        tokens = as_token_ids(prompt, what=f"request {request_id!r} prompt")
+        self.request_id = request_id
+        self.extra = extra
+        self.prompt_len = int(tokens.size)
+        self.page_table: list[int] = []
+        self.num_computed = 0
+        self.prefix_id = prefix_id
+        self.cache_memo: Any = None
+        self._buf = tokens.copy() if tokens is prompt else tokens
+        self._len = int(tokens.size)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """All token ids so far (prompt, then generated), a read-only view."""
+        view = self._buf[: self._len]
+        view.flags.writeable = False
+        return view
+
+    def __len__(self) -> int:
+        return self._len
+
+    def append(self, new_tokens: Any) -> None:
+        """Append generated token ids (validated like the prompt)."""
+        new = as_token_ids(new_tokens, what=f"request {self.request_id!r} appended tokens", allow_empty=True)
+        need = self._len + new.size
+        if need > self._buf.size:
+            grown = np.empty(max(need, 2 * self._buf.size), dtype=np.int32)
+            grown[: self._len] = self._buf[: self._len]
+            self._buf = grown
+        self._buf[self._len : need] = new
+        self._len = need
+
+    def fork(self, request_id: str) -> Sequence:
+        """A new sequence with the same tokens and extra keys and an empty page table."""
+        child = Sequence(request_id, self._buf[: self._len].copy(), self.extra, prefix_id=self.prefix_id)
+        child.prompt_len = self.prompt_len
+        return child
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, len={self._len}, prompt_len={self.prompt_len}, "
+            f"computed={self.num_computed}, pages={len(self.page_table)})"
+        )
+
+
+class Match(NamedTuple):
+    """The longest reusable cached prefix of a sequence (result of `PrefixCache.match`).
+
+    `num_tokens` tokens have KV in `pages` (their first pages); 0 means no hit. `handle` and
+    `epoch` are the backend's: `admit` uses them, and refuses a match made stale by an
+    eviction in between (`StaleMatchError`).
+    """
+
+    request_id: str
+    num_tokens: int
+    pages: tuple[int, ...]
+    handle: Any = None
+    epoch: int = 0
+
+
+class CopyOp(NamedTuple):
+    """Copy the KV of page `src_page` into page `dst_page` before the next write (CoW)."""
+
+    src_page: int
+    dst_page: int
+
+
+@dataclass(slots=True)
+class CacheStats:
+    """Counters and occupancy of one cache. Pages are free, cached-unpinned or pinned."""
+
+    backend: str
+    num_pages: int
+    page_size: int
+    lookups: int = 0
+    lookup_tokens: int = 0
+    admitted: int = 0
+    admitted_tokens: int = 0
+    hit_tokens: int = 0
+    evicted_pages: int = 0
+    copied_pages: int = 0
+    pages_free: int = 0
+    pages_cached: int = 0
+    pages_pinned: int = 0
+    metadata_bytes: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.admitted_tokens if self.admitted_tokens else 0.0
