@@ -1,0 +1,408 @@
+"""paged: PagedAttention block tables (reference: Kwon et al., SOSP'23, §4.3-4.4, §6.3-6.4).
+
+Per-sequence block tables over physical blocks with reference counts and a FIFO free list
+(DESIGN §4 paged). Sharing is explicit, never automatic:
+
+- `fork(parent, child)` maps the child onto every block holding the parent's KV (the first
+  `pages_for(parent.num_computed)` blocks), the partial last one included: ref +1 each.
+- Copy-on-write happens where the write is granted. `admit(seq, m, n)` and `grow(seq, n)`
+  allow the executor to write the KV of tokens `[seq.num_computed, n)`; every block of the
+  table that overlaps that range and has ref > 1 is first replaced, in this table only, by
+  a fresh block, and a `CopyOp(old, new)` is returned. Other holders keep the original; the
+  last holder writes in place. `commit` cannot return copies, so a commit that covers
+  tokens never granted by `admit`/`grow` and lying in a shared block raises.
+- Declared prefixes: `register_prefix(tokens, extra) -> prefix id` allocates pinned blocks.
+  The engine computes the prefix's KV once, through `prefix_sequence(pid)` (a `Sequence`
+  whose page table is those blocks), then `commit(prefix_seq, len)`. A request whose
+  `prefix_id` names a fully computed prefix, and whose tokens and extra keys really start
+  with it, gets those blocks from `match` (up to `len - 1` tokens, *not* rounded to a block:
+  a partial last prefix block is shared and copied on the first write). Until the prefix is
+  fully committed, `match` returns no hit (the request computes everything itself).
+  An undeclared repeat is never detected: that is the design.
+- `unregister_prefix(pid)` drops the registration's hold at once; blocks still mapped by
+  live sequences stay until their last holder releases them (ref counting defers the free),
+  and a `Match` naming the prefix made before becomes stale.
+
+Occupancy: a block is *free* (ref 0, in the free list) or *pinned* (held by a table or a
+registration). Nothing is ever cached-unpinned: prefix blocks are not evictable, so
+`pages_cached` is 0 and `evict` frees nothing. Idle prefix blocks (held only by their
+registration) are reported in `stats().extra["prefix_pages_idle"]`.
+
+Free blocks are handed out in id order and returned to the back of the list, as `none`
+does: a workload without forks or prefixes gets exactly the page ids it gets on `none`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from itertools import count
+
+import numpy as np
+
+from cachelib.errors import InvalidRequestError, InvariantViolation, StaleMatchError
+from cachelib.interface import PrefixCache
+from cachelib.registry import register_backend
+from cachelib.types import NO_EXTRA, CacheStats, CopyOp, ExtraKeys, Match, Sequence, as_token_ids
+
+# Modelled metadata bytes: a 4-byte ref count per block, a 4-byte id per table entry, and
+# the token ids of each declared prefix (kept to verify requests that name it).
+_REF_BYTES = 4
+_ENTRY_BYTES = 4
+
+
+class _Table:
+    """A sequence's block table and `granted`: the executor may write tokens up to there."""
+
+    __slots__ = ("seq", "blocks", "granted", "prefix_id")
+
+    def __init__(self, seq: Sequence, blocks: list[int], granted: int, prefix_id: int | None) -> None:
+        self.seq = seq
+        self.blocks = blocks
+        self.granted = granted
+        self.prefix_id = prefix_id
+
+
+class _Prefix:
+    """A declared prefix: its tokens, extra keys and the sequence that computes its KV."""
+
+    __slots__ = ("prefix_id", "tokens", "extra", "table")
+
+    def __init__(self, prefix_id: int, tokens: np.ndarray, extra: ExtraKeys, table: _Table) -> None:
+        self.prefix_id = prefix_id
+        self.tokens = tokens
+        self.extra = extra
+        self.table = table
+
+    @property
+    def computed(self) -> bool:
+        return self.table.seq.num_computed == self.tokens.size
+
+
+@register_backend("paged")
+class PagedCache(PrefixCache):
+    """PagedAttention block manager: explicit sharing by fork and declared prefixes, CoW."""
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        super().__init__(num_pages, page_size)
+        self._ref = [0] * num_pages
+        self._free: deque[int] = deque(range(num_pages))
+        self._live: dict[str, _Table] = {}
+        self._prefixes: dict[int, _Prefix] = {}
+        self._prefix_ids = count(1)  # from 1, so a prefix id is never falsy
+        self._epoch = 0  # bumped by unregister_prefix: a Match made before is stale
+        self._counters = dict(lookups=0, lookup_tokens=0, admitted=0, admitted_tokens=0, hit_tokens=0, copied_pages=0)
+
+    # -- declared prefixes ------------------------------------------------------------
+
+    def register_prefix(self, tokens: object, extra: ExtraKeys = NO_EXTRA) -> int | None:
+        """Declare a shared prefix; allocate and pin its blocks. Returns its id, or `None`
+        (changing nothing) when the blocks do not fit. Compute its KV through
+        `prefix_sequence(pid)` and `commit`; requests hit it only once fully committed."""
+        toks = as_token_ids(tokens, what="declared prefix").copy()
+        if not isinstance(extra, ExtraKeys):
+            raise InvalidRequestError(f"register_prefix: extra must be ExtraKeys, got {type(extra).__name__}")
+        need = self.pages_for(toks.size)
+        if need > len(self._free):
+            return None
+        pid = next(self._prefix_ids)
+        blocks = self._take(need)
+        seq = Sequence(f"<prefix {pid}>", toks, extra)
+        seq.page_table = list(blocks)
+        self._prefixes[pid] = _Prefix(pid, toks, extra, _Table(seq, blocks, toks.size, None))
+        return pid
+
+    def prefix_sequence(self, prefix_id: int) -> Sequence:
+        """The sequence whose page table holds the prefix's blocks: prefill it like an
+        admitted sequence, then `commit(seq, len(seq))`. Do not release it."""
+        return self._prefix(prefix_id).table.seq
+
+    def prefix_pages(self, prefix_id: int) -> tuple[int, ...]:
+        """The physical blocks pinned for a registered prefix."""
+        return tuple(self._prefix(prefix_id).table.blocks)
+
+    def unregister_prefix(self, prefix_id: int) -> None:
+        """Drop the prefix: new requests naming it are refused, its blocks are freed when
+        their last holder (this registration, or a live sequence mapped onto them) lets go."""
+        prefix = self._prefix(prefix_id)
+        del self._prefixes[prefix_id]
+        self._drop(prefix.table.blocks)
+        self._epoch += 1
+
+    def _prefix(self, prefix_id: object) -> _Prefix:
+        prefix = self._prefixes.get(prefix_id) if isinstance(prefix_id, int) else None
+        if prefix is None:
+            raise InvalidRequestError(
+                f"unknown prefix id {prefix_id!r} (never registered, or unregistered); registered: {sorted(self._prefixes)}"
+            )
+        return prefix
+
+    def _verify_prefix(self, seq: Sequence, prefix: _Prefix) -> None:
+        """Raise unless `seq` really starts with the prefix's tokens under the same KV conditions."""
+        p = prefix.tokens.size
+        rid = seq.request_id
+        if len(seq) < p or not np.array_equal(seq.tokens[:p], prefix.tokens):
+            raise InvalidRequestError(f"request {rid!r} names prefix {prefix.prefix_id} but does not start with its {p} tokens")
+        e, pe = seq.extra, prefix.extra
+        if e.cache_salt != pe.cache_salt or e.lora_id != pe.lora_id:
+            raise InvalidRequestError(
+                f"request {rid!r}: extra keys (salt {e.cache_salt!r}, lora {e.lora_id!r}) differ from prefix "
+                f"{prefix.prefix_id}'s (salt {pe.cache_salt!r}, lora {pe.lora_id!r})"
+            )
+        if tuple(s for s in e.mm if s.offset < p) != pe.mm:
+            raise InvalidRequestError(f"request {rid!r}: multimodal inputs inside prefix {prefix.prefix_id} differ")
+
+    # -- the contract ---------------------------------------------------------------
+
+    def match(self, seq: Sequence) -> Match:
+        """The declared prefix's blocks if `seq.prefix_id` names one; never anything else."""
+        if not isinstance(seq, Sequence):
+            raise InvalidRequestError(f"expected a Sequence, got {type(seq).__name__}")
+        hit, pages = 0, ()
+        if seq.prefix_id is not None:
+            prefix = self._prefix(seq.prefix_id)
+            self._verify_prefix(seq, prefix)  # raises before any counter moves
+            if prefix.computed:
+                hit = min(prefix.tokens.size, len(seq) - 1)
+                pages = tuple(prefix.table.blocks[: self.pages_for(hit)])
+        self._counters["lookups"] += 1
+        self._counters["lookup_tokens"] += len(seq)
+        return Match(seq.request_id, hit, pages, seq.prefix_id if hit else None, self._epoch)
+
+    def admit(self, seq: Sequence, match: Match, num_tokens: int) -> list[CopyOp] | None:
+        self._check_new(seq, self._live)
+        self._check_match(seq, match)
+        if match.num_tokens and match.epoch != self._epoch:
+            raise StaleMatchError(f"request {seq.request_id!r}: a prefix was unregistered since this match; match again")
+        self._check_num_tokens(seq, num_tokens, max(match.num_tokens, 1))
+        if match.num_tokens and (match.handle != seq.prefix_id or match.handle not in self._prefixes):
+            raise InvalidRequestError(f"request {seq.request_id!r}: match is for prefix {match.handle}, not {seq.prefix_id}")
+        hit = list(match.pages)
+        num_new = self.pages_for(num_tokens) - len(hit)
+        # a hit block always has ref >= 1 (the registration), so with us it is shared
+        cow = self._shared_in(hit, match.num_tokens, num_tokens, extra_ref=1)
+        if num_new + len(cow) > len(self._free):
+            return None
+        for b in hit:
+            self._ref[b] += 1
+        table = _Table(seq, hit, match.num_tokens, match.handle)
+        seq.page_table = list(hit)
+        seq.num_computed = match.num_tokens
+        ops = self._copy_on_write(table, cow)
+        new = self._take(num_new)
+        table.blocks.extend(new)
+        seq.page_table.extend(new)
+        table.granted = num_tokens
+        self._live[seq.request_id] = table
+        c = self._counters
+        c["admitted"] += 1
+        c["admitted_tokens"] += len(seq)
+        c["hit_tokens"] += match.num_tokens
+        return ops
+
+    def grow(self, seq: Sequence, num_tokens: int) -> list[CopyOp] | None:
+        table = self._check_live(seq, self._live)
+        self._check_num_tokens(seq, num_tokens, 0)
+        num_new = max(0, self.pages_for(num_tokens) - len(table.blocks))
+        cow = self._shared_in(table.blocks, seq.num_computed, num_tokens)
+        if num_new + len(cow) > len(self._free):
+            return None
+        ops = self._copy_on_write(table, cow)
+        if num_new:
+            new = self._take(num_new)
+            table.blocks.extend(new)
+            seq.page_table.extend(new)
+        table.granted = max(table.granted, num_tokens)
+        return ops
+
+    def commit(self, seq: Sequence, num_computed: int) -> None:
+        table = self._table_of(seq)
+        self._check_num_tokens(seq, num_computed, seq.num_computed)
+        covered = len(table.blocks) * self.page_size
+        if num_computed > covered:
+            raise InvalidRequestError(f"request {seq.request_id!r}: {num_computed} tokens computed but pages cover {covered}")
+        unguarded = self._shared_in(table.blocks, max(seq.num_computed, table.granted), num_computed)
+        if unguarded:
+            raise InvalidRequestError(
+                f"request {seq.request_id!r}: tokens up to {num_computed} land in shared block(s) "
+                f"{[table.blocks[i] for i in unguarded]} never granted by admit/grow (no copy-on-write done)"
+            )
+        seq.num_computed = num_computed
+        table.granted = max(table.granted, num_computed)
+
+    def fork(self, parent: Sequence, child: Sequence) -> list[CopyOp] | None:
+        held = self._check_live(parent, self._live)
+        self._check_new(child, self._live)
+        computed = parent.num_computed
+        if len(child) < computed or not np.array_equal(child.tokens[:computed], parent.tokens[:computed]):
+            raise InvalidRequestError(f"fork: {child.request_id!r} does not hold {parent.request_id!r}'s computed tokens")
+        blocks = held.blocks[: self.pages_for(computed)]
+        ops: list[CopyOp] = []
+        # The parent was granted writes into its partial last block and may be writing it
+        # now: sharing it would put a write into a shared block. Give the child a copy; its
+        # computed slots are final, so copying before or after the parent's write is exact.
+        if computed % self.page_size and held.granted > computed:
+            if not self._free:
+                return None
+            (dst,) = self._take(1)
+            ops.append(CopyOp(blocks[-1], dst))
+            blocks = blocks[:-1] + [dst]
+            self._counters["copied_pages"] += 1
+        for b in blocks[: len(blocks) - len(ops)]:
+            self._ref[b] += 1
+        self._live[child.request_id] = _Table(child, blocks, computed, held.prefix_id)
+        child.page_table = list(blocks)
+        child.num_computed = computed
+        return ops
+
+    def release(self, seq: Sequence) -> None:
+        if self._is_prefix_seq(seq):
+            raise InvalidRequestError(f"{seq.request_id} is a declared prefix: use unregister_prefix")
+        table = self._check_live(seq, self._live)
+        del self._live[seq.request_id]
+        self._drop(table.blocks)
+
+    def evict(self, num_pages: int) -> int:
+        """Nothing is ever cached-unpinned here (prefix blocks are pinned), so this frees 0."""
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
+            raise InvalidRequestError(f"evict: num_pages must be a non-negative int, got {num_pages!r}")
+        return 0
+
+    # -- block bookkeeping ------------------------------------------------------------
+
+    def _take(self, n: int) -> list[int]:
+        """Pop `n` free blocks (the caller checked there are enough) and give each ref 1."""
+        out = [self._free.popleft() for _ in range(n)]
+        for b in out:
+            self._ref[b] = 1
+        return out
+
+    def _drop(self, blocks: list[int]) -> None:
+        """One holder lets go of `blocks`; a block whose last holder left returns to the pool."""
+        ref, free = self._ref, self._free
+        for b in blocks:
+            ref[b] -= 1
+            if ref[b] == 0:
+                free.append(b)
+
+    def _shared_in(self, blocks: list[int], lo: int, hi: int, extra_ref: int = 0) -> list[int]:
+        """Indices of `blocks` overlapping tokens `[lo, hi)` whose ref (plus `extra_ref`) > 1."""
+        if hi <= lo:
+            return []
+        ps, ref = self.page_size, self._ref
+        stop = min(len(blocks), self.pages_for(hi))
+        return [i for i in range(lo // ps, stop) if ref[blocks[i]] + extra_ref > 1]
+
+    def _copy_on_write(self, table: _Table, indices: list[int]) -> list[CopyOp]:
+        """Give `table` private copies of its blocks at `indices`; the others keep the originals."""
+        ops = []
+        for i in indices:
+            src = table.blocks[i]
+            (dst,) = self._take(1)
+            self._ref[src] -= 1  # still >= 1: it was shared
+            table.blocks[i] = dst
+            table.seq.page_table[i] = dst
+            ops.append(CopyOp(src, dst))
+        self._counters["copied_pages"] += len(ops)
+        return ops
+
+    def _is_prefix_seq(self, seq: Sequence) -> bool:
+        return any(p.table.seq is seq for p in self._prefixes.values())
+
+    def _table_of(self, seq: Sequence) -> _Table:
+        """A live sequence's table, or a declared prefix's (so the engine can commit it)."""
+        for prefix in self._prefixes.values():
+            if prefix.table.seq is seq:
+                return prefix.table
+        return self._check_live(seq, self._live)
+
+    # -- observation ----------------------------------------------------------------
+
+    def stats(self) -> CacheStats:
+        ref = self._ref
+        prefix_pages = sum(len(p.table.blocks) for p in self._prefixes.values())
+        idle = sum(1 for p in self._prefixes.values() for b in p.table.blocks if ref[b] == 1)
+        entries = sum(len(t.blocks) for t in self._live.values()) + prefix_pages
+        return CacheStats(
+            backend=self.name,
+            num_pages=self.num_pages,
+            page_size=self.page_size,
+            pages_free=len(self._free),
+            pages_cached=0,
+            pages_pinned=self.num_pages - len(self._free),
+            metadata_bytes=self.num_pages * _REF_BYTES
+            + entries * _ENTRY_BYTES
+            + 4 * sum(p.tokens.size for p in self._prefixes.values()),
+            extra={
+                "prefixes": len(self._prefixes),
+                "prefix_pages": prefix_pages,
+                "prefix_pages_idle": idle,
+                "shared_pages": sum(1 for r in ref if r > 1),
+                "table_entries": entries,
+            },
+            **self._counters,
+        )
+
+    def ref_count(self, page: int) -> int:
+        """How many tables and prefix registrations hold `page` (0 = free)."""
+        return self._ref[page]
+
+    def check_invariants(self) -> None:
+        def fail(msg: str) -> None:
+            raise InvariantViolation(f"paged: {msg}")
+
+        ps = self.page_size
+        tables = list(self._live.items()) + [(p.table.seq.request_id, p.table) for p in self._prefixes.values()]
+        holders: list[list[tuple[_Table, int]]] = [[] for _ in range(self.num_pages)]
+        for rid, t in tables:
+            seq = t.seq
+            if seq.page_table != t.blocks:
+                fail(f"{rid}: page table {seq.page_table} differs from its blocks {t.blocks}")
+            if not seq.num_computed <= t.granted <= len(t.blocks) * ps:
+                fail(f"{rid}: computed {seq.num_computed} <= granted {t.granted} <= covered {len(t.blocks) * ps} broken")
+            if len(set(t.blocks)) != len(t.blocks):
+                fail(f"{rid}: a block appears twice in one table")
+            for i, b in enumerate(t.blocks):
+                if not 0 <= b < self.num_pages:
+                    fail(f"{rid}: block id {b} out of range")
+                holders[b].append((t, i))
+            # no block with ref > 1 may be written: the granted window must be private
+            for i in self._shared_in(t.blocks, seq.num_computed, t.granted):
+                fail(f"{rid}: block {t.blocks[i]} (ref {self._ref[t.blocks[i]]}) is granted for writing but shared")
+        for rid, t in self._live.items():
+            if rid != t.seq.request_id:
+                fail(f"table keyed {rid!r} holds {t.seq.request_id!r}")
+        free = list(self._free)
+        free_set = set(free)
+        if len(free_set) != len(free):
+            fail("a block is twice in the free list")
+        for b in range(self.num_pages):
+            if self._ref[b] != len(holders[b]):
+                fail(f"block {b}: ref {self._ref[b]} but held by {len(holders[b])} tables/prefixes")
+            if (self._ref[b] == 0) != (b in free_set):
+                fail(f"block {b}: ref {self._ref[b]} but in free list = {b in free_set}")
+            self._check_content(b, holders[b], fail)
+        for pid, p in self._prefixes.items():
+            if len(p.table.blocks) != self.pages_for(p.tokens.size) or p.prefix_id != pid:
+                fail(f"prefix {pid}: {len(p.table.blocks)} blocks for {p.tokens.size} tokens")
+        s = self.stats()
+        if s.pages_free + s.pages_cached + s.pages_pinned != self.num_pages or s.pages_pinned < 0:
+            fail(f"free {s.pages_free} + cached {s.pages_cached} + pinned {s.pages_pinned} != {self.num_pages}")
+
+    def _check_content(self, block: int, holders: list[tuple[_Table, int]], fail) -> None:
+        """Every holder of a shared block maps it at the same position, and the tokens whose
+        KV is in it (each holder's computed slots) agree on the slots they have in common."""
+        if len(holders) < 2:
+            return
+        ps = self.page_size
+        positions = {i for _, i in holders}
+        if len(positions) != 1:
+            fail(f"block {block} sits at table positions {sorted(positions)}: KV depends on position")
+        (i,) = positions
+        start = i * ps
+        common = min(min(t.seq.num_computed, start + ps) for t, _ in holders) - start
+        if common <= 0:
+            return
+        first = holders[0][0].seq.tokens[start : start + common]
+        for t, _ in holders[1:]:
+            if not np.array_equal(t.seq.tokens[start : start + common], first):
+                fail(f"block {block} is shared by sequences whose tokens differ in it")
