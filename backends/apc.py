@@ -185,26 +185,33 @@ class APCCache(PrefixCache):
     def _take_new(self, n: int) -> list[KVBlock]:
         """Pop `n` blocks from the queue head, evicting those that still hold a cached block."""
         new = self.free_queue.popleft_n(n)
+        table = self._table
+        evicted = 0
         for block in new:
-            if block.block_hash is not None:
-                self._evict_block(block)
+            h = block.block_hash
+            if h is not None:
+                entry = table.pop(h)
+                if entry is not block:
+                    self._keep_other_duplicates(h, entry, block)
+                block.block_hash = None
+                evicted += 1
             block.ref_cnt = 1
+        if evicted:
+            self._evicted(new if self.verify_tokens else (), evicted)
         return new
 
-    def _evict_block(self, block: KVBlock) -> None:
-        h = block.block_hash
-        entry = self._table[h]
-        if entry.__class__ is KVBlock:
-            del self._table[h]
-        else:
-            del entry[block.block_id]
-            if len(entry) == 1:
-                self._table[h] = next(iter(entry.values()))
-        block.block_hash = None
-        self._num_cached_free -= 1
-        self._counters["evicted_pages"] += 1
+    def _keep_other_duplicates(self, h: BlockHash, entry: dict[int, KVBlock], block: KVBlock) -> None:
+        """`block` leaves a hash that other (duplicate) blocks still hold: put those back."""
+        del entry[block.block_id]
+        self._table[h] = next(iter(entry.values())) if len(entry) == 1 else entry
+
+    def _evicted(self, blocks: list[KVBlock], count: int) -> None:
+        """Book-keeping for `count` cached blocks just evicted (`blocks` only in verify mode)."""
+        self._num_cached_free -= count
+        self._counters["evicted_pages"] += count
         self._epoch += 1
-        if self.verify_tokens:
+        for block in blocks:
+            # a new instance of this block id: children recorded against the old one no longer match
             self._generation[block.block_id] += 1
             self._parent[block.block_id] = None
 
@@ -234,20 +241,17 @@ class APCCache(PrefixCache):
             return
         hashes = self._block_hashes(seq, full)
         table = self._table
-        blocks = held.blocks
-        for i in range(held.num_cached, full):
-            block = blocks[i]
-            h = hashes[i]
+        setdefault = table.setdefault
+        for block, h in zip(held.blocks[held.num_cached : full], hashes[held.num_cached : full]):
             block.block_hash = h
-            entry = table.get(h)
-            if entry is None:
-                table[h] = block
-            elif entry.__class__ is KVBlock:
-                table[h] = {entry.block_id: entry, block.block_id: block}
-            else:
-                entry[block.block_id] = block
+            entry = setdefault(h, block)
+            if entry is not block:  # an equal block is cached already: keep both (append-only tables)
+                if entry.__class__ is KVBlock:
+                    table[h] = {entry.block_id: entry, block.block_id: block}
+                else:
+                    entry[block.block_id] = block
         if self.verify_tokens:
-            self._record_contents(seq, blocks, held.num_cached, full)
+            self._record_contents(seq, held.blocks, held.num_cached, full)
         held.num_cached = full
 
     def _record_contents(self, seq: Sequence, blocks: list[KVBlock], start: int, stop: int) -> None:
@@ -293,8 +297,9 @@ class APCCache(PrefixCache):
         queue = self.free_queue
         to_tail: list[KVBlock] = []
         for block in reversed(held.blocks):
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
+            ref = block.ref_cnt - 1
+            block.ref_cnt = ref
+            if ref == 0:
                 if block.block_hash is not None:
                     to_tail.append(block)
                 else:
@@ -313,9 +318,14 @@ class APCCache(PrefixCache):
                     if len(victims) == num_pages:
                         break
         for block in reversed(victims):
-            self._evict_block(block)
+            entry = self._table.pop(block.block_hash)
+            if entry is not block:
+                self._keep_other_duplicates(block.block_hash, entry, block)
+            block.block_hash = None
             self.free_queue.remove(block)
             self.free_queue.appendleft(block)
+        if victims:
+            self._evicted(victims if self.verify_tokens else [], len(victims))
         return len(victims)
 
     # -- observation ----------------------------------------------------------------

@@ -1,0 +1,1 @@
+"""Experiments: workloads, the engine (replay and serving protocols), bounds and reports."""

@@ -1,0 +1,1 @@
+"""Benchmarks: not tests. Each writes JSON and reports medians over repeated runs."""

@@ -1,0 +1,151 @@
+"""The engine's replay protocol (DESIGN §6): sequential, exact, used to check fidelity.
+
+Requests are taken in trace order with at most `concurrency` in flight, the oldest finishing
+first. Per request: match -> admit the prompt (the cache evicts as its design does) ->
+commit the prompt -> decode `output_len` tokens -> at finish, commit and release. Generated
+tokens get ids `2_000_000_000 + a global counter`, so no prompt ever matches them, and the
+last generated token gets no KV (it is never fed back, as in vLLM). If admission fails, the
+oldest in-flight request finishes and admission is retried; with nothing in flight the
+request is unschedulable.
+
+Only time spent inside cache calls is counted in `cache_seconds` (hashing is inside them).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import numpy as np
+
+from cachelib.interface import PrefixCache
+from cachelib.types import Sequence
+from experiments.workloads.spec import RequestSpec
+
+GENERATED_TOKEN_BASE = 2_000_000_000
+
+
+class _Clock:
+    """Accumulates the wall time spent inside cache calls."""
+
+    __slots__ = ("seconds",)
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+
+def _progress(total: int, enabled: bool, desc: str):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", leave=False, mininterval=0.5)
+
+
+def replay(
+    cache: PrefixCache,
+    requests: Seq[RequestSpec],
+    *,
+    concurrency: int = 1,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Run the replay protocol of `requests` on `cache`; returns the result as a JSON-able dict.
+
+    `per_request_hits[i]` is the hit of request i (-1 when it was unschedulable).
+    """
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    clock = _Clock()
+    pc = time.perf_counter
+    inflight: deque[Sequence] = deque()
+    hits: list[int] = []
+    next_token = GENERATED_TOKEN_BASE
+    prompt_tokens = hit_tokens = unschedulable = truncated = 0
+    bar = _progress(len(requests), progress, f"replay {cache.name}")
+
+    def finish_oldest() -> None:
+        seq = inflight.popleft()
+        t0 = pc()
+        cache.release(seq)
+        clock.seconds += pc() - t0
+
+    for spec in requests:
+        while len(inflight) >= concurrency:
+            finish_oldest()
+        seq = Sequence(spec.request_id, spec.prompt, spec.extra, prefix_id=spec.prefix_id)
+        prompt_len = len(seq)
+        while True:
+            t0 = pc()
+            m = cache.match(seq)
+            ops = cache.admit(seq, m, prompt_len)
+            clock.seconds += pc() - t0
+            if ops is not None or not inflight:
+                break
+            finish_oldest()
+        if bar is not None:
+            bar.update(1)
+        if ops is None:
+            unschedulable += 1
+            hits.append(-1)
+            continue
+        hits.append(m.num_tokens)
+        prompt_tokens += prompt_len
+        hit_tokens += m.num_tokens
+        t0 = pc()
+        cache.commit(seq, prompt_len)
+        clock.seconds += pc() - t0
+        if spec.output_len > 0:
+            seq.append(np.arange(next_token, next_token + spec.output_len, dtype=np.int32))
+            next_token += spec.output_len
+        target = prompt_len + max(spec.output_len - 1, 0)
+        if target > prompt_len:
+            while True:
+                t0 = pc()
+                ops = cache.grow(seq, target)
+                if ops is not None:
+                    cache.commit(seq, target)
+                clock.seconds += pc() - t0
+                if ops is not None or not inflight:
+                    break
+                finish_oldest()
+            if ops is None:
+                # Even alone it cannot hold its output: it stops early, its prompt still cached.
+                truncated += 1
+        inflight.append(seq)
+    while inflight:
+        finish_oldest()
+    if bar is not None:
+        bar.close()
+    stats = cache.stats()
+    scheduled = len(requests) - unschedulable
+    return {
+        "backend": cache.name,
+        "page_size": cache.page_size,
+        "num_pages": cache.num_pages,
+        "capacity_tokens": cache.num_pages * cache.page_size,
+        "concurrency": concurrency,
+        "requests": len(requests),
+        "scheduled": scheduled,
+        "prompt_tokens": prompt_tokens,
+        "hit_tokens": hit_tokens,
+        "computed_prompt_tokens": prompt_tokens - hit_tokens,
+        "hit_rate": hit_tokens / prompt_tokens if prompt_tokens else 0.0,
+        "evicted_pages": stats.evicted_pages,
+        "unschedulable": unschedulable,
+        "truncated": truncated,
+        "cache_seconds": clock.seconds,
+        "us_per_request": clock.seconds / len(requests) * 1e6 if requests else 0.0,
+        "metadata_bytes_end": stats.metadata_bytes,
+        "per_request_hits": hits,
+    }
+
+
+def unlimited_pages(requests: Seq[RequestSpec], page_size: int) -> int:
+    """Enough pages that the replay never evicts: every request's pages, summed."""
+    total = 0
+    for spec in requests:
+        n = len(spec.prompt_source) if hasattr(spec.prompt_source, "__len__") else len(spec.prompt)
+        total += -(-(n + spec.output_len) // page_size)
+    return max(total, 1)
