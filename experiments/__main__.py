@@ -52,6 +52,7 @@ def _backend_options(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    options = _backend_options(args.backend, args)  # an unknown backend fails before the trace loads
     requests = load_mooncake(args.trace, args.limit)
     if args.num_pages is not None:
         num_pages = args.num_pages
@@ -61,7 +62,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             raise BadInput(f"--capacity-tokens {args.capacity_tokens} is less than one page of {args.page_size}")
     else:
         num_pages = unlimited_pages(requests, args.page_size)
-    cache = create_cache(args.backend, num_pages=num_pages, page_size=args.page_size, **_backend_options(args.backend, args))
+    cache = create_cache(args.backend, num_pages=num_pages, page_size=args.page_size, **options)
     result = replay(cache, requests, concurrency=args.concurrency, progress=not args.no_progress)
     result["trace"] = str(args.trace)
     result["capacity"] = "unlimited" if args.num_pages is None and args.capacity_tokens is None else num_pages * args.page_size
