@@ -1,0 +1,93 @@
+"""Per-layer paged KV tensors in FlashInfer's NHD layout, the only place KV is stored.
+
+Each layer owns one tensor `[num_pages, 2, page_size, num_kv_heads, head_dim]` (index 0 of
+dim 1 is K, 1 is V), exactly what `BatchPrefillWithPagedKVCacheWrapper.run` and the
+decode wrapper read with `kv_layout="NHD"`. The cache contract hands out page ids and
+`CopyOp`s; this class moves the bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from attention.metadata import BatchMeta, PageTableError, ShapeMismatchError
+
+
+class PagedKVCache:
+    """KV storage for `num_layers` layers over one pool of `num_pages` pages."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        for name, value in (("num_layers", num_layers), ("num_pages", num_pages), ("page_size", page_size),
+                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ShapeMismatchError(f"{name} must be a positive int, got {value!r}")
+        self.num_layers = num_layers
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        # zeros, not empty: a page read before it is written must be deterministic garbage
+        self.layers: list[torch.Tensor] = [
+            torch.zeros(num_pages, 2, page_size, num_kv_heads, head_dim, dtype=dtype, device=self.device)
+            for _ in range(num_layers)
+        ]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.layers)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta) -> None:
+        """Scatter new K/V `[total_q, num_kv_heads, head_dim]` into `meta`'s (page, slot)s."""
+        want = (meta.num_q_tokens, self.num_kv_heads, self.head_dim)
+        for name, t in (("k", k), ("v", v)):
+            if tuple(t.shape) != want:
+                raise ShapeMismatchError(f"{name} has shape {tuple(t.shape)}, the KV cache expects {want}")
+        if meta.page_size != self.page_size:
+            raise ShapeMismatchError(f"batch uses page size {meta.page_size}, the KV cache has {self.page_size}")
+        kv = self.layers[layer]
+        kv[meta.write_pages, 0, meta.write_slots] = k.to(self.dtype)
+        kv[meta.write_pages, 1, meta.write_slots] = v.to(self.dtype)
+
+    def apply(self, copy_ops: Iterable[tuple[int, int]] | None) -> int:
+        """Do the cache's copy-on-write requests (`CopyOp(src_page, dst_page)`) in every layer.
+
+        Copies read every source before writing any destination, so the ops of one call
+        are independent of their order. Returns the number of pages copied.
+        """
+        ops = list(copy_ops or ())
+        if not ops:
+            return 0
+        src = [int(op[0]) for op in ops]
+        dst = [int(op[1]) for op in ops]
+        for p in src + dst:
+            if not 0 <= p < self.num_pages:
+                raise PageTableError(f"copy names page {p} outside the pool [0, {self.num_pages})")
+        if len(set(dst)) != len(dst):
+            raise PageTableError(f"copies write the same destination page twice: {dst}")
+        src_t = torch.tensor(src, dtype=torch.int64, device=self.device)
+        dst_t = torch.tensor(dst, dtype=torch.int64, device=self.device)
+        for kv in self.layers:
+            kv[dst_t] = kv[src_t]  # advanced indexing gathers a copy first
+        return len(ops)
+
+    def gather(self, layer: int, pages: Iterable[int], kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense K and V `[kv_len, num_kv_heads, head_dim]` of one sequence (tests, debugging)."""
+        idx = torch.tensor(list(pages), dtype=torch.int64, device=self.device)
+        block = self.layers[layer][idx]  # (n_pages, 2, S, H, D)
+        k = block[:, 0].reshape(-1, self.num_kv_heads, self.head_dim)[:kv_len]
+        v = block[:, 1].reshape(-1, self.num_kv_heads, self.head_dim)[:kv_len]
+        return k, v
