@@ -18,6 +18,7 @@ from cachelib.interface import PrefixCache
 BUILTIN_BACKENDS: dict[str, str] = {
     "none": "backends.none",
     "apc": "backends.apc",
+    "radix": "backends.radix",
     "paged": "backends.paged",
 }
 

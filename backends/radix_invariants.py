@@ -1,0 +1,126 @@
+"""`check_invariants` of the radix backend: every structural and accounting invariant, O(cache)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from cachelib.errors import InvariantViolation
+
+if TYPE_CHECKING:
+    from backends.radix import RadixCache
+
+
+def _fail(msg: str) -> None:
+    raise InvariantViolation(f"radix: {msg}")
+
+
+def check_radix(cache: RadixCache) -> None:
+    """Raise `InvariantViolation` on the first broken invariant. Read-only."""
+    tree = cache.tree
+    ps = cache.page_size
+    owner: dict[int, str] = {}  # page -> "free" | "tree" | request id
+
+    def own(page: int, who: str) -> None:
+        if not 0 <= page < cache.num_pages:
+            _fail(f"page {page} out of range (held by {who})")
+        if page in owner:
+            _fail(f"page {page} is both {owner[page]} and {who}")
+        owner[page] = who
+
+    for p in cache._free:
+        own(p, "free")
+
+    # the tree: keys, maps, pages, lock refs, sizes, candidates
+    evictable = protected = nodes = 0
+    candidates = set()
+    for ns, root in tree.roots.items():
+        if root.parent is not None or root.key.size or root.lock_ref != 1 or root.namespace != ns:
+            _fail(f"root of namespace {ns} is malformed")
+    for node in tree.nodes():
+        nodes += 1
+        parent = node.parent
+        n = len(node.key)
+        if n == 0 or n % ps:
+            _fail(f"{node}: key length {n} is not a positive multiple of {ps}")
+        if node.pages is None or len(node.pages) != n // ps:
+            _fail(f"{node}: {n} tokens but pages {node.pages!r:.60}")
+        if parent.children.get(tree._child_key(node.key, 0)) is not node:
+            _fail(f"{node}: not under its own first page in its parent's children map")
+        if node.start != parent.start + len(parent.key) or node.namespace != parent.namespace:
+            _fail(f"{node}: start {node.start} / namespace do not follow its parent")
+        if node.lock_ref < 0:
+            _fail(f"{node}: negative lock_ref")
+        if node.lock_ref > 0 and parent.lock_ref <= 0:
+            _fail(f"{node}: locked but its parent is not")
+        if node.lock_ref:
+            protected += n
+        else:
+            evictable += n
+        for p in node.pages:
+            own(p, "tree")
+        is_cand = node.lock_ref == 0 and not node.children
+        if is_cand != (node.cand_key is not None):
+            _fail(f"{node}: unlocked leaf={is_cand} but candidate={node.cand_key is not None}")
+        if is_cand:
+            if node.cand_key != tree._key_fn(node):
+                _fail(f"{node}: stale candidate key")
+            candidates.add(node.node_id)
+    if nodes != tree.num_nodes:
+        _fail(f"node count {tree.num_nodes}, actual {nodes}")
+    if (evictable, protected) != (tree.evictable_tokens, tree.protected_tokens):
+        _fail(f"evictable/protected {tree.evictable_tokens}/{tree.protected_tokens}, actual {evictable}/{protected}")
+    if len(tree.candidates) != len(candidates) or {k[-1].node_id for k in tree.candidates} != candidates:
+        _fail("candidate list differs from the unlocked leaves")
+
+    # sequences: locks, tables, private pages
+    expected_locks: dict[int, int] = {}
+    for rid, held in cache._live.items():
+        seq = held.seq
+        table = seq.page_table
+        if seq.num_computed > len(table) * ps:
+            _fail(f"{rid}: computed {seq.num_computed} beyond its {len(table)} pages")
+        if held.protected % ps or held.protected > seq.num_computed:
+            _fail(f"{rid}: protected length {held.protected} is unaligned or beyond what it computed")
+        node = held.node
+        if node.pages is None:
+            _fail(f"{rid}: holds an evicted node")
+        path = tree.path(node)
+        end = node.start + len(node.key)
+        if end != held.protected:
+            _fail(f"{rid}: its node ends at {end}, protected length is {held.protected}")
+        tree_pages = [p for x in path for p in x.pages]
+        if table[: len(tree_pages)] != tree_pages:
+            _fail(f"{rid}: table does not point at the tree's pages of its prefix")
+        if path and not np.array_equal(np.concatenate([x.key for x in path]), seq.tokens[:end]):
+            _fail(f"{rid}: its locked path holds other tokens than its prefix")
+        if path and path[0].namespace != seq.extra.namespace:
+            _fail(f"{rid}: locked a node of another namespace")
+        for x in path:
+            expected_locks[x.node_id] = expected_locks.get(x.node_id, 0) + 1
+        for p in table[len(tree_pages) :]:
+            own(p, rid)
+    for node in tree.nodes():
+        if node.lock_ref != expected_locks.get(node.node_id, 0):
+            _fail(f"{node}: lock_ref {node.lock_ref}, held by {expected_locks.get(node.node_id, 0)} sequences")
+    if len(owner) != cache.num_pages:
+        _fail(f"tree + free + private pages = {len(owner)}, not {cache.num_pages}")
+
+    s = cache.stats()
+    if s.pages_free + s.pages_cached + s.pages_pinned != cache.num_pages or s.pages_pinned < 0:
+        _fail(f"free {s.pages_free} + cached {s.pages_cached} + pinned {s.pages_pinned} != {cache.num_pages}")
+
+    # contents: tree entries and tables point only at pages holding their tokens
+    contents = cache._contents
+    if contents is not None:
+        for node in tree.nodes():
+            slots = (np.asarray(node.pages, dtype=np.int64)[:, None] * ps + np.arange(ps)).reshape(-1)
+            if not np.array_equal(contents[slots], node.key):
+                _fail(f"{node}: its pages hold other tokens than its key")
+        for rid, held in cache._live.items():
+            seq = held.seq
+            t = np.arange(seq.num_computed)
+            pages = np.asarray(seq.page_table, dtype=np.int64)[t // ps] if t.size else t
+            if not np.array_equal(contents[pages * ps + t % ps], seq.tokens[: seq.num_computed]):
+                _fail(f"{rid}: its table points at pages holding other tokens")

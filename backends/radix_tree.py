@@ -1,0 +1,338 @@
+"""The radix tree behind the `radix` backend (SGLang `RadixCache` semantics, DESIGN §4 radix).
+
+A node holds a run of token ids (`key`, int32) and the page ids holding their KV (`pages`,
+one per `page_size` tokens); children are keyed by their first `page_size` tokens. Each
+namespace (`cache_salt`, `lora_id`) has its own root, so two namespaces never share a node.
+
+What the tree keeps exact at every step (SGLang's `inc_lock_ref` / `dec_lock_ref`):
+`lock_ref` counts the holders of a node and of every node below it on their paths;
+`evictable_tokens` sums unlocked nodes, `protected_tokens` locked ones. The eviction
+candidates are the unlocked leaves, kept in a `SortedList` by policy key and updated
+incrementally (a node enters when it becomes an unlocked leaf, leaves when it is locked,
+gains a child or is evicted, and is re-keyed when touched), never rebuilt per eviction.
+
+Recency is a logical clock: every walk (match or insert) takes one tick and stamps every
+node it visits with it, as SGLang stamps one `time.monotonic()` per walk; runs are
+therefore reproducible. Among leaves the policy keys are unique (two nodes stamped by one
+walk lie on one root path, so at most one of them is a leaf), so the order is SGLang's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import numpy as np
+from sortedcontainers import SortedList
+
+from cachelib.errors import InvalidRequestError
+
+#: policy -> the sort key of a candidate leaf (smallest evicted first), as SGLang's
+#: `evict_policy.py`: LRU last access; LFU (hit count, last access); FIFO creation;
+#: MRU / FILO their negations.
+EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo")
+
+
+class RadixNode:
+    """A run of tokens and their pages. `pages is None` once evicted (SGLang's `evicted`)."""
+
+    __slots__ = (
+        "key", "pages", "children", "parent", "lock_ref", "last_access", "creation",
+        "hit_count", "node_id", "start", "cand_key", "namespace",
+    )
+
+    def __init__(self, key: np.ndarray, pages: list[int] | None, parent: RadixNode | None, tick: int, node_id: int) -> None:
+        self.key = key
+        self.pages = pages
+        self.children: dict = {}
+        self.parent = parent
+        self.lock_ref = 0
+        self.last_access = tick
+        self.creation = tick
+        self.hit_count = 0
+        self.node_id = node_id
+        self.start = 0 if parent is None else parent.start + len(parent.key)  # token offset
+        self.cand_key: tuple | None = None  # its entry in the candidate list, if there
+        self.namespace = None if parent is None else parent.namespace
+
+    def __repr__(self) -> str:
+        return f"RadixNode(#{self.node_id}, start={self.start}, len={len(self.key)}, lock={self.lock_ref})"
+
+
+class RadixTree:
+    """Radix tree over token ids with page-granular keys and policy-ordered leaf eviction."""
+
+    def __init__(self, page_size: int, eviction_policy: str = "lru") -> None:
+        policy = eviction_policy.lower() if isinstance(eviction_policy, str) else eviction_policy
+        if policy not in EVICTION_POLICIES:
+            raise InvalidRequestError(f"unknown eviction policy {eviction_policy!r}; choose one of {', '.join(EVICTION_POLICIES)}")
+        self.page_size = page_size
+        self.policy = policy
+        self._key_fn: Callable[[RadixNode], tuple] = _POLICY_KEYS[policy]
+        self.roots: dict[tuple, RadixNode] = {}
+        self.candidates: SortedList = SortedList()
+        self.evictable_tokens = 0
+        self.protected_tokens = 0
+        self.num_nodes = 0  # excluding roots
+        self.clock = 0
+        self._next_id = 0
+        self.on_evict: Callable[[tuple, int, np.ndarray], None] | None = None
+
+    # -- small helpers ----------------------------------------------------------------
+
+    def _child_key(self, tokens: np.ndarray, pos: int):
+        """The children-map key of the run starting at `pos`: its first page of tokens."""
+        if self.page_size == 1:
+            return int(tokens[pos])
+        return tokens[pos : pos + self.page_size].tobytes()
+
+    def tick(self) -> int:
+        self.clock += 1
+        return self.clock
+
+    def root(self, namespace: tuple, create: bool) -> RadixNode | None:
+        node = self.roots.get(namespace)
+        if node is None and create:
+            node = RadixNode(np.empty(0, dtype=np.int32), [], None, self.clock, -1 - len(self.roots))
+            node.namespace = namespace
+            node.lock_ref = 1  # a root is never evicted (SGLang: root lock_ref = 1)
+            self.roots[namespace] = node
+        return node
+
+    def _new_node(self, key: np.ndarray, pages: list[int], parent: RadixNode, tick: int) -> RadixNode:
+        self._next_id += 1
+        self.num_nodes += 1
+        return RadixNode(key, pages, parent, tick, self._next_id)
+
+    def _uncandidate(self, node: RadixNode) -> None:
+        if node.cand_key is not None:
+            self.candidates.remove(node.cand_key)
+            node.cand_key = None
+
+    def _update_leaf_status(self, node: RadixNode) -> None:
+        """Make `node` a candidate iff it is an unlocked leaf (roots are always locked)."""
+        if node.lock_ref == 0 and not node.children:
+            if node.cand_key is None:
+                key = self._key_fn(node)
+                node.cand_key = key
+                self.candidates.add(key)
+        elif node.cand_key is not None:
+            self.candidates.remove(node.cand_key)
+            node.cand_key = None
+
+    def _touch(self, node: RadixNode, tick: int) -> None:
+        node.last_access = tick
+        if node.cand_key is not None:  # re-key: its policy key may have changed
+            self.candidates.remove(node.cand_key)
+            key = self._key_fn(node)
+            node.cand_key = key
+            self.candidates.add(key)
+
+    # -- walking ----------------------------------------------------------------------
+
+    def _first_mismatch(self, key: np.ndarray, tokens: np.ndarray, pos: int, n: int) -> int:
+        """How many leading tokens of `key[:n]` equal `tokens[pos:pos+n]`, rounded down to pages."""
+        diff = key[:n] != tokens[pos : pos + n]
+        i = int(diff.argmax())  # argmax stops at the first True
+        if not diff[i]:
+            return n
+        return i - i % self.page_size
+
+    def _split(self, child: RadixNode, m: int, tick: int) -> RadixNode:
+        """Split `child` after `m` tokens into new_node -> child; returns new_node.
+
+        Token and lock totals are unchanged; the new node inherits the lock count and the
+        hit count and is created now (SGLang's `_split_node`).
+        """
+        parent = child.parent
+        new = self._new_node(child.key[:m], child.pages[: m // self.page_size], parent, tick)
+        new.lock_ref = child.lock_ref
+        new.hit_count = child.hit_count
+        new.last_access = child.last_access
+        parent.children[self._child_key(child.key, 0)] = new
+        child.key = child.key[m:]
+        child.pages = child.pages[m // self.page_size :]
+        child.start += m
+        child.parent = new
+        new.children[self._child_key(child.key, 0)] = child
+        return new
+
+    def match(self, namespace: tuple, tokens: np.ndarray, limit: int) -> tuple[RadixNode | None, int, list[list[int]]]:
+        """Longest cached prefix of `tokens[:limit]` (`limit` page-aligned): (last node, tokens, page runs).
+
+        Stamps the visited nodes, splits the last one where the match ends inside it.
+        """
+        root = self.roots.get(namespace)
+        if root is None:
+            return None, 0, []
+        t = self.tick()
+        root.last_access = t
+        node, pos, runs = root, 0, []
+        while pos < limit:
+            child = node.children.get(self._child_key(tokens, pos))
+            if child is None:
+                break
+            self._touch(child, t)
+            klen = len(child.key)
+            n = min(klen, limit - pos)
+            m = self._first_mismatch(child.key, tokens, pos, n)
+            if m < klen:
+                node = self._split(child, m, t)
+                runs.append(node.pages)
+                pos += m
+                break
+            runs.append(child.pages)
+            node = child
+            pos += klen
+        return node, pos, runs
+
+    def insert(
+        self, node: RadixNode, pos: int, tokens: np.ndarray, end: int, pages: list[int], count_hit: bool
+    ) -> tuple[RadixNode, int, list[list[int]]]:
+        """Insert `tokens[pos:end]` below `node` (which ends at `pos`); `pages[i]` holds page i of
+        the whole sequence. Stamps the root..node path and what it walks, counts a hit on each
+        (unless `count_hit` is false: SGLang skips chunked prefills), splits where needed.
+
+        Returns (the node ending at `end`, tokens already in the tree, tree page runs over
+        `[pos, that)`) so the caller can free its duplicates.
+        """
+        t = self.tick()
+        x = node
+        while x is not None:  # the path SGLang's walk from the root would take down to `node`
+            x.last_access = t
+            if count_hit and x.parent is not None:
+                x.hit_count += 1
+            if x.cand_key is not None:
+                self._touch(x, t)
+            x = x.parent
+        ps = self.page_size
+        runs: list[list[int]] = []
+        while pos < end:
+            child = node.children.get(self._child_key(tokens, pos))
+            if child is None:
+                break
+            klen = len(child.key)
+            n = min(klen, end - pos)
+            m = self._first_mismatch(child.key, tokens, pos, n)
+            self._touch(child, t)
+            if m < klen:
+                child = self._split(child, m, t)  # copies the hit count before this walk's
+            if count_hit:
+                child.hit_count += 1
+                if child.cand_key is not None:
+                    self._touch(child, t)
+            runs.append(child.pages)
+            node = child
+            pos += m
+        matched = pos
+        if pos < end:
+            leaf = self._new_node(tokens[pos:end].copy(), pages[pos // ps : end // ps], node, t)
+            leaf.hit_count = 1 if count_hit else 0
+            node.children[self._child_key(leaf.key, 0)] = leaf
+            self.evictable_tokens += end - pos
+            self._update_leaf_status(node)
+            self._update_leaf_status(leaf)
+            node = leaf
+        return node, matched, runs
+
+    # -- locks ------------------------------------------------------------------------
+
+    def lock(self, node: RadixNode, stop: RadixNode | None = None) -> None:
+        """lock_ref + 1 from `node` up to the root (or up to, not including, `stop`)."""
+        while node.parent is not None and node is not stop:
+            if node.lock_ref == 0:
+                n = len(node.key)
+                self.evictable_tokens -= n
+                self.protected_tokens += n
+                if node.cand_key is not None:
+                    self.candidates.remove(node.cand_key)
+                    node.cand_key = None
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: RadixNode, stop: RadixNode | None = None) -> None:
+        """lock_ref - 1 from `node` up to the root (or up to, not including, `stop`)."""
+        while node.parent is not None and node is not stop:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                n = len(node.key)
+                self.evictable_tokens += n
+                self.protected_tokens -= n
+                if not node.children:
+                    self._update_leaf_status(node)
+            node = node.parent
+
+    def unlocked_on_path(self, node: RadixNode) -> int:
+        """Tokens on the root..node path that are unlocked (evictable now, protected once locked)."""
+        total = 0
+        while node.parent is not None and node.lock_ref == 0:
+            total += len(node.key)
+            node = node.parent
+        return total
+
+    # -- eviction ---------------------------------------------------------------------
+
+    def evict(self, num_tokens: int, free_pages: list[int]) -> int:
+        """Pop unlocked leaves in policy order until `num_tokens` tokens are freed (whole
+        nodes, so possibly more); their pages go to `free_pages`. Returns tokens freed."""
+        freed = 0
+        cands = self.candidates
+        while freed < num_tokens and cands:
+            node = cands.pop(0)[-1]
+            node.cand_key = None
+            parent = node.parent
+            del parent.children[self._child_key(node.key, 0)]
+            n = len(node.key)
+            freed += n
+            self.evictable_tokens -= n
+            self.num_nodes -= 1
+            free_pages.extend(node.pages)
+            if self.on_evict is not None:
+                self.on_evict(node.namespace, node.start, node.key)
+            node.pages = None
+            node.parent = None
+            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
+                self._update_leaf_status(parent)
+        return freed
+
+    # -- observation ------------------------------------------------------------------
+
+    def nodes(self) -> Iterator[RadixNode]:
+        """Every non-root node, depth first."""
+        stack = list(self.roots.values())
+        while stack:
+            node = stack.pop()
+            for child in node.children.values():
+                yield child
+                stack.append(child)
+
+    def path(self, node: RadixNode) -> list[RadixNode]:
+        """root-exclusive path root..node, top first."""
+        out = []
+        while node.parent is not None:
+            out.append(node)
+            node = node.parent
+        out.reverse()
+        return out
+
+
+def _lru(n: RadixNode) -> tuple:
+    return (n.last_access, n.node_id, n)
+
+
+def _lfu(n: RadixNode) -> tuple:
+    return (n.hit_count, n.last_access, n.node_id, n)
+
+
+def _fifo(n: RadixNode) -> tuple:
+    return (n.creation, n.node_id, n)
+
+
+def _mru(n: RadixNode) -> tuple:
+    return (-n.last_access, n.node_id, n)
+
+
+def _filo(n: RadixNode) -> tuple:
+    return (-n.creation, n.node_id, n)
+
+
+_POLICY_KEYS: dict[str, Callable[[RadixNode], tuple]] = {"lru": _lru, "lfu": _lfu, "fifo": _fifo, "mru": _mru, "filo": _filo}
