@@ -1,0 +1,104 @@
+"""Cache-manager speed on the replay protocol: µs per request inside cache calls.
+
+    python -m experiments.bench.replay_bench [--backend apc] [--page-size 16]
+        [--capacity-tokens 200000] [--limit 2000] [--runs 3] [--output FILE]
+
+Each run replays the trace on a fresh cache; prompts are expanded before timing starts,
+and only time inside cache calls counts (hashing included). Reports every run, the median
+and the spread, plus what the machine was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from cachelib import create_cache
+from experiments.engine import replay
+from experiments.workloads.mooncake import load_mooncake
+from experiments.workloads.spec import RequestSpec
+
+DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "data/mooncake_conversation_2000.jsonl"
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def bench(backend: str, requests: list[RequestSpec], page_size: int, capacity_tokens: int, runs: int, **options) -> dict:
+    per_run = []
+    result = None
+    for _ in range(runs):
+        cache = create_cache(backend, num_pages=capacity_tokens // page_size, page_size=page_size, **options)
+        result = replay(cache, requests)
+        per_run.append(result["us_per_request"])
+    assert result is not None
+    return {
+        "backend": backend,
+        "options": options,
+        "page_size": page_size,
+        "capacity_tokens": capacity_tokens,
+        "requests": len(requests),
+        "runs_us_per_request": per_run,
+        "median_us_per_request": statistics.median(per_run),
+        "min_us_per_request": min(per_run),
+        "max_us_per_request": max(per_run),
+        "hit_rate": result["hit_rate"],
+        "evicted_pages": result["evicted_pages"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backend", nargs="+", default=["apc"])
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--capacity-tokens", type=int, default=200_000)
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    p.add_argument("--limit", type=int, default=2000)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--output", type=Path)
+    args = p.parse_args(argv)
+
+    specs = load_mooncake(args.trace, args.limit)
+    # expand prompts once, outside the timed region
+    requests = [RequestSpec(s.request_id, np.ascontiguousarray(s.prompt), s.output_len, s.arrival) for s in specs]
+    started = time.strftime("%Y-%m-%dT%H:%M:%S")
+    results = []
+    for backend in args.backend:
+        r = bench(backend, requests, args.page_size, args.capacity_tokens, args.runs)
+        results.append(r)
+        print(
+            f"{backend}: page size {args.page_size}, {args.capacity_tokens} tokens, {len(requests)} requests: "
+            f"median {r['median_us_per_request']:.0f} us/request in cache calls "
+            f"(runs {', '.join(f'{x:.0f}' for x in r['runs_us_per_request'])}), hit rate {r['hit_rate']:.2%}"
+        )
+    out = {
+        "benchmark": "replay_cache_us_per_request",
+        "command": "python -m experiments.bench.replay_bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "started": started,
+        "commit": _commit(),
+        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
+        "trace": str(args.trace),
+        "results": results,
+    }
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(out, indent=1) + "\n")
+        print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
