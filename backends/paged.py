@@ -365,9 +365,13 @@ class PagedCache(PrefixCache):
                 if not 0 <= b < self.num_pages:
                     fail(f"{rid}: block id {b} out of range")
                 holders[b].append((t, i))
-            # no block with ref > 1 may be written: the granted window must be private
-            for i in self._shared_in(t.blocks, seq.num_computed, t.granted):
-                fail(f"{rid}: block {t.blocks[i]} (ref {self._ref[t.blocks[i]]}) is granted for writing but shared")
+        # no shared block may be written: every block overlapping a table's granted window
+        # [num_computed, granted) has that table as its only holder (counted afresh here)
+        for rid, t in tables:
+            lo = t.seq.num_computed
+            for i in range(lo // ps, self.pages_for(t.granted) if t.granted > lo else 0):
+                if len(holders[t.blocks[i]]) > 1:
+                    fail(f"{rid}: block {t.blocks[i]} is granted for writing but has {len(holders[t.blocks[i]])} holders")
         for rid, t in self._live.items():
             if rid != t.seq.request_id:
                 fail(f"table keyed {rid!r} holds {t.seq.request_id!r}")
