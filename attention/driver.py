@@ -9,6 +9,7 @@ at the end. `run_alone` is the no-cache baseline the cached runs are compared wi
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -38,34 +39,43 @@ class RequestResult:
         return torch.stack(self.logits)  # (steps, vocab)
 
 
-def run_alone(model: LlamaModel, prompt: Seq[int] | np.ndarray, max_new_tokens: int, *,
-              forced: Seq[int] = (), page_size: int = 16) -> RequestResult:
+def run_alone(
+    model: LlamaModel,
+    prompt: Seq[int] | np.ndarray,
+    max_new_tokens: int,
+    *,
+    forced: Seq[int] | Mapping[int, int] = (),
+    page_size: int = 16,
+) -> RequestResult:
     """The request by itself: private contiguous pages, whole prompt in one forward, no cache.
 
-    `forced` tokens replace the first greedy choices (a sampled branch of a fork).
+    `forced` overrides greedy choices: a sequence for the first steps, or `{step: token}`
+    (a sampled branch of a fork).
     """
+    force = dict(forced) if isinstance(forced, Mapping) else dict(enumerate(forced))
     prompt = np.asarray(prompt, dtype=np.int32)
     total = prompt.size + max_new_tokens
     kv = model.make_kv_cache(-(-total // page_size), page_size)
     table = list(range(kv.num_pages))
     res = RequestResult("alone")
     logits = model.forward([ForwardInput(prompt, 0, table)], kv)[0]
-    tokens = prompt.tolist()
+    n = prompt.size
     for step in range(max_new_tokens):
-        nxt = int(forced[step]) if step < len(forced) else int(torch.argmax(logits))
+        nxt = int(force[step]) if step in force else int(torch.argmax(logits))
         res.logits.append(logits)
         res.tokens.append(nxt)
-        tokens.append(nxt)
         if step + 1 < max_new_tokens:
-            logits = model.forward([ForwardInput(np.array([nxt], np.int32), len(tokens) - 1, table)], kv)[0]
+            logits = model.forward([ForwardInput(np.array([nxt], np.int32), n, table)], kv)[0]
+            n += 1
     return res
 
 
 class CachedRunner:
     """Drives sequences through `cache` and `model`, moving KV in `kv` as the cache asks."""
 
-    def __init__(self, model: LlamaModel, cache: PrefixCache, *, prefill_chunk: int | None = None,
-                 check: bool = True) -> None:
+    def __init__(
+        self, model: LlamaModel, cache: PrefixCache, *, prefill_chunk: int | None = None, check: bool = True
+    ) -> None:
         self.model = model
         self.cache = cache
         self.kv: PagedKVCache = model.make_kv_cache(cache.num_pages, cache.page_size)
@@ -125,8 +135,13 @@ class CachedRunner:
         self._checked()
         return logits
 
-    def generate(self, seqs: list[Sequence], first_logits: list[torch.Tensor], max_new_tokens: int,
-                 forced: dict[str, Seq[int]] | None = None) -> dict[str, RequestResult]:
+    def generate(
+        self,
+        seqs: list[Sequence],
+        first_logits: list[torch.Tensor],
+        max_new_tokens: int,
+        forced: dict[str, Seq[int]] | None = None,
+    ) -> dict[str, RequestResult]:
         """Greedy decode of admitted, prefilled sequences, batched; `forced` overrides the first choices."""
         forced = forced or {}
         results = {s.request_id: RequestResult(s.request_id) for s in seqs}
@@ -148,8 +163,9 @@ class CachedRunner:
             self.cache.release(seq)
         self._checked()
 
-    def run(self, prompts: dict[str, Seq[int] | np.ndarray], max_new_tokens: int, *,
-            concurrency: int = 4) -> dict[str, RequestResult]:
+    def run(
+        self, prompts: dict[str, Seq[int] | np.ndarray], max_new_tokens: int, *, concurrency: int = 4
+    ) -> dict[str, RequestResult]:
         """Requests in order, `concurrency` at a time: prefill each (later ones can hit what
         earlier ones committed, pinned or not), decode the group together, release it."""
         out: dict[str, RequestResult] = {}

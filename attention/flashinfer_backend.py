@@ -84,7 +84,15 @@ def decode_plan_args(
         raise ShapeMismatchError(f"decode needs one query per sequence, got query lengths {meta.q_lens}")
     if num_qo_heads % num_kv_heads:
         raise ShapeMismatchError(f"num_qo_heads {num_qo_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    args = (meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, num_qo_heads, num_kv_heads, head_dim, meta.page_size)
+    args = (
+        meta.kv_indptr,
+        meta.kv_indices,
+        meta.kv_last_page_len,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim,
+        meta.page_size,
+    )
     kwargs = dict(
         pos_encoding_mode="NONE",
         sm_scale=sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim),

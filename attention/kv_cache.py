@@ -29,8 +29,13 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        for name, value in (("num_layers", num_layers), ("num_pages", num_pages), ("page_size", page_size),
-                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        for name, value in (
+            ("num_layers", num_layers),
+            ("num_pages", num_pages),
+            ("page_size", page_size),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ShapeMismatchError(f"{name} must be a positive int, got {value!r}")
         self.num_layers = num_layers

@@ -54,12 +54,31 @@ class ModelConfig:
 
 PRESETS: dict[str, ModelConfig] = {
     # fast on CPU; GQA ratio 2 so the grouped path is always exercised
-    "tiny": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                        num_kv_heads=2, head_dim=16, tie_embeddings=False, dtype="float32"),
+    "tiny": ModelConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        tie_embeddings=False,
+        dtype="float32",
+    ),
     # Meta-Llama-3-8B shapes; GPU only (16 GB of bf16 weights)
-    "llama3-8b": ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
-                             num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, rms_eps=1e-5,
-                             tie_embeddings=False, dtype="bfloat16"),
+    "llama3-8b": ModelConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=500000.0,
+        rms_eps=1e-5,
+        tie_embeddings=False,
+        dtype="bfloat16",
+    ),
 }
 
 
@@ -141,8 +160,9 @@ class LlamaModel:
     def make_kv_cache(self, num_pages: int, page_size: int) -> PagedKVCache:
         """A KV cache shaped for this model."""
         cfg = self.config
-        return PagedKVCache(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
-                            dtype=self.dtype, device=self.device)
+        return PagedKVCache(
+            cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype, device=self.device
+        )
 
     def _token_tensor(self, batch: list[ForwardInput]) -> torch.Tensor:
         parts = []
@@ -169,7 +189,11 @@ class LlamaModel:
         Every check (token ids, page tables, head counts, dtypes) runs before any kernel.
         """
         cfg = self.config
-        if (kv_cache.num_layers, kv_cache.num_kv_heads, kv_cache.head_dim) != (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim):
+        if (kv_cache.num_layers, kv_cache.num_kv_heads, kv_cache.head_dim) != (
+            cfg.num_layers,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        ):
             raise ShapeMismatchError(
                 f"KV cache has {kv_cache.num_layers} layers x {kv_cache.num_kv_heads} KV heads x head_dim {kv_cache.head_dim}, "
                 f"the model needs {cfg.num_layers} x {cfg.num_kv_heads} x {cfg.head_dim}"
