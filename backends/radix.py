@@ -72,8 +72,12 @@ class RadixCache(PrefixCache):
             raise InvalidRequestError(f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, got {eviction_policy!r}")
         self.tree = RadixTree(page_size, eviction_policy)
         self.eviction_policy = self.tree.policy
-        # free pages as a stack; popped from the end, so the first pages handed out are 0, 1, ...
-        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        # Free pages: runs of recycled page ids (an evicted node's page list moves here whole,
+        # so eviction does no per-page work), then the never-used ids `fresh..num_pages-1`,
+        # created only when first handed out (an unlimited pool costs nothing up front).
+        self._free_runs: list[list[int]] = []
+        self._fresh = 0
+        self._num_free = num_pages
         self._live: dict[str, _Held] = {}
         self._counters = dict(lookups=0, lookup_tokens=0, admitted=0, admitted_tokens=0, hit_tokens=0, evicted_pages=0, copied_pages=0)
         self._contents = np.full(num_pages * page_size, -1, dtype=np.int64) if track_contents else None
@@ -81,16 +85,54 @@ class RadixCache(PrefixCache):
     # -- pages ------------------------------------------------------------------------
 
     def _take(self, n: int) -> list[int]:
-        free = self._free
+        """Hand out `n` free pages (the caller checked there are that many): recycled first."""
         if n <= 0:
             return []
-        pages = free[-n:]
-        del free[-n:]
-        pages.reverse()
-        return pages
+        self._num_free -= n
+        runs = self._free_runs
+        out: list[int] | None = None
+        while n and runs:
+            run = runs[-1]
+            k = len(run)
+            if k <= n:
+                runs.pop()
+                if out is None:
+                    out = run  # reuse the run's list as the table: no per-page copy
+                else:
+                    out += run
+                n -= k
+            else:
+                part = run[-n:]
+                del run[-n:]
+                if out is None:
+                    out = part
+                else:
+                    out += part
+                n = 0
+        if n:
+            fresh = list(range(self._fresh, self._fresh + n))
+            self._fresh += n
+            if out is None:
+                out = fresh
+            else:
+                out += fresh
+        return out
+
+    def _give(self, pages: list[int]) -> None:
+        """Return pages to the pool (the list is kept as one run, not copied)."""
+        if pages:
+            self._free_runs.append(pages)
+            self._num_free += len(pages)
+
+    def _free_pages(self) -> list[int]:
+        """Every free page id (for invariants and tests)."""
+        out = [p for run in self._free_runs for p in run]
+        out += range(self._fresh, self.num_pages)
+        return out
 
     def _evict_tokens(self, num_tokens: int) -> int:
-        freed = self.tree.evict(num_tokens, self._free) // self.page_size
+        freed = self.tree.evict(num_tokens, self._free_runs) // self.page_size
+        self._num_free += freed
         self._counters["evicted_pages"] += freed
         return freed
 
@@ -129,7 +171,7 @@ class RadixCache(PrefixCache):
         tree = self.tree
         hit_pages = match.num_tokens // self.page_size
         need = self.pages_for(num_tokens) - hit_pages
-        free = len(self._free)
+        free = self._num_free
         if need > free:
             on_path = tree.unlocked_on_path(node) // self.page_size if node is not None else 0
             if free + self._evictable_pages() - on_path < need:
@@ -139,7 +181,9 @@ class RadixCache(PrefixCache):
         tree.lock(node)
         if need > free:
             self._evict_tokens(need * self.page_size)  # SGLang asks for the whole extend
-        seq.page_table = list(match.pages) + self._take(need)
+        table = self._take(need)
+        table[0:0] = match.pages  # one list: hit pages, then the new ones
+        seq.page_table = table
         seq.num_computed = match.num_tokens
         self._live[seq.request_id] = _Held(seq, node, match.num_tokens)
         c = self._counters
@@ -154,7 +198,7 @@ class RadixCache(PrefixCache):
         need = self.pages_for(num_tokens) - len(seq.page_table)
         if need <= 0:
             return []
-        free = len(self._free)
+        free = self._num_free
         if need > free:
             if free + self._evictable_pages() < need:
                 return None
@@ -191,7 +235,7 @@ class RadixCache(PrefixCache):
             dups = table[lo:hi]
             tree_pages = runs[0] if len(runs) == 1 else [p for run in runs for p in run]
             table[lo:hi] = tree_pages[: hi - lo]
-            self._free.extend(dups)
+            self._give(dups)
         if new is not old:
             tree.lock(new, stop=old)  # old..root stay locked by us: only the new part changes
             held.node = new
@@ -208,14 +252,14 @@ class RadixCache(PrefixCache):
         ps = self.page_size
         full = computed // ps
         partial = computed % ps != 0
-        if partial and not self._free and self._evictable_pages() < 1:
+        if partial and not self._num_free and self._evictable_pages() < 1:
             return None
         self._insert(held, full * ps, chunked=False)  # the child shares through the tree
         self.tree.lock(held.node)
         pages = parent.page_table[:full]
         ops: list[CopyOp] = []
         if partial:
-            if not self._free:
+            if not self._num_free:
                 self._evict_tokens(ps)
             (copy,) = self._take(1)
             ops.append(CopyOp(parent.page_table[full], copy))
@@ -232,9 +276,7 @@ class RadixCache(PrefixCache):
         held = self._check_live(seq, self._live)
         del self._live[seq.request_id]
         self.tree.unlock(held.node)
-        private = seq.page_table[held.protected // self.page_size :]
-        private.reverse()  # so the stack hands them out again in table order
-        self._free.extend(private)
+        self._give(seq.page_table[held.protected // self.page_size :])
 
     def evict(self, num_pages: int) -> int:
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
@@ -258,7 +300,7 @@ class RadixCache(PrefixCache):
         tree = self.tree
         ps = self.page_size
         cached = tree.evictable_tokens // ps
-        free = len(self._free)
+        free = self._num_free
         tree_tokens = tree.evictable_tokens + tree.protected_tokens
         return CacheStats(
             backend=self.name,

@@ -29,7 +29,9 @@ def check_radix(cache: RadixCache) -> None:
             _fail(f"page {page} is both {owner[page]} and {who}")
         owner[page] = who
 
-    for p in cache._free:
+    if cache._num_free != len(cache._free_pages()) or any(not run for run in cache._free_runs):
+        _fail(f"free count {cache._num_free}, actual {len(cache._free_pages())} (or an empty run)")
+    for p in cache._free_pages():
         own(p, "free")
 
     # the tree: keys, maps, pages, lock refs, sizes, candidates

@@ -271,9 +271,10 @@ class RadixTree:
 
     # -- eviction ---------------------------------------------------------------------
 
-    def evict(self, num_tokens: int, free_pages: list[int]) -> int:
+    def evict(self, num_tokens: int, free_runs: list[list[int]]) -> int:
         """Pop unlocked leaves in policy order until `num_tokens` tokens are freed (whole
-        nodes, so possibly more); their pages go to `free_pages`. Returns tokens freed."""
+        nodes, so possibly more); each one's page list is appended to `free_runs`.
+        Returns tokens freed."""
         freed = 0
         cands = self.candidates
         while freed < num_tokens and cands:
@@ -285,7 +286,7 @@ class RadixTree:
             freed += n
             self.evictable_tokens -= n
             self.num_nodes -= 1
-            free_pages.extend(node.pages)
+            free_runs.append(node.pages)
             if self.on_evict is not None:
                 self.on_evict(node.namespace, node.start, node.key)
             node.pages = None
