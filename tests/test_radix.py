@@ -1,0 +1,359 @@
+"""radix backend: exact expectations (hits, splits, eviction order, locks, namespaces, fork)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cachelib import CopyOp, ExtraKeys, InvalidRequestError, Sequence, StaleMatchError, UnknownSequenceError, create_cache
+from backends.radix import RadixCache
+from tests.helpers import run_prompt, seq, unchanged
+
+
+def radix(num_pages: int = 256, page_size: int = 1, **kw) -> RadixCache:
+    return create_cache("radix", num_pages=num_pages, page_size=page_size, track_contents=True, **kw)
+
+
+def finish(cache: RadixCache, s: Sequence) -> None:
+    cache.release(s)
+    cache.check_invariants()
+
+
+def tree_tokens(cache: RadixCache) -> int:
+    st = cache.stats().extra
+    return st["evictable_tokens"] + st["protected_tokens"]
+
+
+def leaf_runs(cache: RadixCache) -> list[tuple[int, tuple[int, ...]]]:
+    """(start, first token) of every eviction candidate, next evicted first."""
+    return [(k[-1].start, int(k[-1].key[0])) for k in cache.tree.candidates]
+
+
+# -- hits ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page_size, expected", [(1, 10), (4, 8)])
+def test_two_requests_sharing_a_10_token_prefix(page_size, expected):
+    cache = radix(page_size=page_size)
+    shared = list(range(100, 110))
+    a = seq("a", shared + [1, 2, 3, 4, 5, 6])
+    assert run_prompt(cache, a).num_tokens == 0
+    finish(cache, a)
+    b = seq("b", shared + [7, 8, 9, 10, 11, 12])
+    m = run_prompt(cache, b)
+    assert m.num_tokens == expected
+    assert list(m.pages) == a.page_table[: expected // page_size] == b.page_table[: expected // page_size]
+    finish(cache, b)
+
+
+@pytest.mark.parametrize("page_size, expected", [(1, 15), (4, 12)])
+def test_identical_16_token_prompt_resent(page_size, expected):
+    cache = radix(page_size=page_size)
+    tokens = list(range(16))
+    a = seq("a", tokens)
+    run_prompt(cache, a)
+    finish(cache, a)
+    b = seq("b", tokens)
+    m = run_prompt(cache, b)
+    assert m.num_tokens == expected
+    # the recomputed tail is a duplicate of tree pages: freed, and b's table points at the tree's
+    assert b.page_table == a.page_table
+    assert cache.stats().pages_pinned == 16 // page_size
+    finish(cache, b)
+    assert cache.stats().pages_free == cache.num_pages - 16 // page_size
+
+
+def test_match_is_capped_at_len_minus_one_and_rounded_to_pages():
+    cache = radix(page_size=4)
+    a = seq("a", range(12))
+    run_prompt(cache, a)
+    finish(cache, a)
+    assert cache.match(seq("x", range(12))).num_tokens == 8  # 11 -> 8
+    assert cache.match(seq("y", range(13))).num_tokens == 12
+    assert cache.match(seq("z", range(4))).num_tokens == 0  # 3 tokens: no whole page
+    assert cache.match(seq("w", [0, 1, 2, 9, 4, 5, 6, 7, 8])).num_tokens == 0  # first page differs
+
+
+def test_partial_last_page_stays_private_and_is_freed_at_release():
+    cache = radix(num_pages=16, page_size=4)
+    a = seq("a", range(10))
+    run_prompt(cache, a)
+    assert tree_tokens(cache) == 8  # two whole pages in the tree, the third is a's own
+    st = cache.stats()
+    assert (st.pages_free, st.pages_cached, st.pages_pinned) == (13, 0, 3)
+    finish(cache, a)
+    st = cache.stats()
+    assert (st.pages_free, st.pages_cached, st.pages_pinned) == (14, 2, 0)
+
+
+# -- splits -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_splits_keep_the_tree_token_count(page_size):
+    cache = radix(page_size=page_size)
+    a = seq("a", range(32))
+    run_prompt(cache, a)
+    finish(cache, a)
+    assert (tree_tokens(cache), cache.stats().extra["tree_nodes"]) == (32, 1)
+    # a match ending inside the node splits it; nothing is added or lost
+    m = cache.match(seq("b", list(range(12)) + [99] * 9))
+    assert m.num_tokens == 12
+    assert (tree_tokens(cache), cache.stats().extra["tree_nodes"]) == (32, 2)
+    cache.check_invariants()
+    # an insert diverging inside a node splits it too
+    c = seq("c", list(range(20)) + [77] * 12)
+    run_prompt(cache, c)
+    finish(cache, c)
+    assert tree_tokens(cache) == 32 + 12
+    assert cache.stats().extra["tree_nodes"] == 4  # [0,12) [12,20) [20,32) [77...]
+    cache.check_invariants()
+
+
+# -- eviction order -----------------------------------------------------------------------
+
+
+def build_tree(policy: str) -> RadixCache:
+    """A small hand-built tree at page size 1 (one logical-clock tick per walk)::
+
+        root -> P [1,2,3,4] -> A [10]*4          created 1 (as one node, split off P at 2)
+                            -> B [20]*4          created 3
+                            -> C1 [30]*3 -> C2 [30]   C created 5, split at 8 by a re-send
+             -> D [40]*6                          created 7
+
+    C is re-sent twice (each insert walk counts a hit on P, C1, C2: LFU), then A is matched
+    again last (the most recent access).
+    """
+    cache = radix(num_pages=64, page_size=1, eviction_policy=policy)
+    for rid, tail in (("A", 10), ("B", 20), ("C", 30)):
+        s = seq(rid, [1, 2, 3, 4] + [tail] * 4)
+        run_prompt(cache, s)
+        finish(cache, s)
+    d = seq("D", [40] * 6)
+    run_prompt(cache, d)
+    finish(cache, d)
+    for i in range(2):  # re-send C: its match (len - 1) splits C once; both inserts walk it
+        s = seq(f"C{i}", [1, 2, 3, 4] + [30] * 4)
+        run_prompt(cache, s)
+        finish(cache, s)
+    cache.match(seq("A2", [1, 2, 3, 4] + [10] * 4 + [5]))  # A most recently used, no split
+    cache.check_invariants()
+    return cache
+
+
+A, B, C1, C2, D, P = (10, 4), (20, 4), (30, 4), (30, 7), (40, 0), (1, 0)
+
+
+@pytest.mark.parametrize(
+    "policy, order",
+    [
+        ("lru", [B, D, C2, C1, A, P]),
+        ("mru", [A, C2, C1, D, B, P]),
+        ("fifo", [A, B, C2, D, C1, P]),
+        ("filo", [D, C2, C1, B, A, P]),
+        ("lfu", [B, D, A, C2, C1, P]),
+    ],
+)
+def test_leaf_eviction_order_per_policy(policy, order):
+    cache = build_tree(policy)
+    evicted: list[tuple[int, int]] = []
+    cache.on_evict = lambda ns, start, key: evicted.append((int(key[0]), start))
+    total = 0
+    for _ in range(6):
+        total += cache.evict(1)
+        cache.check_invariants()
+    assert evicted == order  # a parent becomes a candidate once its last child is gone
+    assert total == 4 + 4 + 3 + 1 + 6 + 4
+    assert cache.evict(1) == 0
+    assert cache.stats().pages_free == cache.num_pages
+
+
+def test_fifo_split_node_is_created_when_split():
+    """SGLang's split creates the prefix node *now*: under FIFO it outlives its old child."""
+    cache = radix(num_pages=64, page_size=1, eviction_policy="fifo")
+    a = seq("a", range(10))
+    run_prompt(cache, a)
+    finish(cache, a)
+    b = seq("b", [50] * 4)
+    run_prompt(cache, b)
+    finish(cache, b)
+    cache.match(seq("c", list(range(5)) + [9, 9]))  # splits a at 5
+    evicted = []
+    cache.on_evict = lambda ns, start, key: evicted.append((start, len(key)))
+    cache.evict(64)
+    assert evicted == [(5, 5), (0, 4), (0, 5)]
+
+
+def test_locked_paths_are_never_evicted():
+    cache = radix(num_pages=18, page_size=1)
+    a = seq("a", range(10))
+    run_prompt(cache, a)  # a holds [0, 10)
+    b = seq("b", range(100, 108))
+    run_prompt(cache, b)
+    finish(cache, b)
+    assert cache.evict(100) == 8  # only b's pages are evictable
+    assert cache.stats().extra["protected_tokens"] == 10
+    # c needs 11 more pages but 8 are free and nothing is evictable: refused, unchanged
+    c = seq("c", list(range(10)) + list(range(200, 211)))
+    m = cache.match(c)
+    assert m.num_tokens == 10
+    with unchanged(cache):
+        assert cache.admit(c, m, len(c)) is None
+    finish(cache, a)
+
+
+def test_admission_does_not_count_its_own_path_as_evictable():
+    cache = radix(num_pages=12, page_size=1)
+    a = seq("a", range(10))
+    run_prompt(cache, a)
+    finish(cache, a)  # 10 cached, 2 free
+    b = seq("b", list(range(10)) + [50, 51, 52])
+    m = cache.match(b)
+    assert m.num_tokens == 10
+    # b needs 3 pages: 2 free, and the only evictable pages are its own prefix
+    with unchanged(cache):
+        assert cache.admit(b, m, len(b)) is None
+
+
+def test_admit_evicts_the_whole_need_when_short():
+    """SGLang's prefill asks the tree for all the new tokens, not the shortfall."""
+    cache = radix(num_pages=20, page_size=1)
+    for i, rid in enumerate("abcd"):
+        s = seq(rid, [10 * (i + 1)] * 4)
+        run_prompt(cache, s)
+        finish(cache, s)  # four leaves of 4 tokens, LRU a..d; 4 pages free
+    e = seq("e", [90] * 6)
+    assert run_prompt(cache, e).num_tokens == 0
+    assert cache.stats().evicted_pages == 8  # asked for 6: two whole leaves (a, b), not one
+    finish(cache, e)
+
+
+def test_grow_evicts_only_the_shortfall():
+    cache = radix(num_pages=20, page_size=1)
+    for i, rid in enumerate("abcd"):
+        s = seq(rid, [10 * (i + 1)] * 4)
+        run_prompt(cache, s)
+        finish(cache, s)
+    e = seq("e", [90] * 3)
+    run_prompt(cache, e)  # 1 free left
+    e.append([91] * 2)
+    assert cache.grow(e, len(e)) == []
+    assert cache.stats().evicted_pages == 4  # shortfall 1: one leaf
+    finish(cache, e)
+
+
+# -- namespaces -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "x, y",
+    [
+        (ExtraKeys(cache_salt="t1"), ExtraKeys(cache_salt="t2")),
+        (ExtraKeys(cache_salt="t1"), ExtraKeys()),
+        (ExtraKeys(lora_id=1), ExtraKeys(lora_id=2)),
+        (ExtraKeys(lora_id=1), ExtraKeys()),
+        (ExtraKeys(cache_salt="t1", lora_id=1), ExtraKeys(cache_salt="t1", lora_id=2)),
+    ],
+)
+def test_salt_and_lora_isolation(x, y):
+    cache = radix(page_size=1)
+    tokens = list(range(20))
+    a = seq("a", tokens, x)
+    run_prompt(cache, a)
+    finish(cache, a)
+    b = seq("b", tokens, y)
+    assert run_prompt(cache, b).num_tokens == 0
+    finish(cache, b)
+    c = seq("c", tokens, x)
+    assert run_prompt(cache, c).num_tokens == 19
+    finish(cache, c)
+    assert cache.stats().extra["namespaces"] == 2
+
+
+# -- fork -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page_size, computed, copies", [(1, 10, 0), (4, 10, 1), (4, 8, 0)])
+def test_fork_shares_through_the_tree_and_copies_only_a_partial_page(page_size, computed, copies):
+    cache = radix(num_pages=32, page_size=page_size)
+    p = seq("p", range(10))
+    m = cache.match(p)
+    cache.admit(p, m, 10)
+    cache.commit(p, computed)
+    child = p.fork("c")
+    ops = cache.fork(p, child)
+    cache.check_invariants()
+    full = computed // page_size
+    assert child.page_table[:full] == p.page_table[:full]
+    assert len(ops) == copies
+    if copies:
+        assert ops == [CopyOp(p.page_table[full], child.page_table[full])]
+    assert tree_tokens(cache) == full * page_size
+    # both hold the shared path: it survives the parent's release
+    finish(cache, p)
+    assert cache.evict(100) == 0
+    finish(cache, child)
+    assert cache.stats().pages_pinned == 0
+
+
+# -- bad input and stale matches ----------------------------------------------------------
+
+
+def test_bad_input_raises_and_leaves_the_cache_unchanged():
+    cache = radix(num_pages=32, page_size=4)
+    a = seq("a", range(12))
+    run_prompt(cache, a)
+    m = cache.match(a)  # match counts a lookup: made outside the unchanged block
+    b = seq("b", range(12))
+    with unchanged(cache):
+        with pytest.raises(InvalidRequestError):
+            cache.commit(a, 13)  # beyond the sequence
+        with pytest.raises(InvalidRequestError):
+            cache.grow(a, 100)
+        with pytest.raises(InvalidRequestError):
+            cache.evict(-1)
+        with pytest.raises(InvalidRequestError):
+            cache.admit(a, m, 12)  # already admitted
+        with pytest.raises(UnknownSequenceError):
+            cache.release(seq("ghost", [1, 2]))
+        with pytest.raises(InvalidRequestError):
+            cache.match("not a sequence")
+        with pytest.raises(InvalidRequestError):
+            cache.admit(b, m, 12)  # someone else's match
+    with pytest.raises(InvalidRequestError):
+        radix(eviction_policy="random")
+    finish(cache, a)
+    with pytest.raises(UnknownSequenceError):
+        cache.release(a)
+
+
+def test_a_match_whose_prefix_was_evicted_is_stale():
+    cache = radix(num_pages=32, page_size=1)
+    a = seq("a", range(10))
+    run_prompt(cache, a)
+    finish(cache, a)
+    b = seq("b", range(12))
+    m = cache.match(b)
+    assert m.num_tokens == 10
+    cache.evict(32)
+    with unchanged(cache):
+        with pytest.raises(StaleMatchError):
+            cache.admit(b, m, 12)
+
+
+def test_lock_sizes_are_exact_through_a_lifecycle():
+    cache = radix(num_pages=64, page_size=1)
+    a = seq("a", range(10))
+    run_prompt(cache, a)
+    assert cache.stats().extra["protected_tokens"] == 10
+    b = seq("b", list(range(6)) + [70] * 4)
+    run_prompt(cache, b)  # splits a's node at 6; [0,6) is locked twice
+    ex = cache.stats().extra
+    assert (ex["protected_tokens"], ex["evictable_tokens"]) == (14, 0)
+    finish(cache, a)
+    ex = cache.stats().extra
+    assert (ex["protected_tokens"], ex["evictable_tokens"]) == (10, 4)
+    finish(cache, b)
+    ex = cache.stats().extra
+    assert (ex["protected_tokens"], ex["evictable_tokens"]) == (0, 14)
+    assert leaf_runs(cache) == [(6, 6), (6, 70)]  # a's tail (older), then b's
