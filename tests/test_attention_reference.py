@@ -267,3 +267,30 @@ def test_make_attention_on_cpu_is_torch():
     with pytest.raises(ValueError, match="unknown attention"):
         make_attention("xformers", "cpu")
     assert "flashinfer" not in sys.modules
+
+
+# -- GPU tooling, as far as a CPU allows --------------------------------------------------
+
+
+def test_gpu_bench_imports_without_flashinfer():
+    import importlib
+
+    bench = importlib.import_module("experiments.bench.gpu_attention_bench")
+    assert callable(bench.main) and "flashinfer" not in sys.modules
+
+
+def test_gpu_scripts_dry_run(tmp_path):
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    dry = subprocess.run(
+        ["bash", "scripts/prepare_gpu_wheels.sh", "--dry-run"], cwd=root, capture_output=True, text=True, check=True
+    )
+    assert "flashinfer-python==" in dry.stdout and "apache-tvm-ffi" in dry.stdout
+    env = {**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path)}
+    chk = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=root, env=env, capture_output=True, text=True)
+    assert chk.returncode == 0, chk.stdout + chk.stderr
+    assert "pytest -m gpu" in chk.stdout and "gpu_attention_bench.py" in chk.stdout
+    assert any(p.name.startswith("gpu_check_") for p in tmp_path.iterdir())
