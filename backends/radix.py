@@ -85,37 +85,38 @@ class RadixCache(PrefixCache):
     # -- pages ------------------------------------------------------------------------
 
     def _take(self, n: int) -> list[int]:
-        """Hand out `n` free pages (the caller checked there are that many): recycled first."""
+        """Hand out `n` free pages (the caller checked there are that many): recycled first.
+
+        Page order within a table is free to choose, so runs are joined by copying the
+        shorter list into the longer one: the per-page work is the smaller side only.
+        """
         if n <= 0:
             return []
         self._num_free -= n
         runs = self._free_runs
-        out: list[int] | None = None
+        out: list[int] = []
         while n and runs:
             run = runs[-1]
             k = len(run)
             if k <= n:
                 runs.pop()
-                if out is None:
-                    out = run  # reuse the run's list as the table: no per-page copy
-                else:
-                    out += run
                 n -= k
-            else:
+            elif n <= k - n:
                 part = run[-n:]
                 del run[-n:]
-                if out is None:
-                    out = part
-                else:
-                    out += part
+                run, n = part, 0
+            else:  # keep the short remainder in the pool, hand out the long rest in place
+                runs[-1] = run[: k - n]
+                del run[: k - n]
                 n = 0
-        if n:
-            fresh = list(range(self._fresh, self._fresh + n))
-            self._fresh += n
-            if out is None:
-                out = fresh
+            if len(run) > len(out):
+                run[0:0] = out
+                out = run
             else:
-                out += fresh
+                out += run
+        if n:
+            out += range(self._fresh, self._fresh + n)
+            self._fresh += n
         return out
 
     def _give(self, pages: list[int]) -> None:
