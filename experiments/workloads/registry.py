@@ -1,0 +1,163 @@
+"""Workloads by name: `make_workload(name, seed, **knobs)`, `describe_workloads()` for the CLI.
+
+Every entry is a callable `(seed=0, *, knob=default, ...) -> Workload`; its keyword
+parameters are its knobs and its docstring documents them. Loaders take the seed and
+ignore it. Knob values given as strings (from a command line) are converted to the type
+of the knob's default (`"inf"` is a float, `"65,65"` a tuple of ints, `"true"` a bool).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from experiments.workloads.chat import multi_turn_chat
+from experiments.workloads.generators import Workload
+from experiments.workloads.jsonl import load_jsonl
+from experiments.workloads.kshot import kshot
+from experiments.workloads.mooncake import load_mooncake
+from experiments.workloads.nosharing import no_sharing
+from experiments.workloads.shared_doc import shared_doc_qa
+from experiments.workloads.tenants import multi_tenant
+from experiments.workloads.text import load_text
+
+DEFAULT_MOONCAKE_TRACE = str(Path(__file__).resolve().parents[1] / "data" / "mooncake_conversation_2000.jsonl")
+REQUIRED = "<required>"
+
+
+class WorkloadError(ValueError):
+    """An unknown workload, an unknown or missing knob, or a knob value of the wrong type."""
+
+
+def mooncake(seed: int = 0, *, path: str = DEFAULT_MOONCAKE_TRACE, limit: int | None = None) -> Workload:
+    """Mooncake JSONL trace (FAST'25 format): block hash ids expand to token ids.
+
+    Knobs:
+    - path (the shipped 2000-request conversation slice): the trace file.
+    - limit (None): read only the first limit requests.
+    """
+    return Workload("mooncake", load_mooncake(path, limit), config={"path": str(path), "limit": limit})
+
+
+def jsonl(seed: int = 0, *, path: str, limit: int | None = None) -> Workload:
+    """JSONL of token ids, with optional salts, LoRA ids and declared prefixes (see jsonl.py).
+
+    Knobs:
+    - path (required): the trace file.
+    - limit (None): read only the first limit requests.
+    """
+    return load_jsonl(path, limit)
+
+
+def text(seed: int = 0, *, path: str, tokenizer: str, limit: int | None = None) -> Workload:
+    """JSONL of text prompts tokenized by a local tokenizer, never downloaded (see text.py).
+
+    Knobs:
+    - path (required): the text trace file.
+    - tokenizer (required): a tokenizer.json file or a local transformers tokenizer directory.
+    - limit (None): read only the first limit requests.
+    """
+    return load_text(path, tokenizer, limit)
+
+
+WORKLOADS: dict[str, Callable[..., Workload]] = {
+    "shared_doc_qa": shared_doc_qa,
+    "multi_turn_chat": multi_turn_chat,
+    "kshot": kshot,
+    "multi_tenant": multi_tenant,
+    "no_sharing": no_sharing,
+}
+try:  # sampling.py (parallel sampling and beam search) is written separately
+    from experiments.workloads.decoding import beam_search, parallel_sampling
+except ModuleNotFoundError as exc:
+    if exc.name != "experiments.workloads.sampling":
+        raise
+else:
+    WORKLOADS.update(parallel_sampling=parallel_sampling, beam_search=beam_search)
+WORKLOADS.update(mooncake=mooncake, jsonl=jsonl, text=text)
+
+
+def knobs_of(name: str) -> dict[str, Any]:
+    """Knob -> default (`REQUIRED` when it has none) of workload `name`."""
+    params = inspect.signature(_get(name)).parameters
+    return {
+        k: (REQUIRED if p.default is inspect.Parameter.empty else p.default)
+        for k, p in params.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    }
+
+
+def make_workload(name: str, seed: int = 0, **knobs: Any) -> Workload:
+    """Workload `name` built with `seed` and `knobs` (the rest at their defaults)."""
+    valid = knobs_of(name)
+    unknown = sorted(set(knobs) - set(valid))
+    if unknown:
+        raise WorkloadError(f"workload {name!r} has no knob(s) {', '.join(unknown)}; its knobs: {', '.join(valid)}")
+    missing = [k for k, d in valid.items() if d is REQUIRED and k not in knobs]
+    if missing:
+        raise WorkloadError(f"workload {name!r} needs knob(s) {', '.join(missing)}")
+    typed = {k: _coerce(name, k, v, valid[k]) for k, v in knobs.items()}
+    return WORKLOADS[name](seed, **typed)
+
+
+def describe_workloads() -> dict[str, dict[str, Any]]:
+    """Name -> {"summary": docstring first line, "knobs": {knob: default}, "help": {knob: text}}."""
+    out = {}
+    for name, fn in WORKLOADS.items():
+        doc = inspect.getdoc(fn) or ""
+        out[name] = {"summary": doc.split("\n", 1)[0], "knobs": knobs_of(name), "help": _knob_help(doc)}
+    return out
+
+
+def _get(name: str) -> Callable[..., Workload]:
+    try:
+        return WORKLOADS[name]
+    except (KeyError, TypeError):
+        raise WorkloadError(f"unknown workload {name!r}; choose one of: {', '.join(WORKLOADS)}") from None
+
+
+def _knob_help(doc: str) -> dict[str, str]:
+    """Knob -> its text, from docstring bullets `- name (default)[, name (default)]: text`."""
+    helps: dict[str, str] = {}
+    names: list[str] = []
+    for line in doc.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("- "):
+            head, _, body = stripped[2:].partition("): ")
+            names = re.findall(r"(?:^|, )(\w+) \(", head + ")")
+            for n in names:
+                helps[n] = body
+        elif names and line.startswith("  ") and stripped:
+            for n in names:
+                helps[n] += " " + stripped
+        else:
+            names = []
+    return helps
+
+
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
+def _coerce(name: str, knob: str, value: Any, default: Any) -> Any:
+    """A command-line string converted to the type of the knob's default; other values as given."""
+    if not isinstance(value, str) or default is REQUIRED or isinstance(default, str):
+        return value
+    try:
+        if isinstance(default, bool):
+            low = value.strip().lower()
+            if low not in _TRUE | _FALSE:
+                raise ValueError
+            return low in _TRUE
+        if isinstance(default, int) or default is None:  # None defaults are optional ints (limit)
+            return None if value.strip().lower() == "none" else int(value)
+        if isinstance(default, float):
+            return float(value)
+        if isinstance(default, tuple):
+            return tuple(int(x) for x in value.split(","))
+    except ValueError:
+        kind = "a comma-separated list of ints" if isinstance(default, tuple) else type(default).__name__
+        raise WorkloadError(f"workload {name!r}: knob {knob} expects {kind}, got {value!r}") from None
+    return value
