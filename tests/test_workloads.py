@@ -420,3 +420,50 @@ def test_tokenizer_path_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         make_workload("text", path=str(trace))
     with pytest.raises(FileNotFoundError, match="tokenizer not found"):
         make_workload("text", path=str(trace), tokenizer=str(tmp_path / "nope"))
+
+
+# -- what backends see ----------------------------------------------------------------------
+
+
+def run_all(cache, w: Workload, pid_map: dict[int, int] | None = None) -> list[int]:
+    """match -> admit -> commit -> release each request in order; the hit of each."""
+    from cachelib.types import Sequence
+
+    hits = []
+    for spec in w:
+        pid = None if spec.prefix_id is None else (pid_map or {}).get(spec.prefix_id)
+        seq = Sequence(spec.request_id, spec.prompt, spec.extra, prefix_id=pid)
+        m = cache.match(seq)
+        assert cache.admit(seq, m, len(seq)) is not None
+        cache.commit(seq, len(seq))
+        cache.release(seq)
+        cache.check_invariants()
+        hits.append(m.num_tokens)
+    return hits
+
+
+def test_declared_kshot_prefixes_are_shared_by_paged() -> None:
+    from cachelib import create_cache
+
+    w = make_workload("kshot", num_shots=5, num_tasks=2, num_requests=12)
+    cache = create_cache("paged", num_pages=400, page_size=16)
+    pid_map = {}
+    for wid, tokens in w.declared_prefixes.items():  # the engine's job: register, compute once
+        pid = cache.register_prefix(tokens, w.extra_of_prefix(wid))
+        cache.commit(cache.prefix_sequence(pid), tokens.size)
+        pid_map[wid] = pid
+    assert run_all(cache, w, pid_map) == [341] * 12
+
+
+def test_salts_keep_tenants_apart_on_apc() -> None:
+    from cachelib import create_cache
+
+    w = make_workload("multi_tenant", num_tenants=3, system_len=64, user_len=16, num_requests=30)
+    hits = run_all(create_cache("apc", num_pages=1000, page_size=16), w)
+    seen: set[str] = set()
+    for spec, hit in zip(w, hits, strict=True):
+        salt = spec.extra.cache_salt
+        assert hit == (0 if salt not in seen else 64)  # a tenant's first request misses
+        seen.add(salt)
+    unsalted = make_workload("multi_tenant", num_tenants=3, system_len=64, user_len=16, num_requests=30, salted=False)
+    assert run_all(create_cache("apc", num_pages=1000, page_size=16), unsalted)[1:] == [64] * 29
