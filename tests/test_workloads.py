@@ -68,6 +68,8 @@ def test_generator_output_is_well_formed(name: str) -> None:
     for s in w:
         assert s.prompt.dtype == np.int32 and s.prompt.ndim == 1 and s.prompt.size > 0
         assert 0 <= s.prompt.min() and s.prompt.max() < 32000 and s.output_len >= 1
+        if hasattr(s.prompt_source, "__len__"):  # lazy prompts report their length without building
+            assert len(s.prompt_source) == s.prompt.size
     json.dumps(w.config)  # a report stores it
     # the config is exactly the knobs: it rebuilds the same workload
     assert fingerprint(make_workload(name, **w.config)) == fingerprint(w)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from experiments.workloads.generators import (
+    ConcatPrompt,
     Workload,
     common_knobs,
     json_config,
@@ -67,12 +68,12 @@ def multi_turn_chat(
         answer_lens = sample_lengths(rng, turns, answer_len, answer_dist)
         gaps = rng.exponential(think_time, turns - 1) if think_time > 0 else np.zeros(turns - 1)
         arrivals = starts[c] + np.concatenate([[0.0], np.cumsum(gaps)])
-        history = system
+        history: tuple[np.ndarray, ...] = (system,)  # parts, shared by every later turn's prompt
         for t in range(turns):
-            prompt = np.concatenate([history, random_tokens(rng, user_turn_len, vocab_size)])
+            prompt = ConcatPrompt((*history, random_tokens(rng, user_turn_len, vocab_size)))
             answer = random_tokens(rng, int(answer_lens[t]), vocab_size)
             rid = f"conv{c}-turn{t}"
             requests.append(RequestSpec(rid, prompt, int(answer.size), float(arrivals[t])))
             outputs[rid] = answer
-            history = np.concatenate([prompt, answer])
+            history = (*prompt.parts, answer)
     return Workload("multi_turn_chat", sort_by_arrival(requests), config=config, outputs=outputs)

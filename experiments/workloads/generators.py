@@ -22,7 +22,7 @@ from experiments.workloads.spec import RequestSpec
 OUTPUT_DISTS = ("fixed", "uniform", "exponential")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # eq would compare numpy arrays elementwise
 class Workload:
     """A named list of requests plus what a backend or engine needs beside them.
 
@@ -71,6 +71,22 @@ class Workload:
                 raise ValueError(f"{self.name}: request {spec.request_id!r} does not start with prefix {pid}")
             if spec.extra != self.extra_of_prefix(pid):
                 raise ValueError(f"{self.name}: request {spec.request_id!r} extra keys differ from prefix {pid}'s")
+
+
+class ConcatPrompt:
+    """A prompt built on demand from shared parts (document + question, history + turn):
+    a workload holds each shared part once instead of one full copy per request."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: tuple[np.ndarray, ...]) -> None:
+        self.parts = parts
+
+    def __call__(self) -> np.ndarray:
+        return np.concatenate(self.parts).astype(np.int32, copy=False)
+
+    def __len__(self) -> int:
+        return sum(int(p.size) for p in self.parts)
 
 
 def json_config(seed: int | None, **knobs: Any) -> dict[str, Any]:

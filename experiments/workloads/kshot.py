@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from experiments.workloads.generators import (
     OUTPUT_DISTS,
+    ConcatPrompt,
     Workload,
     common_knobs,
     json_config,
@@ -91,7 +90,7 @@ def kshot(
     requests = []
     for i in range(num_requests):
         pid = int(tasks[i]) + 1
-        prompt = np.concatenate([prefixes[pid], random_tokens(rng, int(in_lens[i]), vocab_size)])
+        prompt = ConcatPrompt((prefixes[pid], random_tokens(rng, int(in_lens[i]), vocab_size)))
         requests.append(
             RequestSpec(
                 f"{num_shots}shot-t{pid - 1}-{i}",

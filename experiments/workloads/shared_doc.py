@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from experiments.workloads.generators import (
+    ConcatPrompt,
     Workload,
     common_knobs,
     json_config,
@@ -66,7 +65,7 @@ def shared_doc_qa(
     requests = [
         RequestSpec(
             f"doc{int(d)}-q{i}",
-            np.concatenate([docs[d], questions[i]]),
+            ConcatPrompt((docs[d], questions[i])),
             int(out_lens[i]),
             float(arrivals[i]),
             prefix_id=int(d) + 1 if declare_documents else None,

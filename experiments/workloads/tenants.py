@@ -6,6 +6,7 @@ import numpy as np
 
 from cachelib.types import NO_EXTRA, ExtraKeys
 from experiments.workloads.generators import (
+    ConcatPrompt,
     Workload,
     common_knobs,
     json_config,
@@ -71,7 +72,7 @@ def multi_tenant(
     requests = []
     for i in range(num_requests):
         t = int(who[i])
-        prompt = np.concatenate([system, random_tokens(rng, user_len, vocab_size)])
+        prompt = ConcatPrompt((system, random_tokens(rng, user_len, vocab_size)))
         requests.append(
             RequestSpec(
                 f"tenant{t}-{i}",
