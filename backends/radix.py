@@ -31,11 +31,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from backends.radix_tree import EVICTION_POLICIES, RadixNode, RadixTree
 from cachelib.errors import InvalidRequestError, StaleMatchError
 from cachelib.interface import PrefixCache
 from cachelib.registry import register_backend
 from cachelib.types import CacheStats, CopyOp, Match, Sequence
-from backends.radix_tree import EVICTION_POLICIES, RadixNode, RadixTree
 
 # Modelled bytes of index metadata, as a compact native tree would keep it: per node
 # parent/child links, lock ref, clock stamps, hit count (48); per token its id (4); per page
@@ -66,10 +66,14 @@ class RadixCache(PrefixCache):
     that tree entries point only at pages holding their tokens (tests; it costs time).
     """
 
-    def __init__(self, num_pages: int, page_size: int, *, eviction_policy: str = "lru", track_contents: bool = False) -> None:
+    def __init__(
+        self, num_pages: int, page_size: int, *, eviction_policy: str = "lru", track_contents: bool = False
+    ) -> None:
         super().__init__(num_pages, page_size)
         if not isinstance(eviction_policy, str):
-            raise InvalidRequestError(f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, got {eviction_policy!r}")
+            raise InvalidRequestError(
+                f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, got {eviction_policy!r}"
+            )
         self.tree = RadixTree(page_size, eviction_policy)
         self.eviction_policy = self.tree.policy
         # Free pages: runs of recycled page ids (an evicted node's page list moves here whole,
@@ -79,7 +83,9 @@ class RadixCache(PrefixCache):
         self._fresh = 0
         self._num_free = num_pages
         self._live: dict[str, _Held] = {}
-        self._counters = dict(lookups=0, lookup_tokens=0, admitted=0, admitted_tokens=0, hit_tokens=0, evicted_pages=0, copied_pages=0)
+        self._counters = dict(
+            lookups=0, lookup_tokens=0, admitted=0, admitted_tokens=0, hit_tokens=0, evicted_pages=0, copied_pages=0
+        )
         self._contents = np.full(num_pages * page_size, -1, dtype=np.int64) if track_contents else None
 
     # -- pages ------------------------------------------------------------------------
@@ -247,7 +253,9 @@ class RadixCache(PrefixCache):
         self._check_new(child, self._live)
         computed = parent.num_computed
         if len(child) < computed or not np.array_equal(child.tokens[:computed], parent.tokens[:computed]):
-            raise InvalidRequestError(f"fork: {child.request_id!r} does not hold {parent.request_id!r}'s computed tokens")
+            raise InvalidRequestError(
+                f"fork: {child.request_id!r} does not hold {parent.request_id!r}'s computed tokens"
+            )
         if child.extra.namespace != parent.extra.namespace:
             raise InvalidRequestError(f"fork: {child.request_id!r} has other extra keys than {parent.request_id!r}")
         ps = self.page_size
@@ -267,7 +275,9 @@ class RadixCache(PrefixCache):
             pages.append(copy)
             self._counters["copied_pages"] += 1
             if self._contents is not None:
-                self._contents[copy * ps : (copy + 1) * ps] = self._contents[parent.page_table[full] * ps : (parent.page_table[full] + 1) * ps]
+                self._contents[copy * ps : (copy + 1) * ps] = self._contents[
+                    parent.page_table[full] * ps : (parent.page_table[full] + 1) * ps
+                ]
         child.page_table = pages
         child.num_computed = computed
         self._live[child.request_id] = _Held(child, held.node, full * ps)
@@ -310,7 +320,9 @@ class RadixCache(PrefixCache):
             pages_free=free,
             pages_cached=cached,
             pages_pinned=self.num_pages - free - cached,
-            metadata_bytes=tree.num_nodes * _NODE_BYTES + tree_tokens * _TOKEN_BYTES + (tree_tokens // ps) * _PAGE_ID_BYTES,
+            metadata_bytes=tree.num_nodes * _NODE_BYTES
+            + tree_tokens * _TOKEN_BYTES
+            + (tree_tokens // ps) * _PAGE_ID_BYTES,
             extra={
                 "eviction_policy": self.eviction_policy,
                 "evictable_tokens": tree.evictable_tokens,

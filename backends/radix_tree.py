@@ -36,11 +36,23 @@ class RadixNode:
     """A run of tokens and their pages. `pages is None` once evicted (SGLang's `evicted`)."""
 
     __slots__ = (
-        "key", "pages", "children", "parent", "lock_ref", "last_access", "creation",
-        "hit_count", "node_id", "start", "cand_key", "namespace",
+        "key",
+        "pages",
+        "children",
+        "parent",
+        "lock_ref",
+        "last_access",
+        "creation",
+        "hit_count",
+        "node_id",
+        "start",
+        "cand_key",
+        "namespace",
     )
 
-    def __init__(self, key: np.ndarray, pages: list[int] | None, parent: RadixNode | None, tick: int, node_id: int) -> None:
+    def __init__(
+        self, key: np.ndarray, pages: list[int] | None, parent: RadixNode | None, tick: int, node_id: int
+    ) -> None:
         self.key = key
         self.pages = pages
         self.children: dict = {}
@@ -64,7 +76,9 @@ class RadixTree:
     def __init__(self, page_size: int, eviction_policy: str = "lru") -> None:
         policy = eviction_policy.lower() if isinstance(eviction_policy, str) else eviction_policy
         if policy not in EVICTION_POLICIES:
-            raise InvalidRequestError(f"unknown eviction policy {eviction_policy!r}; choose one of {', '.join(EVICTION_POLICIES)}")
+            raise InvalidRequestError(
+                f"unknown eviction policy {eviction_policy!r}; choose one of {', '.join(EVICTION_POLICIES)}"
+            )
         self.page_size = page_size
         self.policy = policy
         self._key_fn: Callable[[RadixNode], tuple] = _POLICY_KEYS[policy]
@@ -336,4 +350,10 @@ def _filo(n: RadixNode) -> tuple:
     return (-n.creation, n.node_id, n)
 
 
-_POLICY_KEYS: dict[str, Callable[[RadixNode], tuple]] = {"lru": _lru, "lfu": _lfu, "fifo": _fifo, "mru": _mru, "filo": _filo}
+_POLICY_KEYS: dict[str, Callable[[RadixNode], tuple]] = {
+    "lru": _lru,
+    "lfu": _lfu,
+    "fifo": _fifo,
+    "mru": _mru,
+    "filo": _filo,
+}

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-from cachelib import CopyOp, ExtraKeys, InvalidRequestError, Sequence, StaleMatchError, UnknownSequenceError, create_cache
 from backends.radix import RadixCache
+from cachelib import (
+    CopyOp,
+    ExtraKeys,
+    InvalidRequestError,
+    Sequence,
+    StaleMatchError,
+    UnknownSequenceError,
+    create_cache,
+)
 from tests.helpers import run_prompt, seq, unchanged
 
 

@@ -33,7 +33,9 @@ def _num_pages(requests, page_size: int, capacity: int | None) -> int:
 
 
 def run_backend(requests, page_size: int, capacity: int | None, policy: str = "lru"):
-    cache = create_cache("radix", num_pages=_num_pages(requests, page_size, capacity), page_size=page_size, eviction_policy=policy)
+    cache = create_cache(
+        "radix", num_pages=_num_pages(requests, page_size, capacity), page_size=page_size, eviction_policy=policy
+    )
     evicted: list[tuple[int, int, int]] = []
     cache.on_evict = lambda ns, start, key: evicted.append(_digest(start, key))
     result = replay(cache, requests)

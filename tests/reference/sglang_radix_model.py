@@ -59,7 +59,7 @@ class SGLangRadixModel:
     def _key_match(self, a: list[int], b: list[int]) -> int:
         if self.ps == 1:
             i = 0
-            for x, y in zip(a, b):
+            for x, y in zip(a, b, strict=False):
                 if x != y:
                     break
                 i += 1
@@ -152,7 +152,11 @@ class SGLangRadixModel:
         }[self.policy] + (n.node_id,)
 
     def evict(self, num_tokens: int) -> None:
-        heap = [(self._priority(n), n.node_id, n) for n in self._all_nodes() if n is not self.root and not n.children and n.lock_ref == 0]
+        heap = [
+            (self._priority(n), n.node_id, n)
+            for n in self._all_nodes()
+            if n is not self.root and not n.children and n.lock_ref == 0
+        ]
         heapq.heapify(heap)
         done = 0
         while done < num_tokens and heap:
