@@ -141,7 +141,9 @@ class PagedCache(PrefixCache):
         p = prefix.tokens.size
         rid = seq.request_id
         if len(seq) < p or not np.array_equal(seq.tokens[:p], prefix.tokens):
-            raise InvalidRequestError(f"request {rid!r} names prefix {prefix.prefix_id} but does not start with its {p} tokens")
+            raise InvalidRequestError(
+                f"request {rid!r} names prefix {prefix.prefix_id} but does not start with its {p} tokens"
+            )
         e, pe = seq.extra, prefix.extra
         if e.cache_salt != pe.cache_salt or e.lora_id != pe.lora_id:
             raise InvalidRequestError(
@@ -172,10 +174,14 @@ class PagedCache(PrefixCache):
         self._check_new(seq, self._live)
         self._check_match(seq, match)
         if match.num_tokens and match.epoch != self._epoch:
-            raise StaleMatchError(f"request {seq.request_id!r}: a prefix was unregistered since this match; match again")
+            raise StaleMatchError(
+                f"request {seq.request_id!r}: a prefix was unregistered since this match; match again"
+            )
         self._check_num_tokens(seq, num_tokens, max(match.num_tokens, 1))
         if match.num_tokens and (match.handle != seq.prefix_id or match.handle not in self._prefixes):
-            raise InvalidRequestError(f"request {seq.request_id!r}: match is for prefix {match.handle}, not {seq.prefix_id}")
+            raise InvalidRequestError(
+                f"request {seq.request_id!r}: match is for prefix {match.handle}, not {seq.prefix_id}"
+            )
         hit = list(match.pages)
         num_new = self.pages_for(num_tokens) - len(hit)
         # a hit block always has ref >= 1 (the registration), so with us it is shared
@@ -219,7 +225,9 @@ class PagedCache(PrefixCache):
         self._check_num_tokens(seq, num_computed, seq.num_computed)
         covered = len(table.blocks) * self.page_size
         if num_computed > covered:
-            raise InvalidRequestError(f"request {seq.request_id!r}: {num_computed} tokens computed but pages cover {covered}")
+            raise InvalidRequestError(
+                f"request {seq.request_id!r}: {num_computed} tokens computed but pages cover {covered}"
+            )
         unguarded = self._shared_in(table.blocks, max(seq.num_computed, table.granted), num_computed)
         if unguarded:
             raise InvalidRequestError(
@@ -234,7 +242,9 @@ class PagedCache(PrefixCache):
         self._check_new(child, self._live)
         computed = parent.num_computed
         if len(child) < computed or not np.array_equal(child.tokens[:computed], parent.tokens[:computed]):
-            raise InvalidRequestError(f"fork: {child.request_id!r} does not hold {parent.request_id!r}'s computed tokens")
+            raise InvalidRequestError(
+                f"fork: {child.request_id!r} does not hold {parent.request_id!r}'s computed tokens"
+            )
         blocks = held.blocks[: self.pages_for(computed)]
         ops: list[CopyOp] = []
         # The parent was granted writes into its partial last block and may be writing it
@@ -358,7 +368,9 @@ class PagedCache(PrefixCache):
             if seq.page_table != t.blocks:
                 fail(f"{rid}: page table {seq.page_table} differs from its blocks {t.blocks}")
             if not seq.num_computed <= t.granted <= len(t.blocks) * ps:
-                fail(f"{rid}: computed {seq.num_computed} <= granted {t.granted} <= covered {len(t.blocks) * ps} broken")
+                fail(
+                    f"{rid}: computed {seq.num_computed} <= granted {t.granted} <= covered {len(t.blocks) * ps} broken"
+                )
             if len(set(t.blocks)) != len(t.blocks):
                 fail(f"{rid}: a block appears twice in one table")
             for i, b in enumerate(t.blocks):
@@ -371,7 +383,9 @@ class PagedCache(PrefixCache):
             lo = t.seq.num_computed
             for i in range(lo // ps, self.pages_for(t.granted) if t.granted > lo else 0):
                 if len(holders[t.blocks[i]]) > 1:
-                    fail(f"{rid}: block {t.blocks[i]} is granted for writing but has {len(holders[t.blocks[i]])} holders")
+                    fail(
+                        f"{rid}: block {t.blocks[i]} is granted for writing but has {len(holders[t.blocks[i]])} holders"
+                    )
         for rid, t in self._live.items():
             if rid != t.seq.request_id:
                 fail(f"table keyed {rid!r} holds {t.seq.request_id!r}")

@@ -21,6 +21,7 @@ from cachelib import (
     UnknownSequenceError,
     create_cache,
 )
+from cachelib.types import NO_EXTRA
 
 PS = 4  # page size of the exact-id tests
 
@@ -234,7 +235,7 @@ def test_beam_search_width_4_over_10_steps_frees_everything() -> None:
 # -- declared prefixes --------------------------------------------------------------
 
 
-def declare(cache: PagedCache, tokens, extra: ExtraKeys = ExtraKeys()) -> int:
+def declare(cache: PagedCache, tokens, extra: ExtraKeys = NO_EXTRA) -> int:
     pid = cache.register_prefix(tokens, extra)
     assert pid is not None
     pseq = cache.prefix_sequence(pid)

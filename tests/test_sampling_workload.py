@@ -15,7 +15,7 @@ def test_generation_is_seeded_and_deterministic() -> None:
     b = generate("alpaca", "parallel", 4, 30, seed=3)
     c = generate("alpaca", "parallel", 4, 30, seed=4)
     assert [r.sample_output_lens for r in a] == [r.sample_output_lens for r in b]
-    assert all(np.array_equal(x.spec.prompt, y.spec.prompt) for x, y in zip(a, b))
+    assert all(np.array_equal(x.spec.prompt, y.spec.prompt) for x, y in zip(a, b, strict=True))
     assert [r.spec.prompt.size for r in a] != [r.spec.prompt.size for r in c]
 
 
@@ -23,7 +23,7 @@ def test_smaller_n_is_a_prefix_of_larger_n_and_prompts_are_shared_across_modes()
     four = generate("sharegpt", "parallel", 4, 20)
     six = generate("sharegpt", "parallel", 6, 20)
     beams = generate("sharegpt", "beam", 2, 20)
-    for r4, r6, rb in zip(four, six, beams):
+    for r4, r6, rb in zip(four, six, beams, strict=True):
         assert r6.sample_output_lens[:4] == r4.sample_output_lens
         assert np.array_equal(r4.spec.prompt, rb.spec.prompt)
         assert r4.spec.n == 4 and r6.spec.n == 6 and rb.spec.beam_width == 2

@@ -80,7 +80,7 @@ class _Run:
         root = self._prefill()
         lens = self.req.sample_output_lens
         self.live = [root] + [self._fork(root, f"{root.request_id}/s{i}") for i in range(1, len(lens))]
-        remaining = dict(zip([s.request_id for s in self.live], [n - 1 for n in lens]))
+        remaining = dict(zip([s.request_id for s in self.live], [n - 1 for n in lens], strict=True))
         yield
         while self.live:
             for seq in list(self.live):
@@ -99,11 +99,11 @@ class _Run:
         forks = 0
         for t, parents in enumerate(self.req.beam_parents):
             counts = [int((parents == i).sum()) for i in range(len(beams))]
-            for beam, k in zip(beams, counts):
+            for beam, k in zip(beams, counts, strict=True):
                 if k == 0:
                     self.cache.release(beam)  # pruned: free its blocks before forking others
             kept: list[Sequence] = []
-            for beam, k in zip(beams, counts):
+            for beam, k in zip(beams, counts, strict=True):
                 if k:
                     kept.append(beam)
                 for _ in range(k - 1):
@@ -167,8 +167,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--datasets", nargs="+", default=["alpaca", "sharegpt"])
     ap.add_argument("--backends", nargs="+", default=None, help="default: every registered backend")
     ap.add_argument("--parent-decay", type=float, default=0.5, help="beam parent weight per rank")
-    ap.add_argument("--sensitivity", nargs="*", default=["1.0:0", "0.5:0.5", "0.5:0.9"],
-                    help="also run beam search on 'paged' with these DECAY:STAY beam schedules")
+    ap.add_argument(
+        "--sensitivity",
+        nargs="*",
+        default=["1.0:0", "0.5:0.5", "0.5:0.9"],
+        help="also run beam search on 'paged' with these DECAY:STAY beam schedules",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output", default="reports/bench/sharing_memory.json")
     args = ap.parse_args(argv)
@@ -182,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
                 workloads[f"{dataset}/{mode}/{width}"] = describe(dataset, reqs)
                 results = {b: run(b, reqs, page_size=args.page_size, concurrency=args.concurrency) for b in backends}
                 none_peak = results["none"]["peak_pages"] if "none" in results else None
-                for b, res in results.items():
+                for res in results.values():
                     res["peak_saving_vs_none_pct"] = 100.0 * (1 - res["peak_pages"] / none_peak) if none_peak else None
                     rows.append({"dataset": dataset, "mode": mode, "width": width, **res})
                 print(_line(rows[-len(backends) :]), flush=True)
@@ -218,7 +222,11 @@ def sensitivity_markdown(rows: list[dict], sens: list[dict], main: str) -> str:
     """Beam-search saving on paged as the beam schedule's free parameters change."""
     if not sens:
         return ""
-    table = {(r["dataset"], r["width"], main): r["saving_pct"] for r in rows if r["mode"] == "beam" and r["backend"] == "paged"}
+    table = {
+        (r["dataset"], r["width"], main): r["saving_pct"]
+        for r in rows
+        if r["mode"] == "beam" and r["backend"] == "paged"
+    }
     table |= {(r["dataset"], r["width"], r["schedule"]): r["saving_pct"] for r in sens}
     decays = list(dict.fromkeys([main] + [r["schedule"] for r in sens]))
     lines = [
@@ -252,7 +260,9 @@ def markdown(rows: list[dict], backends: list[str]) -> str:
         "|" + "---|" * (4 + len(backends)),
     ]
     keyed = {(r["dataset"], r["mode"], r["width"], r["backend"]): r for r in rows}
-    for dataset, mode, width in sorted({(r["dataset"], r["mode"], r["width"]) for r in rows}, key=lambda k: (k[0], k[1] != "parallel", k[2])):
+    for dataset, mode, width in sorted(
+        {(r["dataset"], r["mode"], r["width"]) for r in rows}, key=lambda k: (k[0], k[1] != "parallel", k[2])
+    ):
         cells = []
         for b in backends:
             r = keyed[(dataset, mode, width, b)]

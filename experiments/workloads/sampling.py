@@ -81,11 +81,15 @@ def _lengths(rng: np.random.Generator, shape: LengthShape, count: int) -> tuple[
 
 
 def _sample_len(shape: LengthShape, seed: int, request: int, sample: int, prompt_len: int) -> int:
-    o = np.random.default_rng([seed, 3, request, sample]).lognormal(shape.mu(shape.output_mean, shape.output_sigma), shape.output_sigma)
+    o = np.random.default_rng([seed, 3, request, sample]).lognormal(
+        shape.mu(shape.output_mean, shape.output_sigma), shape.output_sigma
+    )
     return int(np.clip(np.rint(o), shape.min_output, shape.max_total - prompt_len))
 
 
-def beam_schedule(rng: np.random.Generator, width: int, steps: int, parent_decay: float, stay: float = 0.0) -> np.ndarray:
+def beam_schedule(
+    rng: np.random.Generator, width: int, steps: int, parent_decay: float, stay: float = 0.0
+) -> np.ndarray:
     """`(steps, width)` parent indices: row t says which current beam each survivor extends."""
     if width < 1 or steps < 0 or not 0 < parent_decay <= 1 or not 0 <= stay <= 1:
         raise ValueError(f"bad beam schedule: width={width}, steps={steps}, decay={parent_decay}, stay={stay}")
