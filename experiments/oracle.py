@@ -282,17 +282,20 @@ def belady_hits(
         while pinned_nodes + private + new + sum(1 for k in ks[:h] if pins[k] == 0) > capacity:
             finish_oldest()  # never with nothing in flight: then it fits (scheduled)
         last_admitted = i
-        for k in ks[:h]:
+        # The full last page beyond the cap may be cached already: the request recomputes it
+        # and then holds one copy. Keeping that copy costs nothing, so it is pinned as the
+        # request's own page; only when another request pins it does the recompute need a
+        # page of its own during prefill (then merged, as radix does at commit).
+        dup = h < len(ks) and cached[ks[h]]
+        transient = dup and pins[ks[h]] > 0
+        held = ks[: h + dup]
+        for k in held:
             if pins[k] == 0:
                 pinned_nodes += 1
             pins[k] += 1
-        make_room(new)
-        held = ks[:h]
+        make_room(new - dup + transient)
         own = need[i] - len(ks)  # the partial last page
-        for k in ks[h:]:
-            if cached[k]:
-                own += 1  # the full last page, recomputed because of the cap: a duplicate
-                continue
+        for k in ks[h + dup :]:
             cached[k] = 1
             pins[k] = 1
             tree_size += 1
