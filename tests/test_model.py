@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from attention import PRESETS, ForwardInput, LlamaModel, ModelConfig
+from attention import PRESETS, ForwardInput, LlamaModel, ModelConfig, PagedKVCache
 from attention.metadata import PageTableError, ShapeMismatchError, TokenIdError
 from attention.reference import TorchAttention
 
@@ -125,7 +125,7 @@ def test_bad_input_is_rejected_before_any_kernel(model):
         m.forward([ForwardInput(np.array([-3], np.int64), 0, [0])], kv)
     with pytest.raises(PageTableError, match="page table has 1 pages but 7 tokens need 2"):
         m.forward([ForwardInput(np.arange(3, dtype=np.int32), 4, [0])], kv)
-    wrong_heads = m.make_kv_cache(4, 4).__class__(2, 4, 4, 4, 16)  # 4 KV heads, the model has 2
+    wrong_heads = PagedKVCache(2, 4, 4, 4, 16)  # 4 KV heads, the model has 2
     with pytest.raises(ShapeMismatchError, match="4 KV heads"):
         m.forward([ForwardInput(np.arange(3, dtype=np.int32), 0, [0])], wrong_heads)
     with pytest.raises(ShapeMismatchError, match="not a multiple"):
