@@ -3,7 +3,7 @@ and infinite >= Belady >= every backend on the Mooncake trace."""
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from itertools import combinations
 from pathlib import Path
 
@@ -29,9 +29,9 @@ def req(tokens, output_len: int = 1, **extra) -> RequestSpec:
 
 
 def replay_hits(backend: str, requests, page_size: int, num_pages: int, concurrency: int = 1) -> dict:
-    cache = create_cache(backend, num_pages=num_pages, page_size=page_size)
-    result = replay(cache, requests, concurrency=concurrency)
-    cache.check_invariants()
+    backend_cache = create_cache(backend, num_pages=num_pages, page_size=page_size)
+    result = replay(backend_cache, requests, concurrency=concurrency)
+    backend_cache.check_invariants()
     return result
 
 
@@ -161,21 +161,21 @@ def exhaustive_optimum(requests: list[RequestSpec], ps: int, capacity: int) -> i
     def closed(pages: frozenset[int]) -> bool:
         return all(parent[k] < 0 or parent[k] in pages for k in pages)
 
-    @lru_cache(maxsize=None)
-    def best(i: int, cache: frozenset[int]) -> int:
+    @cache
+    def best(i: int, cached: frozenset[int]) -> int:
         if i == len(requests):
             return 0
         need = -(-pk.prompt_lens[i] // ps)
         if need > capacity:
-            return best(i + 1, cache)
+            return best(i + 1, cached)
         total = -(-(pk.prompt_lens[i] + max(pk.output_lens[i] - 1, 0)) // ps)
         room = capacity - (total if total <= capacity else need)  # for cached pages it does not use
         ks = pk.keys[i].tolist()
         h = 0
-        while h < pk.hittable(i) and ks[h] in cache:
+        while h < pk.hittable(i) and ks[h] in cached:
             h += 1
         own = frozenset(ks)  # every full prompt page is in memory while it runs (hit or computed)
-        others = sorted(cache - own)  # a cached page it recomputes merges with its copy
+        others = sorted(cached - own)  # a cached page it recomputes merges with its copy
         out = 0
         # Keeping more is never worse (evicting later is free), so only the kept set matters.
         for r in range(min(room, len(others)) + 1):
@@ -196,7 +196,7 @@ def exhaustive_optimum(requests: list[RequestSpec], ps: int, capacity: int) -> i
     capacity=st.integers(1, 6),
 )
 def test_belady_equals_the_exhaustive_optimum(prompts, outputs, page_size, capacity):
-    reqs = [req(p, o) for p, o in zip(prompts, outputs)]
+    reqs = [req(p, o) for p, o in zip(prompts, outputs, strict=False)]
     bel = belady_hits(reqs, page_size, capacity)
     assert bel["hit_tokens"] == exhaustive_optimum(reqs, page_size, capacity)
     assert bel["hit_tokens"] <= infinite_hits(reqs, page_size)["hit_tokens"]
@@ -221,7 +221,7 @@ def test_trace_infinite_ge_belady_ge_every_backend(trace, capacity_tokens, concu
     inf = infinite_hits(reqs, 16, keys=pk)
     bel = belady_hits(reqs, 16, num_pages, concurrency, keys=pk)
     assert inf["hit_tokens"] >= bel["hit_tokens"] > 0 and bel["evicted_pages"] > 0
-    assert all(b <= a for a, b in zip(inf["per_request_hits"], bel["per_request_hits"]))
+    assert all(b <= a for a, b in zip(inf["per_request_hits"], bel["per_request_hits"], strict=True))
     for backend in ("none", "apc", "radix"):
         if backend not in available_backends():
             continue
