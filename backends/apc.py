@@ -78,6 +78,7 @@ class APCCache(PrefixCache):
         self._table: dict[BlockHash, KVBlock | dict[int, KVBlock]] = {}
         self._live: dict[str, _Held] = {}
         self._num_cached_free = 0  # hashed blocks with ref 0 (in the free queue)
+        self._num_hashed = 0  # hashed blocks = table entries (each hashed block is one entry)
         self._epoch = 0  # bumped by every eviction: a Match from before is stale
         self._memo_key = object()
         self._counters = dict(lookups=0, lookup_tokens=0, admitted=0, admitted_tokens=0, hit_tokens=0, evicted_pages=0, copied_pages=0)
@@ -208,6 +209,7 @@ class APCCache(PrefixCache):
     def _evicted(self, blocks: list[KVBlock], count: int) -> None:
         """Book-keeping for `count` cached blocks just evicted (`blocks` only in verify mode)."""
         self._num_cached_free -= count
+        self._num_hashed -= count
         self._counters["evicted_pages"] += count
         self._epoch += 1
         for block in blocks:
@@ -252,6 +254,7 @@ class APCCache(PrefixCache):
                     entry[block.block_id] = block
         if self.verify_tokens:
             self._record_contents(seq, held.blocks, held.num_cached, full)
+        self._num_hashed += full - held.num_cached
         held.num_cached = full
 
     def _record_contents(self, seq: Sequence, blocks: list[KVBlock], start: int, stop: int) -> None:
@@ -339,13 +342,10 @@ class APCCache(PrefixCache):
             pages_free=self.free_queue.num_free - self._num_cached_free,
             pages_cached=self._num_cached_free,
             pages_pinned=pinned,
-            metadata_bytes=self.num_pages * _BLOCK_BYTES + self._num_entries() * _ENTRY_BYTES,
-            extra={"table_entries": self._num_entries()},
+            metadata_bytes=self.num_pages * _BLOCK_BYTES + self._num_hashed * _ENTRY_BYTES,
+            extra={"table_entries": self._num_hashed},
             **self._counters,
         )
-
-    def _num_entries(self) -> int:
-        return sum(1 if e.__class__ is KVBlock else len(e) for e in self._table.values())
 
     def cached_blocks_in_lru_order(self) -> list[int]:
         """Ids of cached blocks with no user, next evicted first."""
@@ -384,6 +384,10 @@ class APCCache(PrefixCache):
             for block in members:
                 if block.block_hash != h:
                     fail(f"table entry points at block {block.block_id} whose hash differs")
+        hashed = sum(b.block_hash is not None for b in self.blocks)
+        entries = sum(1 if e.__class__ is KVBlock else len(e) for e in self._table.values())
+        if not hashed == entries == self._num_hashed:
+            fail(f"hashed blocks {hashed}, table entries {entries}, count {self._num_hashed}")
         if cached_free != self._num_cached_free:
             fail(f"cached-free count {self._num_cached_free}, actual {cached_free}")
         s = self.stats()

@@ -1,0 +1,313 @@
+"""The serving protocol (DESIGN §6): continuous batching on a virtual clock.
+
+Each step: requests that have arrived join the waiting queue; running requests get their
+next token (decode) or next prefill chunk first, in admission order; then waiting requests
+are admitted, in FCFS order or longest-cached-prefix first, while the step's token budget
+and the running limit allow. When a running request's pages cannot grow, the most recently
+admitted request is preempted by recompute (vLLM V1's policy): its pages are released (a
+caching backend keeps what it published, so re-admission may hit its own prefix), and it
+goes back to the front of the waiting queue with the tokens it had, to be prefilled again.
+The executor prices the step (cost model) or runs it (model); the clock advances by it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from cachelib.interface import PrefixCache
+from cachelib.types import Sequence
+from experiments.workloads.spec import RequestSpec
+
+ORDERINGS = ("fcfs", "lpf")
+
+
+@dataclass(frozen=True, slots=True)
+class ServingConfig:
+    """Scheduler knobs. `token_budget`: tokens computed per step (decodes + prefill chunks);
+    `max_running`: requests in the batch at most; `ordering`: fcfs | lpf (longest prefix first)."""
+
+    token_budget: int = 8192
+    max_running: int = 256
+    ordering: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        if self.token_budget < 1 or self.max_running < 1:
+            raise ValueError("token_budget and max_running must be positive")
+        if self.ordering not in ORDERINGS:
+            raise ValueError(f"unknown ordering {self.ordering!r}; choose one of {', '.join(ORDERINGS)}")
+
+
+@dataclass(slots=True, eq=False)  # identity: `in running` must not compare fields
+class _Request:
+    spec: RequestSpec
+    seq: Sequence
+    generated: int = 0
+    first_admit_hit: int | None = None
+    hit_tokens: int = 0  # over every admission, re-admissions after preemption included
+    computed_tokens: int = 0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    preempted: int = 0
+    output: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ServingResult:
+    """Per-request outcomes and the run's timeline."""
+
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    timeline: list[tuple[float, int]] = field(default_factory=list)  # (time, pages pinned)
+    steps: int = 0
+    preemptions: int = 0
+    aborted: int = 0
+    cache_seconds: float = 0.0
+    makespan: float = 0.0
+    peak_pages: int = 0
+    outputs: dict[str, list[int]] = field(default_factory=dict)  # with keep_outputs=True
+
+
+def serve(
+    cache: PrefixCache,
+    requests: Seq[RequestSpec],
+    executor: Any,
+    config: ServingConfig = ServingConfig(),
+    *,
+    progress: bool = False,
+    keep_outputs: bool = False,
+) -> ServingResult:
+    """Run `requests` through `cache` and `executor`; returns per-request metrics and the timeline."""
+    pc = time.perf_counter
+    res = ServingResult()
+    pending = deque(sorted(requests, key=lambda s: s.arrival))
+    waiting: deque[_Request] = deque()
+    running: list[_Request] = []
+    now = 0.0
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(requests), desc=f"serve {cache.name}", unit="req", leave=False, mininterval=0.5)
+
+    def timed(fn, *args):
+        t0 = pc()
+        out = fn(*args)
+        res.cache_seconds += pc() - t0
+        return out
+
+    def finish(r: _Request, aborted: bool = False, admitted: bool = True, at: float | None = None) -> None:
+        if admitted:
+            timed(cache.release, r.seq)
+        r.finished_at = now if at is None else at
+        if keep_outputs:
+            res.outputs[r.spec.request_id] = r.output
+        res.aborted += aborted
+        res.requests.append(_record(r, aborted))
+        if bar is not None:
+            bar.update(1)
+
+    def preempt(r: _Request) -> None:
+        timed(cache.release, r.seq)
+        running.remove(r)
+        # recompute: a fresh sequence holding every token so far, at the front of the queue
+        r.seq = Sequence(r.seq.request_id, r.seq.tokens.copy(), r.seq.extra, prefix_id=r.seq.prefix_id)
+        r.preempted += 1
+        res.preemptions += 1
+        waiting.appendleft(r)
+
+    while pending or waiting or running:
+        while pending and pending[0].arrival <= now:
+            spec = pending.popleft()
+            waiting.append(_Request(spec, Sequence(spec.request_id, spec.prompt, spec.extra, prefix_id=spec.prefix_id)))
+        if not waiting and not running:
+            now = pending[0].arrival
+            continue
+        budget = config.token_budget
+        batch: list[tuple[_Request, int]] = []
+        for r in list(running):
+            if r not in running or budget == 0:
+                continue  # preempted by an earlier request of this step
+            n = min(len(r.seq) - r.seq.num_computed, budget)
+            ops = timed(cache.grow, r.seq, r.seq.num_computed + n)
+            while ops is None:
+                victim = running[-1]
+                if victim is r and len(running) == 1:
+                    break  # alone and still no room: it can never finish
+                preempt(victim)
+                if victim is r:
+                    break
+                ops = timed(cache.grow, r.seq, r.seq.num_computed + n)
+            if ops is None:
+                if r in running:
+                    running.remove(r)
+                    finish(r, aborted=True)
+                continue
+            executor.apply_copies(ops)
+            batch.append((r, n))
+            budget -= n
+        live = set(map(id, running))
+        batch = [(r, n) for r, n in batch if id(r) in live]
+        budget = config.token_budget - sum(n for _, n in batch)
+        before = len(batch)
+        _admit(cache, waiting, running, batch, budget, config, executor, timed, finish)
+        admitted_now = len(batch) > before
+        if not batch:
+            if waiting and not running:
+                # nothing runs and the head does not fit in an empty cache: it never will
+                finish(waiting.popleft(), aborted=True, admitted=False)
+                continue
+            if pending:
+                now = max(now, pending[0].arrival)
+            continue
+        k = _decode_window(cache, executor, batch, running, admitted_now, pending, now)
+        if k > 1:
+            now = _run_decode_window(cache, executor, batch, k, now, timed, finish, running, res)
+            continue
+        seconds, tokens = executor.step([(r.seq, n) for r, n in batch])
+        now += seconds
+        res.steps += 1
+        for (r, n), tok in zip(batch, tokens):
+            timed(cache.commit, r.seq, r.seq.num_computed + n)
+            r.computed_tokens += n
+            if tok is None:
+                continue
+            r.generated += 1
+            r.output.append(tok)
+            if r.first_token_at is None:
+                r.first_token_at = now
+            if r.generated >= max(r.spec.output_len, 1):
+                running.remove(r)
+                finish(r)
+            else:
+                r.seq.append(np.array([tok], dtype=np.int32))
+        pinned = cache.stats().pages_pinned
+        res.peak_pages = max(res.peak_pages, pinned)
+        res.timeline.append((now, pinned))
+    res.makespan = now
+    if bar is not None:
+        bar.close()
+    return res
+
+
+#: longest decode window simulated in one go (bounds the per-step time vector)
+MAX_WINDOW = 4096
+
+
+def _decode_window(cache, executor, batch, running, admitted_now, pending, now) -> int:
+    """How many decode steps can be simulated at once, with exactly the outcome of taking
+    them one by one (cost-model executor only).
+
+    Safe while nothing but decoding happens: no admission this step (so none in the window:
+    memory only shrinks while decoding, budget and batch size stay), every running request is
+    decoding, no request finishes before the last step, no arrival before it, and the pages
+    the window needs are free or evictable, so no preemption. Which page ids are handed out
+    can differ from step-by-step order; no hit, eviction count or timing can.
+    """
+    if admitted_now or not hasattr(executor, "decode_step_seconds") or len(batch) != len(running):
+        return 1
+    if any(n != 1 or len(r.seq) - r.seq.num_computed != 1 for r, n in batch):
+        return 1
+    k = min(MAX_WINDOW, min(max(r.spec.output_len, 1) - r.generated for r, _ in batch))
+    if k <= 1:
+        return 1
+    page = cache.page_size
+    computed = np.array([r.seq.num_computed for r, _ in batch], dtype=np.int64)
+    pages = np.array([len(r.seq.page_table) for r, _ in batch], dtype=np.int64)
+    st = cache.stats()
+    spare = st.pages_free + st.pages_cached
+
+    def need(steps: int) -> int:
+        return int(np.maximum(-(-(computed + steps) // page) - pages, 0).sum())
+
+    if need(k) > spare:
+        lo, hi = 1, k  # need(lo) fits (this step's grow succeeded); find the largest that fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if need(mid) <= spare else (lo, mid - 1)
+        k = lo
+    if pending and k > 1:
+        starts = now + np.concatenate(([0.0], np.cumsum(executor.decode_step_seconds(computed, k - 1))))
+        k = int(np.searchsorted(starts, pending[0].arrival, side="left"))  # steps starting before it
+    return max(k, 1)
+
+
+def _run_decode_window(cache, executor, batch, k, now, timed, finish, running, res) -> float:
+    """Take `k` decode steps of `batch` at once; returns the new clock."""
+    computed = np.array([r.seq.num_computed for r, _ in batch], dtype=np.int64)
+    times = executor.decode_step_seconds(computed, k)
+    end = now + float(times.sum())
+    for r, _ in batch:
+        tokens = executor.fresh_tokens(k)
+        r.seq.append(np.array(tokens[:-1], dtype=np.int32))
+        target = r.seq.num_computed + k
+        ops = timed(cache.grow, r.seq, target)
+        if ops is None:
+            raise RuntimeError("decode window ran out of pages; the window check is wrong")
+        executor.apply_copies(ops)
+        timed(cache.commit, r.seq, target)
+        r.computed_tokens += k
+        r.generated += k
+        r.output.extend(tokens)
+    res.steps += k
+    for r, _ in batch:
+        if r.generated >= max(r.spec.output_len, 1):
+            running.remove(r)
+            finish(r, at=end)
+        else:
+            r.seq.append(np.array(r.output[-1:], dtype=np.int32))
+    pinned = cache.stats().pages_pinned
+    res.peak_pages = max(res.peak_pages, pinned)
+    res.timeline.append((end, pinned))
+    return end
+
+
+def _admit(cache, waiting, running, batch, budget, config, executor, timed, finish) -> None:
+    """Admit waiting requests into the step while budget, batch size and memory allow."""
+    if config.ordering == "lpf" and len(waiting) > 1:
+        # SGLang's longest-prefix-first: the longest cached prefix goes first (ties: arrival)
+        order = sorted(waiting, key=lambda r: -timed(cache.match, r.seq).num_tokens)
+    else:
+        order = list(waiting)
+    for r in order:
+        if budget <= 0 or len(running) >= config.max_running:
+            break
+        m = timed(cache.match, r.seq)
+        n = min(len(r.seq) - m.num_tokens, budget)
+        ops = timed(cache.admit, r.seq, m, m.num_tokens + n)
+        if ops is None:
+            break  # head of line blocks: later requests wait too (FCFS fairness)
+        executor.apply_copies(ops)
+        waiting.remove(r)
+        running.append(r)
+        if r.first_admit_hit is None:
+            r.first_admit_hit = m.num_tokens
+        r.hit_tokens += m.num_tokens
+        batch.append((r, n))
+        budget -= n
+
+
+def _record(r: _Request, aborted: bool) -> dict[str, Any]:
+    spec = r.spec
+    ttft = None if r.first_token_at is None else r.first_token_at - spec.arrival
+    tpot = None
+    if r.first_token_at is not None and r.finished_at is not None and r.generated > 1:
+        tpot = (r.finished_at - r.first_token_at) / (r.generated - 1)
+    return {
+        "request_id": spec.request_id,
+        "arrival": spec.arrival,
+        "prompt_tokens": int(len(spec.prompt_source) if hasattr(spec.prompt_source, "__len__") else len(spec.prompt)),
+        "hit_tokens": r.first_admit_hit or 0,
+        "hit_tokens_all_admissions": r.hit_tokens,
+        "computed_tokens": r.computed_tokens,
+        "generated": r.generated,
+        "ttft": ttft,
+        "tpot": tpot,
+        "finished_at": r.finished_at,
+        "preempted": r.preempted,
+        "aborted": aborted,
+    }
