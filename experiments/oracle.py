@@ -110,6 +110,8 @@ def page_keys(requests: Seq[RequestSpec], page_size: int) -> PageKeys:
     prompt_lens: list[int] = []
     for spec in requests:
         tokens = np.ascontiguousarray(spec.prompt, dtype=np.int32)
+        if tokens.size == 0:
+            raise ValueError(f"request {spec.request_id!r}: empty prompt")
         n_full = tokens.size // page_size
         chain: list[int] = []
         prev = -1
