@@ -1,7 +1,8 @@
-"""Command line: `python -m experiments replay ...`.
+"""Command line: `python -m experiments replay|run|compare|sweep|report|workloads ...`.
 
 Exit codes: 0 success; 2 bad usage (argparse: a missing or malformed option); 3 bad input
-(unknown backend, a trace that does not exist or cannot be parsed, bad sizes or options).
+(unknown backend, workload or knob, a trace that does not exist or cannot be parsed, a
+capacity smaller than one request, bad sizes or options).
 """
 
 from __future__ import annotations
@@ -82,8 +83,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from experiments.cli_compare import add_comparison_commands
+
     parser = argparse.ArgumentParser(prog="python -m experiments", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    add_comparison_commands(sub, _positive_int)
     rp = sub.add_parser("replay", help="sequential replay of a Mooncake JSONL trace (DESIGN §6)")
     rp.add_argument("--backend", required=True, help="apc | radix | paged | none (any registered name)")
     rp.add_argument("--trace", required=True, type=Path, help="Mooncake JSONL trace")
@@ -106,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (BadInput, CacheError, TraceFormatError, FileNotFoundError, ValueError) as exc:
+    except (BadInput, CacheError, TraceFormatError, FileNotFoundError, ValueError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
 

@@ -1,0 +1,171 @@
+"""One cell of an experiment: a backend at a capacity and page size on a workload.
+
+A cell runs two protocols on the same cache geometry:
+- the replay protocol (sequential, exact; the one the bounds are defined for): hit rate,
+  evictions, cache-manager µs per request;
+- the serving protocol (continuous batching on a virtual clock) through an executor: TTFT,
+  TPOT, throughput, preemptions, peak pages, and the hit rate under concurrency.
+Its result is a JSON-able dict holding the full configuration, so `report` can redraw
+every figure from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from cachelib import create_cache
+from cachelib.interface import PrefixCache
+from experiments.engine import replay
+from experiments.executors import DEVICE_PROFILES, CostModelExecutor, ModelExecutor
+from experiments.metrics import serving_metrics
+from experiments.serving import ServingConfig, serve
+from experiments.workloads.generators import Workload
+from experiments.workloads.registry import make_workload
+
+PROTOCOLS = ("replay", "serving", "both")
+EXECUTORS = ("cost", "model")
+
+
+class CapacityError(ValueError):
+    """The capacity cannot hold even one request of the workload."""
+
+
+@dataclass(frozen=True)
+class CellConfig:
+    """Everything that defines a cell; `key()` names its result file in a sweep."""
+
+    backend: str
+    workload: str
+    capacity_tokens: int
+    page_size: int = 16
+    knobs: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    protocol: str = "both"
+    executor: str = "cost"
+    device: str = "h200"
+    model: str = "llama3-8b"
+    token_budget: int = 8192
+    max_running: int = 256
+    ordering: str = "fcfs"
+    backend_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"unknown protocol {self.protocol!r}; choose one of {', '.join(PROTOCOLS)}")
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"unknown executor {self.executor!r}; choose one of {', '.join(EXECUTORS)}")
+        if self.device not in DEVICE_PROFILES:
+            raise ValueError(f"unknown device {self.device!r}; choose one of {', '.join(DEVICE_PROFILES)}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def key(self) -> str:
+        blob = json.dumps(self.as_dict(), sort_keys=True, default=str).encode()
+        return f"{self.workload}-{self.backend}-c{self.capacity_tokens}-p{self.page_size}-{hashlib.sha1(blob).hexdigest()[:10]}"
+
+
+def build_workload(cfg: CellConfig) -> Workload:
+    return make_workload(cfg.workload, seed=cfg.seed, **cfg.knobs)
+
+
+def check_capacity(workload: Workload, capacity_tokens: int, page_size: int) -> int:
+    """Pages at this capacity; `CapacityError` if the largest request does not fit alone."""
+    num_pages = capacity_tokens // page_size
+    worst = max(workload.requests, key=lambda s: _prompt_len(s) + s.output_len)
+    need = -(-(_prompt_len(worst) + worst.output_len) // page_size)
+    if num_pages < need:
+        raise CapacityError(
+            f"capacity {capacity_tokens} tokens ({num_pages} pages of {page_size}) is smaller than request "
+            f"{worst.request_id!r}, which needs {need * page_size} tokens"
+        )
+    return num_pages
+
+
+def _prompt_len(spec) -> int:
+    src = spec.prompt_source
+    return len(src) if hasattr(src, "__len__") else len(spec.prompt)
+
+
+def _declare_prefixes(cache: PrefixCache, workload: Workload, executor) -> tuple[list, float]:
+    """Register the workload's declared prefixes on a backend that shares only what is
+    declared, compute their KV once, and remap the requests' prefix ids to the backend's."""
+    requests = workload.requests
+    if not workload.declared_prefixes:
+        return requests, 0.0
+    if not hasattr(cache, "register_prefix"):
+        # automatic backends find the prefix themselves; the ids mean nothing to them
+        return [dataclasses.replace(s, prefix_id=None) for s in requests], 0.0
+    mapping: dict[int, int] = {}
+    seconds = 0.0
+    for wid, tokens in workload.declared_prefixes.items():
+        pid = cache.register_prefix(tokens, workload.extra_of_prefix(wid))
+        if pid is None:
+            raise CapacityError(f"declared prefix {wid} ({len(tokens)} tokens) does not fit the capacity")
+        pseq = cache.prefix_sequence(pid)
+        step_seconds, _ = executor.step([(pseq, len(pseq))])
+        seconds += step_seconds
+        cache.commit(pseq, len(pseq))
+        mapping[wid] = pid
+    remapped = [s if s.prefix_id is None else dataclasses.replace(s, prefix_id=mapping[s.prefix_id]) for s in requests]
+    return remapped, seconds
+
+
+def make_executor(cfg: CellConfig, num_pages: int):
+    if cfg.executor == "cost":
+        from experiments.executors import ModelShape, llama3_8b_shape
+
+        if cfg.model == "llama3-8b":
+            return CostModelExecutor(llama3_8b_shape(), cfg.device)
+        from attention.model import PRESETS
+
+        return CostModelExecutor(ModelShape.from_config(PRESETS[cfg.model]), cfg.device)
+    from attention.model import LlamaModel, PRESETS
+
+    if cfg.model not in PRESETS:
+        raise ValueError(f"unknown model {cfg.model!r}; choose one of {', '.join(PRESETS)}")
+    return ModelExecutor(LlamaModel(PRESETS[cfg.model], seed=cfg.seed), num_pages, cfg.page_size)
+
+
+def run_cell(cfg: CellConfig, workload: Workload | None = None, *, progress: bool = False) -> dict[str, Any]:
+    """Run one cell; returns config, metrics and the series the plots need."""
+    workload = workload or build_workload(cfg)
+    num_pages = check_capacity(workload, cfg.capacity_tokens, cfg.page_size)
+    out: dict[str, Any] = {"config": cfg.as_dict(), "workload_config": workload.config, "num_pages": num_pages}
+    started = time.perf_counter()
+    if cfg.protocol in ("replay", "both"):
+        cache = create_cache(cfg.backend, num_pages=num_pages, page_size=cfg.page_size, **cfg.backend_options)
+        executor = CostModelExecutor()  # replay needs no timing; only prefix set-up runs through it
+        requests, _ = _declare_prefixes(cache, workload, executor)
+        r = replay(cache, requests, progress=progress)
+        r.pop("per_request_hits")
+        out["replay"] = r
+    if cfg.protocol in ("serving", "both"):
+        cache = create_cache(cfg.backend, num_pages=num_pages, page_size=cfg.page_size, **cfg.backend_options)
+        executor = make_executor(cfg, num_pages)
+        requests, setup = _declare_prefixes(cache, workload, executor)
+        sc = ServingConfig(cfg.token_budget, cfg.max_running, cfg.ordering)
+        res = serve(cache, requests, executor, sc, progress=progress)
+        out["serving"] = serving_metrics(res, cache.stats(), setup_seconds=setup)
+    out["wall_seconds"] = time.perf_counter() - started
+    return out
+
+
+def bounds(workload: Workload, page_size: int, capacities: list[int]) -> dict[str, Any]:
+    """Infinite-capacity and Belady hit rates (replay protocol) for each capacity."""
+    from experiments.oracle import belady_hits, infinite_hits, page_keys
+
+    keys = page_keys(workload.requests, page_size)
+    inf = infinite_hits(workload.requests, page_size, keys=keys)
+    out = {"page_size": page_size, "infinite": {"hit_rate": inf["hit_rate"], "hit_tokens": inf["hit_tokens"]}, "belady": {}}
+    for cap in capacities:
+        b = belady_hits(workload.requests, page_size, cap // page_size, keys=keys)
+        out["belady"][str(cap)] = {"hit_rate": b["hit_rate"], "hit_tokens": b["hit_tokens"]}
+    return out
