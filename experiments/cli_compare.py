@@ -127,7 +127,7 @@ def cmd_compare(args: argparse.Namespace, *, single: bool = False) -> int:
     out["wall_seconds"] = time.perf_counter() - started
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "results.json").write_text(json.dumps(out, indent=1) + "\\n")
+    (out_dir / "results.json").write_text(json.dumps(out, indent=1) + "\n")
     paths = render(out, out_dir)
     for cap in capacities:
         row = [c for c in results if c["config"]["capacity_tokens"] == cap]

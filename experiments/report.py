@@ -166,7 +166,8 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[str]:
             ax.set_xlabel(xlabel)
             ax.grid(alpha=0.3)
         axes[0][0].set_ylabel(ylabel)
-        axes[0][0].legend(fontsize=8)
+        if drew:
+            axes[0][0].legend(fontsize=8)
         fig.tight_layout()
         if drew:
             fig.savefig(out_dir / fname, dpi=110)
