@@ -20,6 +20,7 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "apc": "backends.apc",
     "radix": "backends.radix",
     "paged": "backends.paged",
+    "radix-aged": "backends.radix_aged",
 }
 
 _registry: dict[str, type[PrefixCache]] = {}
