@@ -352,6 +352,12 @@ class PagedCache(PrefixCache):
             **self._counters,
         )
 
+    def pages_pinned(self) -> int:
+        return self.num_pages - len(self._free)  # O(1); stats() walks every ref count
+
+    def pages_reclaimable(self) -> int:
+        return len(self._free)  # nothing is cached: declared prefixes stay pinned
+
     def ref_count(self, page: int) -> int:
         """How many tables and prefix registrations hold `page` (0 = free)."""
         return self._ref[page]

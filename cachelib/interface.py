@@ -90,6 +90,16 @@ class PrefixCache(ABC):
     def check_invariants(self) -> None:
         """Raise `InvariantViolation` on any broken invariant. Read-only, O(size of cache)."""
 
+    def pages_pinned(self) -> int:
+        """Pages held by live sequences (or pinned registrations): `stats().pages_pinned`.
+        Engines ask this every step; a backend whose `stats()` is not O(1) overrides it."""
+        return self.stats().pages_pinned
+
+    def pages_reclaimable(self) -> int:
+        """Pages an allocation can get without touching a live sequence: free + cached."""
+        st = self.stats()
+        return st.pages_free + st.pages_cached
+
     # -- helpers for backends ---------------------------------------------------------
 
     def pages_for(self, num_tokens: int) -> int:

@@ -135,6 +135,17 @@ class Sequence:
         self._buf[self._len : need] = new
         self._len = need
 
+    def append_token(self, token: int) -> None:
+        """Append one generated token id (the decode hot path: no array round trip)."""
+        if not 0 <= token <= INT32_MAX:
+            raise InvalidRequestError(f"request {self.request_id!r}: token id {token} outside [0, {INT32_MAX}]")
+        if self._len == self._buf.size:
+            grown = np.empty(2 * self._buf.size, dtype=np.int32)
+            grown[: self._len] = self._buf
+            self._buf = grown
+        self._buf[self._len] = token
+        self._len += 1
+
     def fork(self, request_id: str) -> Sequence:
         """A new sequence with the same tokens and extra keys and an empty page table."""
         child = Sequence(request_id, self._buf[: self._len].copy(), self.extra, prefix_id=self.prefix_id)

@@ -71,7 +71,7 @@ def _cells(args, backends, capacities, page_size, workload_name, knobs) -> list[
             cells.append(
                 CellConfig(
                     backend=b, workload=workload_name, capacity_tokens=cap, page_size=page_size, knobs=knobs,
-                    seed=args.seed, protocol=args.protocol, executor=args.executor, device=args.device, model=args.model,
+                    seed=args.seed, protocol=args.protocol, executor=args.executor, device=args.device, model=args.model, attention=args.attention,
                     token_budget=args.token_budget, max_running=args.max_running, ordering=args.ordering, backend_options=opts,
                 )
             )
@@ -172,6 +172,7 @@ def add_comparison_commands(sub, positive_int) -> None:
         p.add_argument("--executor", default="cost", choices=["cost", "model"], help="cost model (virtual time) or the real model")
         p.add_argument("--device", default="h200", help="cost-model device profile: h200 | h100 | cpu")
         p.add_argument("--model", default="llama3-8b", help="model shape: llama3-8b | tiny (model executor: tiny on CPU)")
+        p.add_argument("--attention", default="auto", choices=["auto", "torch", "flashinfer"], help="model executor's kernel (auto: flashinfer when CUDA and flashinfer are present)")
         p.add_argument("--token-budget", type=positive_int, default=8192)
         p.add_argument("--max-running", type=positive_int, default=256)
         p.add_argument("--ordering", default="fcfs", choices=["fcfs", "lpf"])

@@ -159,6 +159,8 @@ class ModelExecutor:
             self.kv.apply(ops)
 
     def step(self, batch: list[tuple[Sequence, int]]) -> tuple[float, list[int | None]]:
+        import torch
+
         from attention.model import ForwardInput
 
         inputs = [
@@ -173,7 +175,7 @@ class ModelExecutor:
             if seq.num_computed + n == len(seq):
                 row = logits[i]
                 self.logits.setdefault(seq.request_id, []).append(row.detach().clone())
-                out.append(int(np.argmax(row.detach().float().numpy())))
+                out.append(int(torch.argmax(row.detach().float()).item()))
             else:
                 out.append(None)
         return seconds, out

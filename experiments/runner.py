@@ -51,6 +51,7 @@ class CellConfig:
     executor: str = "cost"
     device: str = "h200"
     model: str = "llama3-8b"
+    attention: str = "auto"  # model executor: auto | torch | flashinfer
     token_budget: int = 8192
     max_running: int = 256
     ordering: str = "fcfs"
@@ -131,7 +132,15 @@ def make_executor(cfg: CellConfig, num_pages: int):
 
     if cfg.model not in PRESETS:
         raise ValueError(f"unknown model {cfg.model!r}; choose one of {', '.join(PRESETS)}")
-    return ModelExecutor(LlamaModel(PRESETS[cfg.model], seed=cfg.seed), num_pages, cfg.page_size)
+    device = "cuda" if cfg.attention != "torch" and _cuda() else "cpu"
+    model = LlamaModel(PRESETS[cfg.model], seed=cfg.seed, device=device, attention=cfg.attention)
+    return ModelExecutor(model, num_pages, cfg.page_size)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def run_cell(cfg: CellConfig, workload: Workload | None = None, *, progress: bool = False) -> dict[str, Any]:

@@ -133,7 +133,9 @@ def serve(
             if r not in running or budget == 0:
                 continue  # preempted by an earlier request of this step
             n = min(len(r.seq) - r.seq.num_computed, budget)
-            ops = timed(cache.grow, r.seq, r.seq.num_computed + n)
+            t0 = pc()
+            ops = cache.grow(r.seq, r.seq.num_computed + n)
+            res.cache_seconds += pc() - t0
             while ops is None:
                 victim = running[-1]
                 if victim is r and len(running) == 1:
@@ -172,7 +174,9 @@ def serve(
         now += seconds
         res.steps += 1
         for (r, n), tok in zip(batch, tokens):
-            timed(cache.commit, r.seq, r.seq.num_computed + n)
+            t0 = pc()
+            cache.commit(r.seq, r.seq.num_computed + n)
+            res.cache_seconds += pc() - t0
             r.computed_tokens += n
             if tok is None:
                 continue
@@ -184,8 +188,8 @@ def serve(
                 running.remove(r)
                 finish(r)
             else:
-                r.seq.append(np.array([tok], dtype=np.int32))
-        pinned = cache.stats().pages_pinned
+                r.seq.append_token(tok)
+        pinned = cache.pages_pinned()
         res.peak_pages = max(res.peak_pages, pinned)
         res.timeline.append((now, pinned))
     res.makespan = now
@@ -218,8 +222,7 @@ def _decode_window(cache, executor, batch, running, admitted_now, pending, now) 
     page = cache.page_size
     computed = np.array([r.seq.num_computed for r, _ in batch], dtype=np.int64)
     pages = np.array([len(r.seq.page_table) for r, _ in batch], dtype=np.int64)
-    st = cache.stats()
-    spare = st.pages_free + st.pages_cached
+    spare = cache.pages_reclaimable()
 
     def need(steps: int) -> int:
         return int(np.maximum(-(-(computed + steps) // page) - pages, 0).sum())
@@ -259,8 +262,8 @@ def _run_decode_window(cache, executor, batch, k, now, timed, finish, running, r
             running.remove(r)
             finish(r, at=end)
         else:
-            r.seq.append(np.array(r.output[-1:], dtype=np.int32))
-    pinned = cache.stats().pages_pinned
+            r.seq.append_token(r.output[-1])
+    pinned = cache.pages_pinned()
     res.peak_pages = max(res.peak_pages, pinned)
     res.timeline.append((end, pinned))
     return end
