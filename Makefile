@@ -1,4 +1,5 @@
 # `make setup` builds .venv (CPU torch pinned first, so pip never pulls a CUDA build);
+# the ray extra (about 80 MB, seconds to install) lets the suite run `sweep --ray local`;
 # `make test` runs the suite; `make replay` runs the main job.
 PY ?= python3
 VENV := .venv
@@ -13,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,plots]'
+	$(BIN)/pip install -q -e '.[dev,plots,ray]'
 	touch $(STAMP)
 
 test: setup

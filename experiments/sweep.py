@@ -1,13 +1,20 @@
 """A resumable grid: workloads x page sizes x capacities x backends.
 
-Each finished cell is written to `OUT/cells/<key>.json` the moment it finishes; a rerun
-skips every cell whose file exists, so an interrupted sweep resumes where it stopped. One
-report per (workload, page size) is rendered into `OUT/<workload>-p<page>/`.
+Each finished cell is written to `OUT/cells/<key>.json` the moment it finishes (atomically:
+a temporary file renamed into place, so an interrupted write never looks finished); a
+rerun skips every cell whose file exists and parses, so an interrupted sweep resumes where
+it stopped. The key hashes the cell's whole configuration, so changing any setting (a knob,
+the seed, the executor...) makes new cells rather than reusing stale ones. One report per
+(workload, page size) is rendered into `OUT/<workload>-p<page>/` from the cell files.
+
+Cells run in local processes (`--jobs N`) or on Ray (`--ray local|ADDRESS`, see
+`experiments/ray_runner.py`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -18,40 +25,125 @@ from experiments.runner import CellConfig, build_workload, check_capacity
 DEFAULT_CAPACITIES = [25_000, 50_000, 100_000, 200_000]
 
 
+def _workload_knobs(wname: str, knobs: dict[str, Any], args) -> dict[str, Any]:
+    """The knobs that apply to one workload of the grid.
+
+    Without `--knob` (and `--trace`) the knobs are the built-in defaults of `--workload`
+    and belong to it alone; given knobs go to every workload of the grid that takes them."""
+    if not getattr(args, "knob", None) and not args.trace:
+        return knobs if wname == args.workload else {}
+    from experiments.workloads.registry import WORKLOADS, knobs_of
+
+    if len(set(args.workloads or [])) <= 1 or wname not in WORKLOADS:
+        return knobs  # one workload: make_workload names a knob it does not take, or an unknown name
+    accepted = knobs_of(wname)
+    return {k: v for k, v in knobs.items() if k in accepted}
+
+
+def _check_knobs_used(workloads: list[str], knobs: dict[str, Any], per: dict[str, dict[str, Any]]) -> None:
+    from experiments.workloads.registry import WorkloadError
+
+    unused = [k for k in knobs if not any(k in per[w] for w in workloads)]
+    if unused:
+        raise WorkloadError(f"knob(s) {', '.join(unused)} taken by none of the workloads {', '.join(workloads)}")
+
+
+def _done(path: Path) -> bool:
+    """A finished cell: its file exists and holds a result (a torn file is rerun)."""
+    try:
+        return "config" in json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def _write_cell(cell_dir: Path, cfg: CellConfig, res: dict[str, Any]) -> None:
+    path = cell_dir / f"{cfg.key()}.json"
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(res) + "\n")
+    os.replace(tmp, path)
+
+
 def run_sweep(args, backends, knobs_of, cells_of, execute, bounds, render, commit) -> int:
     out_dir = Path(args.output_dir)
     cell_dir = out_dir / "cells"
     cell_dir.mkdir(parents=True, exist_ok=True)
-    workloads = args.workloads or (["mooncake"] if args.trace else [args.workload])
+    workloads = list(dict.fromkeys(args.workloads or (["mooncake"] if args.trace else [args.workload])))
     knobs = knobs_of(args)
+    per = {w: _workload_knobs(w, knobs, args) for w in workloads}
+    if getattr(args, "knob", None) or args.trace:
+        _check_knobs_used(workloads, knobs, per)
     capacities = args.capacity_tokens or DEFAULT_CAPACITIES
+    page_sizes = list(dict.fromkeys(args.page_size))
     started = time.perf_counter()
     plan: list[tuple[str, int, list[CellConfig]]] = []
     for wname in workloads:
-        wknobs = knobs if wname == (args.workload if not args.trace else "mooncake") else {}
-        for page in args.page_size:
-            wl = build_workload(CellConfig(backend=backends[0], workload=wname, capacity_tokens=capacities[0], knobs=wknobs, seed=args.seed))
+        wl = build_workload(
+            CellConfig(
+                backend=backends[0], workload=wname, capacity_tokens=capacities[0], knobs=per[wname], seed=args.seed
+            )
+        )
+        for page in page_sizes:
             for cap in capacities:
                 check_capacity(wl, cap, page)
-            plan.append((wname, page, cells_of(args, backends, capacities, page, wname, wknobs)))
-    todo = [c for _, _, cells in plan for c in cells if not (cell_dir / f"{c.key()}.json").exists()]
+            plan.append((wname, page, cells_of(args, backends, capacities, page, wname, per[wname])))
+    todo = [c for _, _, cells in plan for c in cells if not _done(cell_dir / f"{c.key()}.json")]
     total = sum(len(cells) for _, _, cells in plan)
     print(f"sweep: {total} cells, {total - len(todo)} already done, {len(todo)} to run", file=sys.stderr)
-    # run in batches so each finished batch is on disk before the next starts
-    batch = max(args.jobs, 1)
-    for i in range(0, len(todo), batch):
-        chunk = todo[i : i + batch]
-        for cfg, res in zip(chunk, execute(chunk, args.jobs, not args.no_progress, args.ray)):
-            (cell_dir / f"{cfg.key()}.json").write_text(json.dumps(res) + "\n")
-        print(f"  {min(i + batch, len(todo))}/{len(todo)} cells", file=sys.stderr)
+    if args.ray:
+        from experiments.ray_runner import run_on_ray
+
+        finished = 0
+
+        def on_result(cfg: CellConfig, res: dict[str, Any]) -> None:
+            nonlocal finished
+            _write_cell(cell_dir, cfg, res)
+            finished += 1
+            if not args.no_progress:
+                print(
+                    f"  {finished}/{len(todo)} cells ({cfg.backend} @ {cfg.capacity_tokens:,} tokens, page {cfg.page_size}, {cfg.workload})",
+                    file=sys.stderr,
+                )
+
+        run_on_ray(todo, args.ray, on_result, num_cpus=args.jobs if args.jobs > 1 else None)
+    else:
+        # run in batches so each finished batch is on disk before the next starts
+        batch = max(args.jobs, 1)
+        for i in range(0, len(todo), batch):
+            chunk = todo[i : i + batch]
+            try:
+                results = execute(chunk, args.jobs, not args.no_progress)
+            except Exception:
+                names = ", ".join(
+                    f"{c.key()} ({c.backend} @ {c.capacity_tokens} tokens, page {c.page_size}, {c.workload})"
+                    for c in chunk
+                )
+                print(f"sweep: failed while running {names}; finished cells are kept, rerun to resume", file=sys.stderr)
+                raise
+            for cfg, res in zip(chunk, results, strict=True):
+                _write_cell(cell_dir, cfg, res)
+            print(f"  {min(i + batch, len(todo))}/{len(todo)} cells", file=sys.stderr)
+    argv = getattr(args, "argv", None)
     for wname, page, cells in plan:
         wl = build_workload(cells[0])
         results: dict[str, Any] = {
-            "command": "python -m experiments " + " ".join(sys.argv[1:]),
+            "command": "python -m experiments " + " ".join(sys.argv[1:] if argv is None else argv),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "commit": commit(),
             "workload": {"name": wl.name, "config": wl.config, "requests": len(wl)},
-            "settings": {k: getattr(cells[0], k) for k in ("page_size", "executor", "device", "model", "token_budget", "max_running", "ordering", "protocol", "seed")},
+            "settings": {
+                k: getattr(cells[0], k)
+                for k in (
+                    "page_size",
+                    "executor",
+                    "device",
+                    "model",
+                    "token_budget",
+                    "max_running",
+                    "ordering",
+                    "protocol",
+                    "seed",
+                )
+            },
             "backends": backends,
             "capacities": capacities,
             "bounds": None if args.no_bounds else bounds(wl, page, capacities),
