@@ -7,12 +7,11 @@ and returned to the back of the free list (FIFO), which keeps runs reproducible.
 
 from __future__ import annotations
 
-from collections import deque
-
 import numpy as np
 
 from cachelib.errors import InvalidRequestError, InvariantViolation
 from cachelib.interface import PrefixCache
+from cachelib.page_pool import FifoPagePool
 from cachelib.registry import register_backend
 from cachelib.types import CacheStats, CopyOp, Match, Sequence
 
@@ -25,7 +24,7 @@ class NoCache(PrefixCache):
 
     def __init__(self, num_pages: int, page_size: int) -> None:
         super().__init__(num_pages, page_size)
-        self._free: deque[int] = deque(range(num_pages))
+        self._free = FifoPagePool(num_pages)
         self._live: dict[str, Sequence] = {}
         self._counters = dict(lookups=0, lookup_tokens=0, admitted=0, admitted_tokens=0, copied_pages=0)
 
@@ -43,7 +42,7 @@ class NoCache(PrefixCache):
         need = self.pages_for(num_tokens)
         if need > len(self._free):
             return None
-        seq.page_table = [self._free.popleft() for _ in range(need)]
+        seq.page_table = self._free.take(need)
         seq.num_computed = 0
         self._live[seq.request_id] = seq
         self._counters["admitted"] += 1
@@ -56,7 +55,8 @@ class NoCache(PrefixCache):
         need = self.pages_for(num_tokens) - len(seq.page_table)
         if need > len(self._free):
             return None
-        seq.page_table.extend(self._free.popleft() for _ in range(max(need, 0)))
+        if need > 0:
+            seq.page_table.extend(self._free.take(need))
         return []
 
     def commit(self, seq: Sequence, num_computed: int) -> None:
@@ -75,7 +75,7 @@ class NoCache(PrefixCache):
         need = self.pages_for(computed)
         if need > len(self._free):
             return None
-        child.page_table = [self._free.popleft() for _ in range(need)]
+        child.page_table = self._free.take(need)
         child.num_computed = computed
         self._live[child.request_id] = child
         self._counters["copied_pages"] += need
@@ -84,7 +84,7 @@ class NoCache(PrefixCache):
     def release(self, seq: Sequence) -> None:
         self._check_live(seq, self._live)
         del self._live[seq.request_id]
-        self._free.extend(seq.page_table)
+        self._free.give(seq.page_table)
 
     def evict(self, num_pages: int) -> int:
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:

@@ -34,13 +34,13 @@ does: a workload without forks or prefixes gets exactly the page ids it gets on 
 
 from __future__ import annotations
 
-from collections import deque
 from itertools import count
 
 import numpy as np
 
 from cachelib.errors import InvalidRequestError, InvariantViolation, StaleMatchError
 from cachelib.interface import PrefixCache
+from cachelib.page_pool import FifoPagePool
 from cachelib.registry import register_backend
 from cachelib.types import NO_EXTRA, CacheStats, CopyOp, ExtraKeys, Match, Sequence, as_token_ids
 
@@ -85,7 +85,7 @@ class PagedCache(PrefixCache):
     def __init__(self, num_pages: int, page_size: int) -> None:
         super().__init__(num_pages, page_size)
         self._ref = [0] * num_pages
-        self._free: deque[int] = deque(range(num_pages))
+        self._free = FifoPagePool(num_pages)
         self._live: dict[str, _Table] = {}
         self._prefixes: dict[int, _Prefix] = {}
         self._prefix_ids = count(1)  # from 1, so a prefix id is never falsy
@@ -281,18 +281,20 @@ class PagedCache(PrefixCache):
 
     def _take(self, n: int) -> list[int]:
         """Pop `n` free blocks (the caller checked there are enough) and give each ref 1."""
-        out = [self._free.popleft() for _ in range(n)]
+        out = self._free.take(n)
         for b in out:
             self._ref[b] = 1
         return out
 
     def _drop(self, blocks: list[int]) -> None:
         """One holder lets go of `blocks`; a block whose last holder left returns to the pool."""
-        ref, free = self._ref, self._free
+        ref = self._ref
+        freed = []
         for b in blocks:
             ref[b] -= 1
             if ref[b] == 0:
-                free.append(b)
+                freed.append(b)
+        self._free.give(freed)
 
     def _shared_in(self, blocks: list[int], lo: int, hi: int, extra_ref: int = 0) -> list[int]:
         """Indices of `blocks` overlapping tokens `[lo, hi)` whose ref (plus `extra_ref`) > 1."""

@@ -119,12 +119,11 @@ class PrefixCache(ABC):
         return state
 
     def _check_num_tokens(self, seq: Sequence, num_tokens: int, lo: int) -> None:
+        if type(num_tokens) is int and lo <= num_tokens <= len(seq):
+            return  # the hot path: one type check, one comparison
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
             raise InvalidRequestError(f"num_tokens must be an int, got {num_tokens!r}")
-        if not lo <= num_tokens <= len(seq):
-            raise InvalidRequestError(
-                f"request {seq.request_id!r}: num_tokens {num_tokens} outside [{lo}, {len(seq)}]"
-            )
+        raise InvalidRequestError(f"request {seq.request_id!r}: num_tokens {num_tokens} outside [{lo}, {len(seq)}]")
 
     def _check_match(self, seq: Sequence, match: Match) -> None:
         if not isinstance(match, Match) or match.request_id != seq.request_id:

@@ -115,11 +115,15 @@ def serve(
         timed(cache.release, r.seq)
         running.remove(r)
         # recompute: a fresh sequence holding every token so far, at the front of the queue
-        r.seq = Sequence(r.seq.request_id, r.seq.tokens.copy(), r.seq.extra, prefix_id=r.seq.prefix_id)
+        old = r.seq
+        r.seq = Sequence(old.request_id, old.tokens.copy(), old.extra, prefix_id=old.prefix_id)
+        r.seq.cache_memo = old.cache_memo  # same tokens: the cache's per-sequence memo (block hashes) still holds
         r.preempted += 1
         res.preemptions += 1
+        gone.add(id(r))
         waiting.appendleft(r)
 
+    gone: set[int] = set()  # ids of requests preempted during the current step
     while pending or waiting or running:
         while pending and pending[0].arrival <= now:
             spec = pending.popleft()
@@ -129,8 +133,9 @@ def serve(
             continue
         budget = config.token_budget
         batch: list[tuple[_Request, int]] = []
+        gone.clear()
         for r in list(running):
-            if r not in running or budget == 0:
+            if budget == 0 or id(r) in gone:
                 continue  # preempted by an earlier request of this step
             n = min(len(r.seq) - r.seq.num_computed, budget)
             t0 = pc()
@@ -145,15 +150,15 @@ def serve(
                     break
                 ops = timed(cache.grow, r.seq, r.seq.num_computed + n)
             if ops is None:
-                if r in running:
+                if id(r) not in gone:
                     running.remove(r)
                     finish(r, aborted=True)
                 continue
             executor.apply_copies(ops)
             batch.append((r, n))
             budget -= n
-        live = set(map(id, running))
-        batch = [(r, n) for r, n in batch if id(r) in live]
+        if gone:
+            batch = [(r, n) for r, n in batch if id(r) not in gone]
         budget = config.token_budget - sum(n for _, n in batch)
         before = len(batch)
         _admit(cache, waiting, running, batch, budget, config, executor, timed, finish)
@@ -273,19 +278,19 @@ def _admit(cache, waiting, running, batch, budget, config, executor, timed, fini
     """Admit waiting requests into the step while budget, batch size and memory allow."""
     if config.ordering == "lpf" and len(waiting) > 1:
         # SGLang's longest-prefix-first: the longest cached prefix goes first (ties: arrival)
-        order = sorted(waiting, key=lambda r: -timed(cache.match, r.seq).num_tokens)
-    else:
-        order = list(waiting)
-    for r in order:
-        if budget <= 0 or len(running) >= config.max_running:
-            break
+        ordered = sorted(waiting, key=lambda r: -timed(cache.match, r.seq).num_tokens)
+        waiting.clear()
+        waiting.extend(ordered)
+    # FCFS: the head blocks the line, so only the head is ever tried (O(1) per step)
+    while waiting and budget > 0 and len(running) < config.max_running:
+        r = waiting[0]
         m = timed(cache.match, r.seq)
         n = min(len(r.seq) - m.num_tokens, budget)
         ops = timed(cache.admit, r.seq, m, m.num_tokens + n)
         if ops is None:
             break  # head of line blocks: later requests wait too (FCFS fairness)
         executor.apply_copies(ops)
-        waiting.remove(r)
+        waiting.popleft()
         running.append(r)
         if r.first_admit_hit is None:
             r.first_admit_hit = m.num_tokens
