@@ -30,6 +30,7 @@ treated as a miss: conservative, never wrong.)
 from __future__ import annotations
 
 from itertools import islice
+
 import numpy as np
 
 from cachelib.errors import InvalidRequestError, InvariantViolation, StaleMatchError
@@ -81,7 +82,9 @@ class APCCache(PrefixCache):
         self._num_hashed = 0  # hashed blocks = table entries (each hashed block is one entry)
         self._epoch = 0  # bumped by every eviction: a Match from before is stale
         self._memo_key = object()
-        self._counters = dict(lookups=0, lookup_tokens=0, admitted=0, admitted_tokens=0, hit_tokens=0, evicted_pages=0, copied_pages=0)
+        self._counters = dict(
+            lookups=0, lookup_tokens=0, admitted=0, admitted_tokens=0, hit_tokens=0, evicted_pages=0, copied_pages=0
+        )
         if verify_tokens:
             # what each cached block was computed from: tokens, extra keys, parent instance
             self._tokens = np.zeros((num_pages, page_size), dtype=np.int32)
@@ -244,7 +247,7 @@ class APCCache(PrefixCache):
         hashes = self._block_hashes(seq, full)
         table = self._table
         setdefault = table.setdefault
-        for block, h in zip(held.blocks[held.num_cached : full], hashes[held.num_cached : full]):
+        for block, h in zip(held.blocks[held.num_cached : full], hashes[held.num_cached : full], strict=True):
             block.block_hash = h
             entry = setdefault(h, block)
             if entry is not block:  # an equal block is cached already: keep both (append-only tables)
@@ -272,7 +275,9 @@ class APCCache(PrefixCache):
         self._check_new(child, self._live)
         computed = parent.num_computed
         if len(child) < computed or not np.array_equal(child.tokens[:computed], parent.tokens[:computed]):
-            raise InvalidRequestError(f"fork: {child.request_id!r} does not hold {parent.request_id!r}'s computed tokens")
+            raise InvalidRequestError(
+                f"fork: {child.request_id!r} does not hold {parent.request_id!r}'s computed tokens"
+            )
         full = computed // self.page_size
         partial = computed % self.page_size != 0
         if partial and self.free_queue.num_free < 1:
@@ -391,7 +396,10 @@ class APCCache(PrefixCache):
         if cached_free != self._num_cached_free:
             fail(f"cached-free count {self._num_cached_free}, actual {cached_free}")
         s = self.stats()
-        if s.pages_free + s.pages_cached + s.pages_pinned != self.num_pages or min(s.pages_free, s.pages_cached, s.pages_pinned) < 0:
+        if (
+            s.pages_free + s.pages_cached + s.pages_pinned != self.num_pages
+            or min(s.pages_free, s.pages_cached, s.pages_pinned) < 0
+        ):
             fail(f"free {s.pages_free} + cached {s.pages_cached} + pinned {s.pages_pinned} != {self.num_pages}")
         # index entries point only at pages whose content matches: rehash every live table
         for rid, held in self._live.items():
@@ -399,6 +407,6 @@ class APCCache(PrefixCache):
             if seq.page_table != [b.block_id for b in held.blocks]:
                 fail(f"{rid}: page table differs from the blocks held")
             fresh = self.hasher.hash_blocks(seq.tokens, seq.extra, 0, held.num_cached, None)
-            for i, (block, h) in enumerate(zip(held.blocks, fresh)):
+            for i, (block, h) in enumerate(zip(held.blocks, fresh, strict=False)):
                 if block.block_hash != h:
                     fail(f"{rid}: block {i} (page {block.block_id}) is cached under another content's hash")

@@ -71,7 +71,9 @@ class NoCache(PrefixCache):
         self._check_new(child, self._live)
         computed = parent.num_computed
         if len(child) < computed or not np.array_equal(child.tokens[:computed], parent.tokens[:computed]):
-            raise InvalidRequestError(f"fork: {child.request_id!r} does not hold {parent.request_id!r}'s computed tokens")
+            raise InvalidRequestError(
+                f"fork: {child.request_id!r} does not hold {parent.request_id!r}'s computed tokens"
+            )
         need = self.pages_for(computed)
         if need > len(self._free):
             return None
@@ -79,7 +81,7 @@ class NoCache(PrefixCache):
         child.num_computed = computed
         self._live[child.request_id] = child
         self._counters["copied_pages"] += need
-        return [CopyOp(src, dst) for src, dst in zip(parent.page_table, child.page_table)]
+        return [CopyOp(src, dst) for src, dst in zip(parent.page_table, child.page_table, strict=False)]
 
     def release(self, seq: Sequence) -> None:
         self._check_live(seq, self._live)

@@ -93,7 +93,17 @@ class Sequence:
     the cache that matched the sequence (vLLM keeps block hashes on its Request likewise).
     """
 
-    __slots__ = ("request_id", "extra", "prompt_len", "page_table", "num_computed", "prefix_id", "cache_memo", "_buf", "_len")
+    __slots__ = (
+        "request_id",
+        "extra",
+        "prompt_len",
+        "page_table",
+        "num_computed",
+        "prefix_id",
+        "cache_memo",
+        "_buf",
+        "_len",
+    )
 
     def __init__(
         self,

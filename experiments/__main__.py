@@ -66,7 +66,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
     cache = create_cache(args.backend, num_pages=num_pages, page_size=args.page_size, **options)
     result = replay(cache, requests, concurrency=args.concurrency, progress=not args.no_progress)
     result["trace"] = str(args.trace)
-    result["capacity"] = "unlimited" if args.num_pages is None and args.capacity_tokens is None else num_pages * args.page_size
+    result["capacity"] = (
+        "unlimited" if args.num_pages is None and args.capacity_tokens is None else num_pages * args.page_size
+    )
     print(
         f"{result['backend']}: {result['requests']} requests, page size {result['page_size']}, "
         f"{result['num_pages']} pages; hit rate {result['hit_rate']:.2%} "

@@ -29,7 +29,9 @@ def _list(text: str) -> list[str]:
 
 def _commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -70,9 +72,21 @@ def _cells(args, backends, capacities, page_size, workload_name, knobs) -> list[
             opts = _backend_options(args) if "eviction_policy" in get_backend(b).__init__.__code__.co_varnames else {}
             cells.append(
                 CellConfig(
-                    backend=b, workload=workload_name, capacity_tokens=cap, page_size=page_size, knobs=knobs,
-                    seed=args.seed, protocol=args.protocol, executor=args.executor, device=args.device, model=args.model, attention=args.attention,
-                    token_budget=args.token_budget, max_running=args.max_running, ordering=args.ordering, backend_options=opts,
+                    backend=b,
+                    workload=workload_name,
+                    capacity_tokens=cap,
+                    page_size=page_size,
+                    knobs=knobs,
+                    seed=args.seed,
+                    protocol=args.protocol,
+                    executor=args.executor,
+                    device=args.device,
+                    model=args.model,
+                    attention=args.attention,
+                    token_budget=args.token_budget,
+                    max_running=args.max_running,
+                    ordering=args.ordering,
+                    backend_options=opts,
                 )
             )
     return cells
@@ -82,7 +96,9 @@ def _run_one(cfg: CellConfig) -> dict[str, Any]:
     return run_cell(cfg)
 
 
-def _execute(cells: list[CellConfig], jobs: int, progress: bool, ray_address: str | None = None) -> list[dict[str, Any]]:
+def _execute(
+    cells: list[CellConfig], jobs: int, progress: bool, ray_address: str | None = None
+) -> list[dict[str, Any]]:
     """Run cells locally (in `jobs` processes) or on a Ray cluster; results in input order."""
     if ray_address:
         from experiments.ray_runner import run_on_ray
@@ -93,7 +109,10 @@ def _execute(cells: list[CellConfig], jobs: int, progress: bool, ray_address: st
         for i, cfg in enumerate(cells, 1):
             out.append(run_cell(cfg, progress=progress))
             if progress:
-                print(f"  [{i}/{len(cells)}] {cfg.backend} @ {cfg.capacity_tokens:,} tokens: {out[-1]['wall_seconds']:.1f}s", file=sys.stderr)
+                print(
+                    f"  [{i}/{len(cells)}] {cfg.backend} @ {cfg.capacity_tokens:,} tokens: {out[-1]['wall_seconds']:.1f}s",
+                    file=sys.stderr,
+                )
         return out
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         return list(pool.map(_run_one, cells))
@@ -107,7 +126,11 @@ def cmd_compare(args: argparse.Namespace, *, single: bool = False) -> int:
     knobs = _knobs(args)
     capacities = args.capacity_tokens or DEFAULT_CAPACITIES
     page_size = args.page_size
-    workload = build_workload(CellConfig(backend=backends[0], workload=workload_name, capacity_tokens=capacities[0], knobs=knobs, seed=args.seed))
+    workload = build_workload(
+        CellConfig(
+            backend=backends[0], workload=workload_name, capacity_tokens=capacities[0], knobs=knobs, seed=args.seed
+        )
+    )
     for cap in capacities:
         check_capacity(workload, cap, page_size)
     started = time.perf_counter()
@@ -118,7 +141,20 @@ def cmd_compare(args: argparse.Namespace, *, single: bool = False) -> int:
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "commit": _commit(),
         "workload": {"name": workload.name, "config": workload.config, "requests": len(workload)},
-        "settings": {k: getattr(cells[0], k) for k in ("page_size", "executor", "device", "model", "token_budget", "max_running", "ordering", "protocol", "seed")},
+        "settings": {
+            k: getattr(cells[0], k)
+            for k in (
+                "page_size",
+                "executor",
+                "device",
+                "model",
+                "token_budget",
+                "max_running",
+                "ordering",
+                "protocol",
+                "seed",
+            )
+        },
         "backends": backends,
         "capacities": capacities,
         "bounds": None if args.no_bounds else bounds(workload, page_size, capacities),
@@ -131,8 +167,15 @@ def cmd_compare(args: argparse.Namespace, *, single: bool = False) -> int:
     paths = render(out, out_dir)
     for cap in capacities:
         row = [c for c in results if c["config"]["capacity_tokens"] == cap]
-        print(f"{workload.name} @ {cap:,} tokens: " + ", ".join(f"{c['config']['backend']} {_hit(c)}" for c in row)
-              + ("" if out["bounds"] is None else f"; Belady {out['bounds']['belady'][str(cap)]['hit_rate']:.1%}, infinite {out['bounds']['infinite']['hit_rate']:.1%}"))
+        print(
+            f"{workload.name} @ {cap:,} tokens: "
+            + ", ".join(f"{c['config']['backend']} {_hit(c)}" for c in row)
+            + (
+                ""
+                if out["bounds"] is None
+                else f"; Belady {out['bounds']['belady'][str(cap)]['hit_rate']:.1%}, infinite {out['bounds']['infinite']['hit_rate']:.1%}"
+            )
+        )
     print(f"wrote {out_dir / 'results.json'} and {', '.join(str(p) for p in paths)} in {out['wall_seconds']:.1f}s")
     return 0
 
@@ -144,7 +187,11 @@ def _hit(cell: dict[str, Any]) -> str:
 
 def cmd_report(args: argparse.Namespace) -> int:
     results = load(args.results)
-    out_dir = Path(args.output_dir) if args.output_dir else (Path(args.results) if Path(args.results).is_dir() else Path(args.results).parent)
+    out_dir = (
+        Path(args.output_dir)
+        if args.output_dir
+        else (Path(args.results) if Path(args.results).is_dir() else Path(args.results).parent)
+    )
     paths = render(results, out_dir)
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
@@ -162,17 +209,30 @@ def cmd_workloads(args: argparse.Namespace) -> int:
 
 def add_comparison_commands(sub, positive_int) -> None:
     def common(p: argparse.ArgumentParser, many_backends: bool) -> None:
-        p.add_argument("--backend", action="append", help="backend name(s); repeat or comma-separate" + (" (default: all)" if many_backends else ""))
+        p.add_argument(
+            "--backend",
+            action="append",
+            help="backend name(s); repeat or comma-separate" + (" (default: all)" if many_backends else ""),
+        )
         p.add_argument("--workload", default=DEFAULT_WORKLOAD, help="workload name (see `workloads`)")
         p.add_argument("--knob", action="append", metavar="NAME=VALUE", help="workload knob (repeatable)")
         p.add_argument("--trace", help="a Mooncake JSONL trace (shortcut for --workload mooncake --knob path=...)")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--capacity-tokens", type=positive_int, nargs="+", help="KV capacities in tokens")
         p.add_argument("--protocol", default="both", choices=["replay", "serving", "both"])
-        p.add_argument("--executor", default="cost", choices=["cost", "model"], help="cost model (virtual time) or the real model")
+        p.add_argument(
+            "--executor", default="cost", choices=["cost", "model"], help="cost model (virtual time) or the real model"
+        )
         p.add_argument("--device", default="h200", help="cost-model device profile: h200 | h100 | cpu")
-        p.add_argument("--model", default="llama3-8b", help="model shape: llama3-8b | tiny (model executor: tiny on CPU)")
-        p.add_argument("--attention", default="auto", choices=["auto", "torch", "flashinfer"], help="model executor's kernel (auto: flashinfer when CUDA and flashinfer are present)")
+        p.add_argument(
+            "--model", default="llama3-8b", help="model shape: llama3-8b | tiny (model executor: tiny on CPU)"
+        )
+        p.add_argument(
+            "--attention",
+            default="auto",
+            choices=["auto", "torch", "flashinfer"],
+            help="model executor's kernel (auto: flashinfer when CUDA and flashinfer are present)",
+        )
         p.add_argument("--token-budget", type=positive_int, default=8192)
         p.add_argument("--max-running", type=positive_int, default=256)
         p.add_argument("--ordering", default="fcfs", choices=["fcfs", "lpf"])

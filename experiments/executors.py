@@ -47,7 +47,9 @@ class DeviceProfile:
         cal = data.get("calibration", {})
         out = self
         if cal.get("achieved_bandwidth_bytes_per_s"):
-            out = replace(out, bandwidth_efficiency=min(1.0, cal["achieved_bandwidth_bytes_per_s"] / self.mem_bandwidth))
+            out = replace(
+                out, bandwidth_efficiency=min(1.0, cal["achieved_bandwidth_bytes_per_s"] / self.mem_bandwidth)
+            )
         if cal.get("achieved_flops_per_s"):
             out = replace(out, flops_efficiency=min(1.0, cal["achieved_flops_per_s"] / self.peak_flops))
         return replace(out, name=f"{self.name} (calibrated)")

@@ -26,13 +26,40 @@ COLUMNS = [
 ]
 
 CSV_FIELDS = [
-    ("replay", ["hit_rate", "hit_tokens", "prompt_tokens", "evicted_pages", "unschedulable", "truncated", "us_per_request", "cache_seconds"]),
+    (
+        "replay",
+        [
+            "hit_rate",
+            "hit_tokens",
+            "prompt_tokens",
+            "evicted_pages",
+            "unschedulable",
+            "truncated",
+            "us_per_request",
+            "cache_seconds",
+        ],
+    ),
     (
         "serving",
         [
-            "hit_rate", "hit_tokens", "prompt_tokens", "prefill_tokens_computed", "generated_tokens", "evicted_pages",
-            "copied_pages", "peak_pages", "metadata_bytes_end", "cache_us_per_request", "ttft_p50", "ttft_p99",
-            "tpot_p50", "throughput_tokens_per_s", "makespan_s", "preemptions", "aborted", "steps",
+            "hit_rate",
+            "hit_tokens",
+            "prompt_tokens",
+            "prefill_tokens_computed",
+            "generated_tokens",
+            "evicted_pages",
+            "copied_pages",
+            "peak_pages",
+            "metadata_bytes_end",
+            "cache_us_per_request",
+            "ttft_p50",
+            "ttft_p99",
+            "tpot_p50",
+            "throughput_tokens_per_s",
+            "makespan_s",
+            "preemptions",
+            "aborted",
+            "steps",
         ],
     ),
 ]
@@ -70,7 +97,15 @@ def write_csv(results: dict[str, Any], path: Path) -> None:
         w.writerow(header)
         for cell in results["cells"]:
             cfg = cell["config"]
-            row = [cfg["backend"], cfg["workload"], cfg["capacity_tokens"], cfg["page_size"], cfg["executor"], cfg["device"], cfg["ordering"]]
+            row = [
+                cfg["backend"],
+                cfg["workload"],
+                cfg["capacity_tokens"],
+                cfg["page_size"],
+                cfg["executor"],
+                cfg["device"],
+                cfg["ordering"],
+            ]
             for section, keys in CSV_FIELDS:
                 row += [_get(cell, section, k) for k in keys]
             w.writerow(row)
@@ -97,7 +132,9 @@ def markdown(results: dict[str, Any], figures: list[str]) -> str:
         lines.append("| backend | " + " | ".join(name for name, _, _ in COLUMNS) + " |")
         lines.append("|---" * (len(COLUMNS) + 1) + "|")
         for c in cells:
-            lines.append(f"| {c['config']['backend']} | " + " | ".join(_fmt(get(c), spec) for _, get, spec in COLUMNS) + " |")
+            lines.append(
+                f"| {c['config']['backend']} | " + " | ".join(_fmt(get(c), spec) for _, get, spec in COLUMNS) + " |"
+            )
         if bounds:
             dash = " | ".join("—" for _ in COLUMNS[1:])
             lines.append(f"| *infinite capacity* | {bounds['infinite']['hit_rate']:.2%} | {dash} |")
@@ -135,7 +172,17 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[str]:
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for b in backends:
-        ys = [next((_get(c, "replay", "hit_rate") for c in results["cells"] if c["config"]["backend"] == b and c["config"]["capacity_tokens"] == cap), None) for cap in caps]
+        ys = [
+            next(
+                (
+                    _get(c, "replay", "hit_rate")
+                    for c in results["cells"]
+                    if c["config"]["backend"] == b and c["config"]["capacity_tokens"] == cap
+                ),
+                None,
+            )
+            for cap in caps
+        ]
         ax.plot(caps, [y if y is not None else float("nan") for y in ys], marker="o", label=b)
     if results.get("bounds"):
         bd = results["bounds"]
@@ -158,7 +205,7 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[str]:
     ):
         fig, axes = plt.subplots(1, len(caps), figsize=(4.2 * len(caps), 3.6), squeeze=False)
         drew = False
-        for ax, cap in zip(axes[0], caps):
+        for ax, cap in zip(axes[0], caps, strict=True):
             for c in results["cells"]:
                 if c["config"]["capacity_tokens"] == cap and "serving" in c:
                     drew |= draw(ax, c)

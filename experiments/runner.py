@@ -18,8 +18,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from cachelib import create_cache
 from cachelib.interface import PrefixCache
 from experiments.engine import replay
@@ -128,7 +126,7 @@ def make_executor(cfg: CellConfig, num_pages: int):
         from attention.model import PRESETS
 
         return CostModelExecutor(ModelShape.from_config(PRESETS[cfg.model]), cfg.device)
-    from attention.model import LlamaModel, PRESETS
+    from attention.model import PRESETS, LlamaModel
 
     if cfg.model not in PRESETS:
         raise ValueError(f"unknown model {cfg.model!r}; choose one of {', '.join(PRESETS)}")
@@ -173,7 +171,11 @@ def bounds(workload: Workload, page_size: int, capacities: list[int]) -> dict[st
 
     keys = page_keys(workload.requests, page_size)
     inf = infinite_hits(workload.requests, page_size, keys=keys)
-    out = {"page_size": page_size, "infinite": {"hit_rate": inf["hit_rate"], "hit_tokens": inf["hit_tokens"]}, "belady": {}}
+    out = {
+        "page_size": page_size,
+        "infinite": {"hit_rate": inf["hit_rate"], "hit_tokens": inf["hit_tokens"]},
+        "belady": {},
+    }
     for cap in capacities:
         b = belady_hits(workload.requests, page_size, cap // page_size, keys=keys)
         out["belady"][str(cap)] = {"hit_rate": b["hit_rate"], "hit_tokens": b["hit_tokens"]}

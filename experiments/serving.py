@@ -178,7 +178,7 @@ def serve(
         seconds, tokens = executor.step([(r.seq, n) for r, n in batch])
         now += seconds
         res.steps += 1
-        for (r, n), tok in zip(batch, tokens):
+        for (r, n), tok in zip(batch, tokens, strict=True):
             t0 = pc()
             cache.commit(r.seq, r.seq.num_computed + n)
             res.cache_seconds += pc() - t0

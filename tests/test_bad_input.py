@@ -47,7 +47,10 @@ def test_bad_appended_tokens_leave_the_sequence_alone():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("num_pages, page_size, message", [(8, 0, "page_size"), (0, 4, "num_pages"), (8, -1, "page_size"), (2.5, 4, "num_pages")])
+@pytest.mark.parametrize(
+    "num_pages, page_size, message",
+    [(8, 0, "page_size"), (0, 4, "num_pages"), (8, -1, "page_size"), (2.5, 4, "num_pages")],
+)
 def test_bad_geometry(backend, num_pages, page_size, message):
     with pytest.raises(InvalidRequestError, match=message):
         create_cache(backend, num_pages=num_pages, page_size=page_size)
@@ -117,7 +120,10 @@ GOOD = json.dumps({"timestamp": 0, "input_length": 600, "output_length": 3, "has
     [
         ("{not json", "t.jsonl:2: not valid JSON"),
         (json.dumps({"timestamp": 0, "input_length": 5, "hash_ids": [1]}), "t.jsonl:2: missing field.*output_length"),
-        (json.dumps({"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": [1]}), "t.jsonl:2: input_length"),
+        (
+            json.dumps({"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": [1]}),
+            "t.jsonl:2: input_length",
+        ),
         (json.dumps({"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [-1]}), "t.jsonl:2: hash_ids"),
         (json.dumps([1, 2]), "t.jsonl:2: expected a JSON object"),
     ],
@@ -129,7 +135,9 @@ def test_malformed_trace_lines_name_the_line(tmp_path, bad, message):
 
 
 def test_trace_expansion_rule(tmp_path):
-    path = _write(tmp_path, [GOOD, json.dumps({"timestamp": 5, "input_length": 2000, "output_length": 1, "hash_ids": [7]})])
+    path = _write(
+        tmp_path, [GOOD, json.dumps({"timestamp": 5, "input_length": 2000, "output_length": 1, "hash_ids": [7]})]
+    )
     a, b = load_mooncake(path)
     assert a.prompt.dtype == np.int32 and len(a.prompt) == 600
     assert a.prompt[:3].tolist() == [512, 513, 514] and a.prompt[512] == 1024

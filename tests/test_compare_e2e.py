@@ -8,8 +8,23 @@ import pytest
 
 from experiments.__main__ import main
 
-SMALL = ["--workload", "shared_doc_qa", "--knob", "num_documents=6", "--knob", "num_requests=60", "--knob", "doc_len=400",
-         "--knob", "question_len=20", "--knob", "output_len=8", "--knob", "rate=50", "--no-progress"]
+SMALL = [
+    "--workload",
+    "shared_doc_qa",
+    "--knob",
+    "num_documents=6",
+    "--knob",
+    "num_requests=60",
+    "--knob",
+    "doc_len=400",
+    "--knob",
+    "question_len=20",
+    "--knob",
+    "output_len=8",
+    "--knob",
+    "rate=50",
+    "--no-progress",
+]
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +36,14 @@ def compared(tmp_path_factory):
 
 def test_writes_markdown_plots_json_and_csv(compared):
     out, results = compared
-    for name in ("report.md", "results.json", "results.csv", "hit_rate_vs_capacity.png", "ttft_cdf.png", "pages_in_use.png"):
+    for name in (
+        "report.md",
+        "results.json",
+        "results.csv",
+        "hit_rate_vs_capacity.png",
+        "ttft_cdf.png",
+        "pages_in_use.png",
+    ):
         assert (out / name).stat().st_size > 0, name
     md = (out / "report.md").read_text()
     assert "## Capacity 1,200 tokens" in md and "Belady" in md and "![hit_rate_vs_capacity.png]" in md
@@ -46,7 +68,11 @@ def test_numbers_are_consistent(compared):
         assert belady >= rp["hit_rate"] - 1e-12, f"{backend} beats Belady at {cap}"
         assert bounds["infinite"]["hit_rate"] >= belady
         assert sv["finished"] == 60 and sv["aborted"] == 0
-    apc = {c["config"]["capacity_tokens"]: c["replay"]["hit_rate"] for c in results["cells"] if c["config"]["backend"] == "apc"}
+    apc = {
+        c["config"]["capacity_tokens"]: c["replay"]["hit_rate"]
+        for c in results["cells"]
+        if c["config"]["backend"] == "apc"
+    }
     assert apc[1200] <= apc[2400] <= apc[4800] and apc[4800] > 0
 
 
@@ -58,7 +84,24 @@ def test_report_rerenders_the_same_markdown(compared, tmp_path):
 
 
 def test_run_takes_one_backend(tmp_path):
-    assert main(["run", "--backend", "radix", *SMALL, "--capacity-tokens", "2400", "--protocol", "replay", "--no-bounds", "--output-dir", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "--backend",
+                "radix",
+                *SMALL,
+                "--capacity-tokens",
+                "2400",
+                "--protocol",
+                "replay",
+                "--no-bounds",
+                "--output-dir",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     results = json.loads((tmp_path / "results.json").read_text())
     assert [c["config"]["backend"] for c in results["cells"]] == ["radix"] and "serving" not in results["cells"][0]
 

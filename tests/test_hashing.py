@@ -21,7 +21,7 @@ def test_chain_depends_on_every_earlier_block():
     changed[5] = 999  # block 1
     other = h.hash_blocks(changed, ExtraKeys(), 0, 8, None)
     assert base[0] == other[0]
-    assert all(a != b for a, b in zip(base[1:], other[1:]))
+    assert all(a != b for a, b in zip(base[1:], other[1:], strict=True))
 
 
 def test_incremental_equals_one_shot():

@@ -27,7 +27,15 @@ def tiny_model():
 def docs_workload():
     # every request arrives at once: admission fills memory, then decoding runs out of pages
     return make_workload(
-        "shared_doc_qa", seed=1, num_documents=3, doc_len=60, question_len=8, num_requests=8, output_len=6, vocab_size=512, rate=1000.0
+        "shared_doc_qa",
+        seed=1,
+        num_documents=3,
+        doc_len=60,
+        question_len=8,
+        num_requests=8,
+        output_len=6,
+        vocab_size=512,
+        rate=1000.0,
     )
 
 
@@ -35,13 +43,21 @@ def docs_workload():
 def alone_outputs(tiny_model, docs_workload):
     from attention.driver import run_alone
 
-    return {s.request_id: run_alone(tiny_model, s.prompt, s.output_len, page_size=4).tokens for s in docs_workload.requests}
+    return {
+        s.request_id: run_alone(tiny_model, s.prompt, s.output_len, page_size=4).tokens for s in docs_workload.requests
+    }
 
 
 @pytest.mark.parametrize("backend", available_backends())
 def test_memory_pressure_preempts_and_outputs_equal_no_cache(backend, tiny_model, docs_workload, alone_outputs):
     cache = create_cache(backend, num_pages=35, page_size=4)
-    res = serve(cache, docs_workload.requests, ModelExecutor(tiny_model, 35, 4), ServingConfig(token_budget=1024, max_running=8), keep_outputs=True)
+    res = serve(
+        cache,
+        docs_workload.requests,
+        ModelExecutor(tiny_model, 35, 4),
+        ServingConfig(token_budget=1024, max_running=8),
+        keep_outputs=True,
+    )
     assert res.preemptions > 0, "the test must exercise preemption"
     assert res.aborted == 0 and len(res.requests) == len(docs_workload.requests)
     assert all(r["generated"] == 6 for r in res.requests)
@@ -53,7 +69,13 @@ def test_memory_pressure_preempts_and_outputs_equal_no_cache(backend, tiny_model
 def test_chunked_prefill_and_lpf_give_the_same_outputs(tiny_model, docs_workload, alone_outputs):
     for ordering in ("fcfs", "lpf"):
         cache = create_cache("radix", num_pages=200, page_size=4)
-        res = serve(cache, docs_workload.requests, ModelExecutor(tiny_model, 200, 4), ServingConfig(token_budget=24, ordering=ordering), keep_outputs=True)
+        res = serve(
+            cache,
+            docs_workload.requests,
+            ModelExecutor(tiny_model, 200, 4),
+            ServingConfig(token_budget=24, ordering=ordering),
+            keep_outputs=True,
+        )
         assert res.outputs == alone_outputs
         assert max(r["ttft"] for r in res.requests) > 0
 
@@ -62,7 +84,9 @@ def _specs(n: int, prompt: int, out: int, gap: float = 0.0) -> list[RequestSpec]
     rng = np.random.default_rng(0)
     shared = rng.integers(0, 1000, prompt // 2, dtype=np.int32)
     return [
-        RequestSpec(f"r{i}", np.concatenate([shared, rng.integers(0, 1000, prompt - prompt // 2, dtype=np.int32)]), out, i * gap)
+        RequestSpec(
+            f"r{i}", np.concatenate([shared, rng.integers(0, 1000, prompt - prompt // 2, dtype=np.int32)]), out, i * gap
+        )
         for i in range(n)
     ]
 
@@ -77,7 +101,7 @@ def test_cost_model_run_accounts_for_every_token(backend):
         assert r["generated"] == 20
         # computed = prompt - first hit + recomputation + decoded tokens (the last gets no KV)
         assert r["computed_tokens"] >= r["prompt_tokens"] - r["hit_tokens"] + 19
-    assert all(t1 >= t0 for (t0, _), (t1, _) in zip(res.timeline, res.timeline[1:]))
+    assert all(t1 >= t0 for (t0, _), (t1, _) in zip(res.timeline, res.timeline[1:], strict=False))
     assert res.peak_pages <= 120
     assert cache.stats().pages_pinned == 0
     cache.check_invariants()
@@ -97,9 +121,11 @@ def test_decode_windows_change_nothing_but_speed():
     assert a.steps == b.steps and a.preemptions == b.preemptions
     assert a.makespan == pytest.approx(b.makespan, rel=1e-9)
     key = lambda r: r["request_id"]  # noqa: E731
-    for x, y in zip(sorted(a.requests, key=key), sorted(b.requests, key=key)):
+    for x, y in zip(sorted(a.requests, key=key), sorted(b.requests, key=key), strict=True):
         assert x["hit_tokens"] == y["hit_tokens"] and x["computed_tokens"] == y["computed_tokens"]
-        assert x["ttft"] == pytest.approx(y["ttft"], rel=1e-9) and x["finished_at"] == pytest.approx(y["finished_at"], rel=1e-9)
+        assert x["ttft"] == pytest.approx(y["ttft"], rel=1e-9) and x["finished_at"] == pytest.approx(
+            y["finished_at"], rel=1e-9
+        )
 
 
 def test_bad_serving_config():

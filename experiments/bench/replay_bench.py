@@ -32,12 +32,16 @@ DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "data/mooncake_conversatio
 
 def _commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
 
-def bench(backend: str, requests: list[RequestSpec], page_size: int, capacity_tokens: int, runs: int, **options) -> dict:
+def bench(
+    backend: str, requests: list[RequestSpec], page_size: int, capacity_tokens: int, runs: int, **options
+) -> dict:
     per_run = []
     result = None
     for _ in range(runs):
@@ -89,7 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m experiments.bench.replay_bench " + " ".join(argv if argv is not None else sys.argv[1:]),
         "started": started,
         "commit": _commit(),
-        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
+        "machine": {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "processor": platform.processor() or platform.machine(),
+        },
         "trace": str(args.trace),
         "results": results,
     }
