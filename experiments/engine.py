@@ -50,26 +50,62 @@ def replay(
     *,
     concurrency: int = 1,
     progress: bool = False,
+    sample_lens: dict[str, tuple[int, ...]] | None = None,
 ) -> dict[str, Any]:
     """Run the replay protocol of `requests` on `cache`; returns the result as a JSON-able dict.
 
-    `per_request_hits[i]` is the hit of request i (-1 when it was unschedulable).
+    `per_request_hits[i]` is the hit of request i (-1 when it was unschedulable). A request
+    with `n > 1` forks `n - 1` samples after its prompt (sample j decodes `sample_lens[id][j]`
+    tokens, default `output_len`); the group is in flight, and finishes, as one.
     """
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    if any(s.beam_width > 1 for s in requests):
+        raise ValueError("the replay protocol runs parallel sampling, not beam search; use experiments.bench.sharing_memory")
+    sample_lens = sample_lens or {}
     clock = _Clock()
     pc = time.perf_counter
-    inflight: deque[Sequence] = deque()
+    inflight: deque[list[Sequence]] = deque()
     hits: list[int] = []
     next_token = GENERATED_TOKEN_BASE
     prompt_tokens = hit_tokens = unschedulable = truncated = 0
     bar = _progress(len(requests), progress, f"replay {cache.name}")
 
     def finish_oldest() -> None:
-        seq = inflight.popleft()
+        group = inflight.popleft()
         t0 = pc()
-        cache.release(seq)
+        for seq in group:
+            cache.release(seq)
         clock.seconds += pc() - t0
+
+    def decode(seq: Sequence, output_len: int) -> bool:
+        """Append `output_len` fresh tokens and give all but the last KV; False if no room."""
+        nonlocal next_token
+        start = len(seq)
+        if output_len > 0:
+            seq.append(np.arange(next_token, next_token + output_len, dtype=np.int32))
+            next_token += output_len
+        target = start + max(output_len - 1, 0)
+        if target <= seq.num_computed:
+            return True
+        while True:
+            t0 = pc()
+            ops = cache.grow(seq, target)
+            if ops is not None:
+                cache.commit(seq, target)
+            clock.seconds += pc() - t0
+            if ops is not None or not inflight:
+                return ops is not None
+            finish_oldest()
+
+    def fork(parent: Sequence, child: Sequence) -> bool:
+        while True:
+            t0 = pc()
+            ops = cache.fork(parent, child)
+            clock.seconds += pc() - t0
+            if ops is not None or not inflight:
+                return ops is not None
+            finish_oldest()
 
     for spec in requests:
         while len(inflight) >= concurrency:
@@ -96,24 +132,18 @@ def replay(
         t0 = pc()
         cache.commit(seq, prompt_len)
         clock.seconds += pc() - t0
-        if spec.output_len > 0:
-            seq.append(np.arange(next_token, next_token + spec.output_len, dtype=np.int32))
-            next_token += spec.output_len
-        target = prompt_len + max(spec.output_len - 1, 0)
-        if target > prompt_len:
-            while True:
-                t0 = pc()
-                ops = cache.grow(seq, target)
-                if ops is not None:
-                    cache.commit(seq, target)
-                clock.seconds += pc() - t0
-                if ops is not None or not inflight:
-                    break
-                finish_oldest()
-            if ops is None:
-                # Even alone it cannot hold its output: it stops early, its prompt still cached.
-                truncated += 1
-        inflight.append(seq)
+        group = [seq]
+        lens = sample_lens.get(spec.request_id) or (spec.output_len,) * spec.n
+        for j in range(1, spec.n):
+            child = seq.fork(f"{spec.request_id}/{j}")
+            if not fork(seq, child):
+                truncated += 1  # no room even for this sample: it is dropped
+                continue
+            group.append(child)
+            # Even alone a sample that cannot hold its output stops early.
+            truncated += not decode(child, lens[j])
+        truncated += not decode(seq, lens[0])
+        inflight.append(group)
     while inflight:
         finish_oldest()
     if bar is not None:

@@ -26,17 +26,20 @@ def _downsample(timeline: list[tuple[float, int]], points: int) -> list[tuple[fl
 
 def serving_metrics(res: ServingResult, stats: CacheStats, *, setup_seconds: float = 0.0) -> dict[str, Any]:
     """Summary of a serving run plus the series the plots need (downsampled)."""
-    done = [r for r in res.requests if not r["aborted"]]
+    # samples forked from a request (parallel sampling) share its prompt: count it once
+    done = [r for r in res.requests if not r["aborted"] and r.get("sample_of") is None]
+    rows = [r for r in res.requests if not r["aborted"]]
     prompt = sum(r["prompt_tokens"] for r in done)
     hits = sum(r["hit_tokens"] for r in done)
-    decoded = sum(max(r["generated"] - 1, 0) for r in done)
+    decoded = sum(max(r["generated"] - 1, 0) for r in rows)
     computed = sum(r["computed_tokens"] for r in res.requests)
-    generated = sum(r["generated"] for r in done)
+    generated = sum(r["generated"] for r in rows)
     ttft = sorted(r["ttft"] for r in done if r["ttft"] is not None)
     tpot = [r["tpot"] for r in done if r["tpot"] is not None]
     span = res.makespan if res.makespan > 0 else float("nan")
     return {
-        "requests": len(res.requests),
+        "requests": sum(1 for r in res.requests if r.get("sample_of") is None),
+        "samples": len(res.requests),
         "finished": len(done),
         "aborted": res.aborted,
         "prompt_tokens": prompt,

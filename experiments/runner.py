@@ -147,11 +147,16 @@ def run_cell(cfg: CellConfig, workload: Workload | None = None, *, progress: boo
     num_pages = check_capacity(workload, cfg.capacity_tokens, cfg.page_size)
     out: dict[str, Any] = {"config": cfg.as_dict(), "workload_config": workload.config, "num_pages": num_pages}
     started = time.perf_counter()
+    sample_lens = {
+        rid: tuple(sched.sample_output_lens)
+        for rid, sched in workload.schedules.items()
+        if getattr(sched, "mode", None) == "parallel"
+    }
     if cfg.protocol in ("replay", "both"):
         cache = create_cache(cfg.backend, num_pages=num_pages, page_size=cfg.page_size, **cfg.backend_options)
         executor = CostModelExecutor()  # replay needs no timing; only prefix set-up runs through it
         requests, _ = _declare_prefixes(cache, workload, executor)
-        r = replay(cache, requests, progress=progress)
+        r = replay(cache, requests, progress=progress, sample_lens=sample_lens)
         r.pop("per_request_hits")
         out["replay"] = r
     if cfg.protocol in ("serving", "both"):
@@ -159,7 +164,7 @@ def run_cell(cfg: CellConfig, workload: Workload | None = None, *, progress: boo
         executor = make_executor(cfg, num_pages)
         requests, setup = _declare_prefixes(cache, workload, executor)
         sc = ServingConfig(cfg.token_budget, cfg.max_running, cfg.ordering)
-        res = serve(cache, requests, executor, sc, progress=progress)
+        res = serve(cache, requests, executor, sc, progress=progress, sample_lens=sample_lens)
         out["serving"] = serving_metrics(res, cache.stats(), setup_seconds=setup)
     out["wall_seconds"] = time.perf_counter() - started
     return out

@@ -12,6 +12,7 @@ The executor prices the step (cost model) or runs it (model); the clock advances
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Sequence as Seq
@@ -55,6 +56,12 @@ class _Request:
     finished_at: float | None = None
     preempted: int = 0
     output: list[int] = field(default_factory=list)
+    target: int = 0  # tokens to generate (0: the spec's output_len)
+    sample_of: str | None = None  # parallel sampling: the request this sample was forked from
+
+    def __post_init__(self) -> None:
+        if not self.target:
+            self.target = max(self.spec.output_len, 1)
 
 
 @dataclass
@@ -80,8 +87,20 @@ def serve(
     *,
     progress: bool = False,
     keep_outputs: bool = False,
+    sample_lens: dict[str, tuple[int, ...]] | None = None,
 ) -> ServingResult:
-    """Run `requests` through `cache` and `executor`; returns per-request metrics and the timeline."""
+    """Run `requests` through `cache` and `executor`; returns per-request metrics and the timeline.
+
+    A request with `n > 1` (parallel sampling) forks `n - 1` samples from its prompt when its
+    first token is sampled (`cache.fork`); sample j generates `sample_lens[id][j]` tokens
+    (default: `output_len` each). A sample that cannot fork for want of pages waits to be
+    admitted like a preempted request (recompute). Beam search is not run here: it lives in
+    `experiments/bench/sharing_memory.py`.
+    """
+    beams = [s.request_id for s in requests if s.beam_width > 1]
+    if beams:
+        raise ValueError(f"the serving engine runs parallel sampling, not beam search (request {beams[0]!r}); use experiments.bench.sharing_memory")
+    sample_lens = sample_lens or {}
     pc = time.perf_counter
     res = ServingResult()
     pending = deque(sorted(requests, key=lambda s: s.arrival))
@@ -122,6 +141,28 @@ def serve(
         res.preemptions += 1
         gone.add(id(r))
         waiting.appendleft(r)
+
+    def spawn_samples(r: _Request, tok: int) -> None:
+        """Fork samples 1..n-1 of `r` from its computed prompt; each samples its first token."""
+        lens = sample_lens.get(r.spec.request_id) or (r.spec.output_len,) * r.spec.n
+        r.target = max(lens[0], 1)
+        for j in range(1, r.spec.n):
+            spec = dataclasses.replace(r.spec, request_id=f"{r.spec.request_id}/{j}", output_len=lens[j], n=1)
+            first = executor.fresh_tokens(1)[0] if hasattr(executor, "fresh_tokens") else tok
+            child = _Request(spec, r.seq.fork(spec.request_id), sample_of=r.spec.request_id, first_admit_hit=0)
+            ops = timed(cache.fork, r.seq, child.seq)
+            child.generated, child.first_token_at = 1, now
+            child.output.append(first)
+            if ops is None:  # no pages to fork into: it waits and recomputes, like a preempted request
+                child.seq = Sequence(spec.request_id, np.append(r.seq.tokens, np.int32(first)), r.seq.extra)
+                waiting.appendleft(child)
+                continue
+            executor.apply_copies(ops)
+            if child.generated >= child.target:
+                finish(child)
+            else:
+                child.seq.append_token(first)
+                running.append(child)
 
     gone: set[int] = set()  # ids of requests preempted during the current step
     while pending or waiting or running:
@@ -185,11 +226,13 @@ def serve(
             r.computed_tokens += n
             if tok is None:
                 continue
+            if r.generated == 0 and r.spec.n > 1 and r.sample_of is None:
+                spawn_samples(r, tok)
             r.generated += 1
             r.output.append(tok)
             if r.first_token_at is None:
                 r.first_token_at = now
-            if r.generated >= max(r.spec.output_len, 1):
+            if r.generated >= r.target:
                 running.remove(r)
                 finish(r)
             else:
@@ -221,7 +264,7 @@ def _decode_window(cache, executor, batch, running, admitted_now, pending, now) 
         return 1
     if any(n != 1 or len(r.seq) - r.seq.num_computed != 1 for r, n in batch):
         return 1
-    k = min(MAX_WINDOW, min(max(r.spec.output_len, 1) - r.generated for r, _ in batch))
+    k = min(MAX_WINDOW, min(r.target - r.generated for r, _ in batch))
     if k <= 1:
         return 1
     page = cache.page_size
@@ -263,7 +306,7 @@ def _run_decode_window(cache, executor, batch, k, now, timed, finish, running, r
         r.output.extend(tokens)
     res.steps += k
     for r, _ in batch:
-        if r.generated >= max(r.spec.output_len, 1):
+        if r.generated >= r.target:
             running.remove(r)
             finish(r, at=end)
         else:
@@ -318,4 +361,5 @@ def _record(r: _Request, aborted: bool) -> dict[str, Any]:
         "finished_at": r.finished_at,
         "preempted": r.preempted,
         "aborted": aborted,
+        "sample_of": r.sample_of,
     }

@@ -133,3 +133,31 @@ def test_bad_serving_config():
         ServingConfig(ordering="random")
     with pytest.raises(ValueError, match="positive"):
         ServingConfig(token_budget=0)
+
+
+@pytest.mark.parametrize("backend", available_backends())
+def test_parallel_sampling_forks_and_every_sample_equals_its_uncached_run(backend, tiny_model):
+    from attention.driver import run_alone
+
+    rng = np.random.default_rng(3)
+    specs = [RequestSpec(f"q{i}", rng.integers(0, 512, 21, dtype=np.int32), 7, 0.0, n=3) for i in range(3)]
+    lens = {s.request_id: (7, 4, 6) for s in specs}
+    cache = create_cache(backend, num_pages=120, page_size=4)
+    res = serve(cache, specs, ModelExecutor(tiny_model, 120, 4), ServingConfig(256, 16), keep_outputs=True, sample_lens=lens)
+    assert len(res.requests) == 9 and res.aborted == 0
+    for s in specs:
+        greedy = run_alone(tiny_model, s.prompt, 7, page_size=4).tokens
+        # greedy samples all follow the same path: each equals the uncached run, cut to its length
+        for j, n in enumerate(lens[s.request_id]):
+            rid = s.request_id if j == 0 else f"{s.request_id}/{j}"
+            assert res.outputs[rid] == greedy[:n], rid
+    assert cache.stats().pages_pinned == 0
+    cache.check_invariants()
+    if backend != "none":
+        assert cache.stats().copied_pages <= 2 * 3  # at most the partial prompt page per sample
+
+
+def test_beam_search_is_refused_with_a_pointer():
+    spec = RequestSpec("b", np.arange(10, dtype=np.int32), 4, beam_width=2)
+    with pytest.raises(ValueError, match="sharing_memory"):
+        serve(create_cache("apc", num_pages=10, page_size=4), [spec], CostModelExecutor())
