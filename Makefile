@@ -1,12 +1,14 @@
 # `make setup` builds .venv (CPU torch pinned first, so pip never pulls a CUDA build);
-# the ray extra (about 80 MB, seconds to install) lets the suite run `sweep --ray local`;
-# `make test` runs the suite; `make replay` runs the main job.
+# the ray extra (about 80 MB, seconds to install) lets the suite run `sweep --ray local`.
+# `make compare` is the main job (every backend on the default workload, report in
+# reports/latest/); `make test` runs the suite (what CI runs).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TRACE ?= ../shared/traces/mooncake/conversation_trace.jsonl
 
-.PHONY: setup test replay bench lint clean
+.PHONY: setup test compare replay mooncake bench lint clean
 
 setup: $(STAMP)
 
@@ -20,11 +22,18 @@ $(STAMP): pyproject.toml
 test: setup
 	$(BIN)/python -m pytest
 
+compare: setup
+	$(BIN)/python -m experiments compare --output-dir reports/latest
+
 replay: setup
 	$(BIN)/python -m experiments replay --backend apc --trace experiments/data/mooncake_conversation_2000.jsonl --capacity-tokens 200000 --output reports/latest/replay_apc.json
 
+# the full Mooncake conversation trace (in ../shared beside the checkout), all backends
+mooncake: setup
+	$(BIN)/python -m experiments compare --trace $(TRACE) --capacity-tokens 200000 1000000 3000000 10000000 --jobs 2 --output-dir reports/mooncake
+
 bench: setup
-	$(BIN)/python -m experiments.bench.replay_bench --output reports/bench/replay_bench.json
+	$(BIN)/python -m experiments.bench.replay_bench --backend apc radix --output reports/bench/replay_bench.json
 
 lint: setup
 	$(BIN)/ruff check .

@@ -61,6 +61,8 @@ class _Held:
 class APCCache(PrefixCache):
     """vLLM V1 automatic prefix caching over `num_pages` blocks of `page_size` tokens."""
 
+    decode_steps_are_noops = True  # full blocks are published only when they fill
+
     def __init__(
         self,
         num_pages: int,

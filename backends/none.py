@@ -22,6 +22,8 @@ _PAGE_BYTES = 4  # one int32 page id per table entry; no index at all
 class NoCache(PrefixCache):
     """A plain page allocator with no prefix index."""
 
+    decode_steps_are_noops = True  # nothing is ever published
+
     def __init__(self, num_pages: int, page_size: int) -> None:
         super().__init__(num_pages, page_size)
         self._free = FifoPagePool(num_pages)

@@ -66,6 +66,8 @@ class RadixCache(PrefixCache):
     that tree entries point only at pages holding their tokens (tests; it costs time).
     """
 
+    decode_steps_are_noops = True  # decode tokens enter the tree at release, as in SGLang
+
     def __init__(
         self, num_pages: int, page_size: int, *, eviction_policy: str = "lru", track_contents: bool = False
     ) -> None:
@@ -225,7 +227,9 @@ class RadixCache(PrefixCache):
         if self._contents is not None and num_computed > seq.num_computed:
             self._record_contents(seq, seq.num_computed, num_computed)
         seq.num_computed = num_computed
-        self._insert(held, num_computed // ps * ps, chunked=num_computed < seq.prompt_len)
+        if num_computed <= seq.prompt_len:
+            # after a prefill chunk (SGLang's cache_unfinished_req); decode tokens wait for release
+            self._insert(held, num_computed // ps * ps, chunked=num_computed < seq.prompt_len)
 
     def _insert(self, held: _Held, end: int, chunked: bool) -> None:
         """Insert the sequence's first `end` (page-aligned) tokens; free duplicates, move the lock."""
@@ -285,6 +289,10 @@ class RadixCache(PrefixCache):
 
     def release(self, seq: Sequence) -> None:
         held = self._check_live(seq, self._live)
+        if seq.num_computed > seq.prompt_len:
+            # SGLang's cache_finished_req: prompt + output go into the tree when the request
+            # ends (a walk that refreshes and counts the path even when no page is new)
+            self._insert(held, seq.num_computed // self.page_size * self.page_size, chunked=False)
         del self._live[seq.request_id]
         self.tree.unlock(held.node)
         self._give(seq.page_table[held.protected // self.page_size :])

@@ -28,6 +28,11 @@ class PrefixCache(ABC):
 
     #: registry name (`--backend NAME`)
     name: ClassVar[str] = "abstract"
+    #: True when, for a sequence whose page table already holds its next generated token,
+    #: `grow` is a no-op and `commit` publishes nothing before the page fills. An engine may
+    #: then batch those decode steps: it calls `commit` before the next `grow`, `fork` or
+    #: `release` of the sequence. False (the safe default) = call both every step.
+    decode_steps_are_noops: ClassVar[bool] = False
 
     def __init__(self, num_pages: int, page_size: int) -> None:
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:

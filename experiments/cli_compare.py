@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -96,26 +96,43 @@ def _run_one(cfg: CellConfig) -> dict[str, Any]:
     return run_cell(cfg)
 
 
-def _execute(
-    cells: list[CellConfig], jobs: int, progress: bool, ray_address: str | None = None
-) -> list[dict[str, Any]]:
-    """Run cells locally (in `jobs` processes) or on a Ray cluster; results in input order."""
+def _execute(cells: list[CellConfig], jobs: int, progress: bool, ray_address: str | None = None, side=None):
+    """Run cells locally (in `jobs` processes) or on a Ray cluster; results in input order.
+
+    `side`, a picklable `(fn, args)`, runs beside the cells (the bounds) and its result is
+    returned second."""
     if ray_address:
         from experiments.ray_runner import run_on_ray
 
-        return run_on_ray(cells, ray_address)
+        return run_on_ray(cells, ray_address), (side[0](*side[1]) if side else None)
     if jobs <= 1 or len(cells) <= 1:
         out = []
         for i, cfg in enumerate(cells, 1):
             out.append(run_cell(cfg, progress=progress))
             if progress:
-                print(
-                    f"  [{i}/{len(cells)}] {cfg.backend} @ {cfg.capacity_tokens:,} tokens: {out[-1]['wall_seconds']:.1f}s",
-                    file=sys.stderr,
-                )
-        return out
+                print(f"  [{i}/{len(cells)}] {cfg.backend} @ {cfg.capacity_tokens:,} tokens: {out[-1]['wall_seconds']:.1f}s", file=sys.stderr)
+        return out, (side[0](*side[1]) if side else None)
+    results: list[dict[str, Any] | None] = [None] * len(cells)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(cells), desc="cells", unit="cell")
     with ProcessPoolExecutor(max_workers=jobs) as pool:
-        return list(pool.map(_run_one, cells))
+        side_future = pool.submit(side[0], *side[1]) if side else None  # first: it is the longest
+        futures = {pool.submit(_run_one, cfg): i for i, cfg in enumerate(cells)}
+        for fut in as_completed(futures):
+            results[futures[fut]] = fut.result()
+            if bar is not None:
+                bar.update(1)
+        side_result = side_future.result() if side_future else None
+    if bar is not None:
+        bar.close()
+    return results, side_result
+
+
+def _bounds_of(cfg: CellConfig, page_size: int, capacities: list[int]) -> dict[str, Any]:
+    return bounds(build_workload(cfg), page_size, capacities)
 
 
 def cmd_compare(args: argparse.Namespace, *, single: bool = False) -> int:
@@ -135,7 +152,8 @@ def cmd_compare(args: argparse.Namespace, *, single: bool = False) -> int:
         check_capacity(workload, cap, page_size)
     started = time.perf_counter()
     cells = _cells(args, backends, capacities, page_size, workload_name, knobs)
-    results = _execute(cells, args.jobs, not args.no_progress)
+    side = None if args.no_bounds else (_bounds_of, (cells[0], page_size, capacities))
+    results, bound = _execute(cells, args.jobs, not args.no_progress, side=side)
     out = {
         "command": "python -m experiments " + " ".join(sys.argv[1:] if args.argv is None else args.argv),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -157,7 +175,7 @@ def cmd_compare(args: argparse.Namespace, *, single: bool = False) -> int:
         },
         "backends": backends,
         "capacities": capacities,
-        "bounds": None if args.no_bounds else bounds(workload, page_size, capacities),
+        "bounds": bound,
         "cells": results,
     }
     out["wall_seconds"] = time.perf_counter() - started

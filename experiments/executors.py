@@ -6,9 +6,9 @@
 - `ModelExecutor`: the real forward pass (torch reference on CPU, FlashInfer on GPU) over
   the paged KV cache the backend's page tables address; time is measured; greedy tokens.
 
-Both take a batch of `(Sequence, num_new_tokens)`: compute KV for tokens
-`seq.num_computed .. seq.num_computed + n` and, for a sequence whose chunk reaches its
-last known token, produce the next token.
+Both take a batch of `(Sequence, n, start)`: compute KV for tokens `start .. start + n`
+(`start` is `seq.num_computed` unless the engine batches commits) and, for a sequence whose
+chunk reaches its last known token, produce the next token.
 """
 
 from __future__ import annotations
@@ -101,13 +101,12 @@ class CostModelExecutor:
     def apply_copies(self, ops: list[CopyOp]) -> None:
         pass  # a page copy is a few µs of bandwidth; counted by the cache's copied_pages
 
-    def step_seconds(self, batch: list[tuple[Sequence, int]]) -> float:
+    def step_seconds(self, batch: list[tuple[Sequence, int, int]]) -> float:
         s, d = self.shape, self.device
-        tokens = sum(n for _, n in batch)
+        tokens = sum(item[1] for item in batch)
         flops = 2.0 * s.num_params * tokens
         kv_read = 0
-        for seq, n in batch:
-            ctx = seq.num_computed
+        for _, n, ctx in batch:
             # QK^T and PV over the context plus the causal half of the new tokens
             flops += 4.0 * s.num_layers * s.num_heads * s.head_dim * n * (ctx + (n + 1) / 2)
             kv_read += ctx + n
@@ -135,10 +134,10 @@ class CostModelExecutor:
         self._next_token += k
         return out
 
-    def step(self, batch: list[tuple[Sequence, int]]) -> tuple[float, list[int | None]]:
+    def step(self, batch: list[tuple[Sequence, int, int]]) -> tuple[float, list[int | None]]:
         out: list[int | None] = []
-        for seq, n in batch:
-            if seq.num_computed + n == len(seq):
+        for seq, n, start in batch:
+            if start + n == len(seq):
                 out.append(self._next_token)
                 self._next_token += 1
             else:
@@ -160,21 +159,18 @@ class ModelExecutor:
         if ops:
             self.kv.apply(ops)
 
-    def step(self, batch: list[tuple[Sequence, int]]) -> tuple[float, list[int | None]]:
+    def step(self, batch: list[tuple[Sequence, int, int]]) -> tuple[float, list[int | None]]:
         import torch
 
         from attention.model import ForwardInput
 
-        inputs = [
-            ForwardInput(seq.tokens[seq.num_computed : seq.num_computed + n], seq.num_computed, seq.page_table)
-            for seq, n in batch
-        ]
+        inputs = [ForwardInput(seq.tokens[start : start + n], start, seq.page_table) for seq, n, start in batch]
         t0 = time.perf_counter()
         logits = self.model.forward(inputs, self.kv)
         seconds = time.perf_counter() - t0
         out: list[int | None] = []
-        for i, (seq, n) in enumerate(batch):
-            if seq.num_computed + n == len(seq):
+        for i, (seq, n, start) in enumerate(batch):
+            if start + n == len(seq):
                 row = logits[i]
                 self.logits.setdefault(seq.request_id, []).append(row.detach().clone())
                 out.append(int(torch.argmax(row.detach().float()).item()))

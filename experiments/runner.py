@@ -109,7 +109,7 @@ def _declare_prefixes(cache: PrefixCache, workload: Workload, executor) -> tuple
         if pid is None:
             raise CapacityError(f"declared prefix {wid} ({len(tokens)} tokens) does not fit the capacity")
         pseq = cache.prefix_sequence(pid)
-        step_seconds, _ = executor.step([(pseq, len(pseq))])
+        step_seconds, _ = executor.step([(pseq, len(pseq), 0)])
         seconds += step_seconds
         cache.commit(pseq, len(pseq))
         mapping[wid] = pid

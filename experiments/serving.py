@@ -57,6 +57,7 @@ class _Request:
     preempted: int = 0
     output: list[int] = field(default_factory=list)
     target: int = 0  # tokens to generate (0: the spec's output_len)
+    lag: int = 0  # decode tokens computed but not yet committed (see `decode_steps_are_noops`)
     sample_of: str | None = None  # parallel sampling: the request this sample was forked from
 
     def __post_init__(self) -> None:
@@ -119,8 +120,20 @@ def serve(
         res.cache_seconds += pc() - t0
         return out
 
+    # Decode steps inside a page the table already holds need no cache call on backends that
+    # promise so: their commits are batched until the next grow, fork or release (cost model
+    # only; the real model reads every step's pages through the table, which is unchanged).
+    lazy = cache.decode_steps_are_noops and hasattr(executor, "decode_step_seconds")
+    page = cache.page_size
+
+    def flush(r: _Request) -> None:
+        if r.lag:
+            timed(cache.commit, r.seq, r.seq.num_computed + r.lag)
+            r.lag = 0
+
     def finish(r: _Request, aborted: bool = False, admitted: bool = True, at: float | None = None) -> None:
         if admitted:
+            flush(r)
             timed(cache.release, r.seq)
         r.finished_at = now if at is None else at
         if keep_outputs:
@@ -131,6 +144,7 @@ def serve(
             bar.update(1)
 
     def preempt(r: _Request) -> None:
+        flush(r)
         timed(cache.release, r.seq)
         running.remove(r)
         # recompute: a fresh sequence holding every token so far, at the front of the queue
@@ -146,6 +160,7 @@ def serve(
         """Fork samples 1..n-1 of `r` from its computed prompt; each samples its first token."""
         lens = sample_lens.get(r.spec.request_id) or (r.spec.output_len,) * r.spec.n
         r.target = max(lens[0], 1)
+        flush(r)
         for j in range(1, r.spec.n):
             spec = dataclasses.replace(r.spec, request_id=f"{r.spec.request_id}/{j}", output_len=lens[j], n=1)
             first = executor.fresh_tokens(1)[0] if hasattr(executor, "fresh_tokens") else tok
@@ -165,6 +180,7 @@ def serve(
                 running.append(child)
 
     gone: set[int] = set()  # ids of requests preempted during the current step
+    lagging: set[int] = set()  # ids of requests whose step this time needs no cache call
     while pending or waiting or running:
         while pending and pending[0].arrival <= now:
             spec = pending.popleft()
@@ -175,12 +191,21 @@ def serve(
         budget = config.token_budget
         batch: list[tuple[_Request, int]] = []
         gone.clear()
+        lagging.clear()
         for r in list(running):
             if budget == 0 or id(r) in gone:
                 continue  # preempted by an earlier request of this step
-            n = min(len(r.seq) - r.seq.num_computed, budget)
+            seq = r.seq
+            start = seq.num_computed + r.lag
+            n = min(len(seq) - start, budget)
+            if lazy and n == 1 and start >= seq.prompt_len and start % page and start < len(seq.page_table) * page:
+                lagging.add(id(r))  # a decode step inside a page it holds: no cache call
+                batch.append((r, 1))
+                budget -= 1
+                continue
+            flush(r)
             t0 = pc()
-            ops = cache.grow(r.seq, r.seq.num_computed + n)
+            ops = cache.grow(seq, start + n)
             res.cache_seconds += pc() - t0
             while ops is None:
                 victim = running[-1]
@@ -189,7 +214,7 @@ def serve(
                 preempt(victim)
                 if victim is r:
                     break
-                ops = timed(cache.grow, r.seq, r.seq.num_computed + n)
+                ops = timed(cache.grow, r.seq, start + n)
             if ops is None:
                 if id(r) not in gone:
                     running.remove(r)
@@ -212,17 +237,23 @@ def serve(
             if pending:
                 now = max(now, pending[0].arrival)
             continue
+        if lazy and not admitted_now and len(batch) == len(running):
+            for r, _ in batch:
+                flush(r)  # a decode window starts from committed state
         k = _decode_window(cache, executor, batch, running, admitted_now, pending, now)
         if k > 1:
             now = _run_decode_window(cache, executor, batch, k, now, timed, finish, running, res)
             continue
-        seconds, tokens = executor.step([(r.seq, n) for r, n in batch])
+        seconds, tokens = executor.step([(r.seq, n, r.seq.num_computed + r.lag) for r, n in batch])
         now += seconds
         res.steps += 1
         for (r, n), tok in zip(batch, tokens, strict=True):
-            t0 = pc()
-            cache.commit(r.seq, r.seq.num_computed + n)
-            res.cache_seconds += pc() - t0
+            if id(r) in lagging:
+                r.lag += n
+            else:
+                t0 = pc()
+                cache.commit(r.seq, r.seq.num_computed + r.lag + n)
+                res.cache_seconds += pc() - t0
             r.computed_tokens += n
             if tok is None:
                 continue

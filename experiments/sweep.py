@@ -111,7 +111,7 @@ def run_sweep(args, backends, knobs_of, cells_of, execute, bounds, render, commi
         for i in range(0, len(todo), batch):
             chunk = todo[i : i + batch]
             try:
-                results = execute(chunk, args.jobs, not args.no_progress)
+                results, _ = execute(chunk, args.jobs, not args.no_progress)
             except Exception:
                 names = ", ".join(
                     f"{c.key()} ({c.backend} @ {c.capacity_tokens} tokens, page {c.page_size}, {c.workload})"

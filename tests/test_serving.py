@@ -117,7 +117,12 @@ def test_decode_windows_change_nothing_but_speed():
     assert not hasattr(StepByStep(), "decode_step_seconds")
     a = serve(create_cache("apc", num_pages=200, page_size=16), specs, CostModelExecutor(), ServingConfig(512, 16))
     b = serve(create_cache("apc", num_pages=200, page_size=16), specs, StepByStep(), ServingConfig(512, 16))
+    eager = create_cache("apc", num_pages=200, page_size=16)
+    eager.decode_steps_are_noops = False  # a commit and a grow every decode step
+    c = serve(eager, specs, CostModelExecutor(), ServingConfig(512, 16))
     assert len(a.timeline) < len(b.timeline), "the windows were never used"
+    assert [r["hit_tokens"] for r in a.requests] == [r["hit_tokens"] for r in c.requests]
+    assert a.makespan == c.makespan and a.steps == c.steps and a.preemptions == c.preemptions
     assert a.steps == b.steps and a.preemptions == b.preemptions
     assert a.makespan == pytest.approx(b.makespan, rel=1e-9)
     key = lambda r: r["request_id"]  # noqa: E731
