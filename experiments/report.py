@@ -65,6 +65,15 @@ CSV_FIELDS = [
 ]
 
 
+#: backends often coincide (none and paged without declared prefixes): vary the dash too
+_STYLES = ["-", "--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1))]
+
+
+def _style(results: dict[str, Any], backend: str) -> dict[str, Any]:
+    i = results["backends"].index(backend) if backend in results["backends"] else 0
+    return {"linestyle": _STYLES[i % len(_STYLES)], "color": f"C{i % 10}"}
+
+
 def _get(cell: dict, section: str, key: str) -> Any:
     return cell.get(section, {}).get(key)
 
@@ -183,7 +192,7 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[str]:
             )
             for cap in caps
         ]
-        ax.plot(caps, [y if y is not None else float("nan") for y in ys], marker="o", label=b)
+        ax.plot(caps, [y if y is not None else float("nan") for y in ys], marker="o", label=b, **_style(results, b))
     if results.get("bounds"):
         bd = results["bounds"]
         ax.plot(caps, [bd["belady"][str(c)]["hit_rate"] for c in caps], "k:", marker="s", label="Belady (offline)")
@@ -208,7 +217,7 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[str]:
         for ax, cap in zip(axes[0], caps, strict=True):
             for c in results["cells"]:
                 if c["config"]["capacity_tokens"] == cap and "serving" in c:
-                    drew |= draw(ax, c)
+                    drew |= draw(ax, c, _style(results, c["config"]["backend"]))
             ax.set_title(f"{cap:,} tokens")
             ax.set_xlabel(xlabel)
             ax.grid(alpha=0.3)
@@ -223,19 +232,19 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[str]:
     return names
 
 
-def _draw_ttft(ax, cell) -> bool:
+def _draw_ttft(ax, cell, style) -> bool:
     q = cell["serving"]["ttft_quantiles"]
     if not q:
         return False
-    ax.plot(q, [i / (len(q) - 1) if len(q) > 1 else 1.0 for i in range(len(q))], label=cell["config"]["backend"])
+    ax.plot(q, [i / (len(q) - 1) if len(q) > 1 else 1.0 for i in range(len(q))], label=cell["config"]["backend"], **style)
     return True
 
 
-def _draw_pages(ax, cell) -> bool:
+def _draw_pages(ax, cell, style) -> bool:
     tl = cell["serving"]["pages_timeline"]
     if not tl:
         return False
-    ax.step([t for t, _ in tl], [p for _, p in tl], where="post", label=cell["config"]["backend"])
+    ax.step([t for t, _ in tl], [p for _, p in tl], where="post", label=cell["config"]["backend"], linewidth=1, **style)
     return True
 
 
