@@ -110,7 +110,10 @@ def _execute(cells: list[CellConfig], jobs: int, progress: bool, ray_address: st
         for i, cfg in enumerate(cells, 1):
             out.append(run_cell(cfg, progress=progress))
             if progress:
-                print(f"  [{i}/{len(cells)}] {cfg.backend} @ {cfg.capacity_tokens:,} tokens: {out[-1]['wall_seconds']:.1f}s", file=sys.stderr)
+                print(
+                    f"  [{i}/{len(cells)}] {cfg.backend} @ {cfg.capacity_tokens:,} tokens: {out[-1]['wall_seconds']:.1f}s",
+                    file=sys.stderr,
+                )
         return out, (side[0](*side[1]) if side else None)
     results: list[dict[str, Any] | None] = [None] * len(cells)
     bar = None
@@ -250,6 +253,11 @@ def add_comparison_commands(sub, positive_int) -> None:
             default="auto",
             choices=["auto", "torch", "flashinfer"],
             help="model executor's kernel (auto: flashinfer when CUDA and flashinfer are present)",
+        )
+        p.add_argument(
+            "--device-calibration",
+            metavar="JSON",
+            help="calibrate the cost model from a GPU benchmark JSON (reports/gpu/...)",
         )
         p.add_argument("--token-budget", type=positive_int, default=8192)
         p.add_argument("--max-running", type=positive_int, default=256)

@@ -61,7 +61,9 @@ def replay(
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     if any(s.beam_width > 1 for s in requests):
-        raise ValueError("the replay protocol runs parallel sampling, not beam search; use experiments.bench.sharing_memory")
+        raise ValueError(
+            "the replay protocol runs parallel sampling, not beam search; use experiments.bench.sharing_memory"
+        )
     sample_lens = sample_lens or {}
     clock = _Clock()
     pc = time.perf_counter

@@ -236,7 +236,9 @@ def _draw_ttft(ax, cell, style) -> bool:
     q = cell["serving"]["ttft_quantiles"]
     if not q:
         return False
-    ax.plot(q, [i / (len(q) - 1) if len(q) > 1 else 1.0 for i in range(len(q))], label=cell["config"]["backend"], **style)
+    ax.plot(
+        q, [i / (len(q) - 1) if len(q) > 1 else 1.0 for i in range(len(q))], label=cell["config"]["backend"], **style
+    )
     return True
 
 

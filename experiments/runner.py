@@ -50,6 +50,7 @@ class CellConfig:
     device: str = "h200"
     model: str = "llama3-8b"
     attention: str = "auto"  # model executor: auto | torch | flashinfer
+    device_calibration: str | None = None  # GPU benchmark JSON the cost model calibrates from
     token_budget: int = 8192
     max_running: int = 256
     ordering: str = "fcfs"
@@ -121,11 +122,14 @@ def make_executor(cfg: CellConfig, num_pages: int):
     if cfg.executor == "cost":
         from experiments.executors import ModelShape, llama3_8b_shape
 
+        device = DEVICE_PROFILES[cfg.device]
+        if cfg.device_calibration:
+            device = device.calibrated(cfg.device_calibration)
         if cfg.model == "llama3-8b":
-            return CostModelExecutor(llama3_8b_shape(), cfg.device)
+            return CostModelExecutor(llama3_8b_shape(), device)
         from attention.model import PRESETS
 
-        return CostModelExecutor(ModelShape.from_config(PRESETS[cfg.model]), cfg.device)
+        return CostModelExecutor(ModelShape.from_config(PRESETS[cfg.model]), device)
     from attention.model import PRESETS, LlamaModel
 
     if cfg.model not in PRESETS:

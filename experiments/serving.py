@@ -100,7 +100,9 @@ def serve(
     """
     beams = [s.request_id for s in requests if s.beam_width > 1]
     if beams:
-        raise ValueError(f"the serving engine runs parallel sampling, not beam search (request {beams[0]!r}); use experiments.bench.sharing_memory")
+        raise ValueError(
+            f"the serving engine runs parallel sampling, not beam search (request {beams[0]!r}); use experiments.bench.sharing_memory"
+        )
     sample_lens = sample_lens or {}
     pc = time.perf_counter
     res = ServingResult()

@@ -148,7 +148,9 @@ def test_parallel_sampling_forks_and_every_sample_equals_its_uncached_run(backen
     specs = [RequestSpec(f"q{i}", rng.integers(0, 512, 21, dtype=np.int32), 7, 0.0, n=3) for i in range(3)]
     lens = {s.request_id: (7, 4, 6) for s in specs}
     cache = create_cache(backend, num_pages=120, page_size=4)
-    res = serve(cache, specs, ModelExecutor(tiny_model, 120, 4), ServingConfig(256, 16), keep_outputs=True, sample_lens=lens)
+    res = serve(
+        cache, specs, ModelExecutor(tiny_model, 120, 4), ServingConfig(256, 16), keep_outputs=True, sample_lens=lens
+    )
     assert len(res.requests) == 9 and res.aborted == 0
     for s in specs:
         greedy = run_alone(tiny_model, s.prompt, 7, page_size=4).tokens
@@ -166,3 +168,25 @@ def test_beam_search_is_refused_with_a_pointer():
     spec = RequestSpec("b", np.arange(10, dtype=np.int32), 4, beam_width=2)
     with pytest.raises(ValueError, match="sharing_memory"):
         serve(create_cache("apc", num_pages=10, page_size=4), [spec], CostModelExecutor())
+
+
+def test_device_profile_calibrates_from_the_gpu_benchmark_json(tmp_path):
+    import json
+
+    from experiments.executors import DEVICE_PROFILES, llama3_8b_shape
+
+    bench = {
+        "decode": [{"page_size": 1, "achieved_GBps": 2400.0}, {"page_size": 16, "achieved_GBps": 3840.0}],
+        "prefill": [{"cached_tokens": 0, "model_forward": {"tokens_per_s": 20000.0}}, {"cached_tokens": 4096}],
+    }
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(bench))
+    h200 = DEVICE_PROFILES["h200"]
+    cal = h200.calibrated(path)
+    assert cal.bandwidth_efficiency == pytest.approx(3840e9 / 4.8e12)
+    assert cal.flops_efficiency == pytest.approx(2 * llama3_8b_shape().num_params * 20000 / 989e12)
+    assert "calibrated" in cal.name
+    slower = CostModelExecutor(device=cal).step_seconds([(None, 1, 4000)] * 64)
+    assert slower > CostModelExecutor(device=h200).step_seconds([(None, 1, 4000)] * 64) * 0.99
+    with pytest.raises(FileNotFoundError):
+        h200.calibrated(tmp_path / "missing.json")
