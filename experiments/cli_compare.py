@@ -83,6 +83,7 @@ def _cells(args, backends, capacities, page_size, workload_name, knobs) -> list[
                     device=args.device,
                     model=args.model,
                     attention=args.attention,
+                    device_calibration=args.device_calibration,
                     token_budget=args.token_budget,
                     max_running=args.max_running,
                     ordering=args.ordering,
