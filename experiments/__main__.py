@@ -110,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if hasattr(args, "argv"):
+        args.argv = argv  # None: the report records sys.argv
     try:
         return args.func(args)
     except (BadInput, CacheError, TraceFormatError, FileNotFoundError, ValueError, KeyError) as exc:

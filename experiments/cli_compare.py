@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -14,6 +12,7 @@ from typing import Any
 
 from cachelib import available_backends, get_backend
 from experiments.report import load, render
+from experiments.results import document, write
 from experiments.runner import CellConfig, bounds, build_workload, check_capacity, run_cell
 
 DEFAULT_OUTPUT = Path("reports/latest")
@@ -25,15 +24,6 @@ DEFAULT_CAPACITIES = [25_000, 50_000, 100_000, 200_000]
 
 def _list(text: str) -> list[str]:
     return [t for t in text.replace(",", " ").split() if t]
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _knobs(args: argparse.Namespace) -> dict[str, Any]:
@@ -158,35 +148,10 @@ def cmd_compare(args: argparse.Namespace, *, single: bool = False) -> int:
     cells = _cells(args, backends, capacities, page_size, workload_name, knobs)
     side = None if args.no_bounds else (_bounds_of, (cells[0], page_size, capacities))
     results, bound = _execute(cells, args.jobs, not args.no_progress, side=side)
-    out = {
-        "command": "python -m experiments " + " ".join(sys.argv[1:] if args.argv is None else args.argv),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "commit": _commit(),
-        "workload": {"name": workload.name, "config": workload.config, "requests": len(workload)},
-        "settings": {
-            k: getattr(cells[0], k)
-            for k in (
-                "page_size",
-                "executor",
-                "device",
-                "model",
-                "token_budget",
-                "max_running",
-                "ordering",
-                "protocol",
-                "seed",
-            )
-        },
-        "backends": backends,
-        "capacities": capacities,
-        "bounds": bound,
-        "cells": results,
-    }
+    out = document(args.argv, workload, cells, results, backends, capacities, bound)
     out["wall_seconds"] = time.perf_counter() - started
     out_dir = Path(args.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "results.json").write_text(json.dumps(out, indent=1) + "\n")
-    paths = render(out, out_dir)
+    paths = write(out, out_dir)
     for cap in capacities:
         row = [c for c in results if c["config"]["capacity_tokens"] == cap]
         print(
@@ -198,7 +163,7 @@ def cmd_compare(args: argparse.Namespace, *, single: bool = False) -> int:
                 else f"; Belady {out['bounds']['belady'][str(cap)]['hit_rate']:.1%}, infinite {out['bounds']['infinite']['hit_rate']:.1%}"
             )
         )
-    print(f"wrote {out_dir / 'results.json'} and {', '.join(str(p) for p in paths)} in {out['wall_seconds']:.1f}s")
+    print(f"wrote {', '.join(str(p) for p in paths)} in {out['wall_seconds']:.1f}s")
     return 0
 
 
@@ -299,4 +264,4 @@ def add_comparison_commands(sub, positive_int) -> None:
 def cmd_sweep(args: argparse.Namespace) -> int:
     from experiments.sweep import run_sweep
 
-    return run_sweep(args, _backends(args, default_all=True), _knobs, _cells, _execute, bounds, render, _commit)
+    return run_sweep(args, _backends(args, default_all=True))

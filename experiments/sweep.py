@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from experiments.runner import CellConfig, build_workload, check_capacity
+from experiments.results import document, write
+from experiments.runner import CellConfig, bounds, build_workload, check_capacity
 
 DEFAULT_CAPACITIES = [25_000, 50_000, 100_000, 200_000]
 
@@ -63,7 +64,11 @@ def _write_cell(cell_dir: Path, cfg: CellConfig, res: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def run_sweep(args, backends, knobs_of, cells_of, execute, bounds, render, commit) -> int:
+def run_sweep(args, backends: list[str]) -> int:
+    from experiments.cli_compare import _cells as cells_of
+    from experiments.cli_compare import _execute as execute
+    from experiments.cli_compare import _knobs as knobs_of
+
     out_dir = Path(args.output_dir)
     cell_dir = out_dir / "cells"
     cell_dir.mkdir(parents=True, exist_ok=True)
@@ -125,34 +130,18 @@ def run_sweep(args, backends, knobs_of, cells_of, execute, bounds, render, commi
     argv = getattr(args, "argv", None)
     for wname, page, cells in plan:
         wl = build_workload(cells[0])
-        results: dict[str, Any] = {
-            "command": "python -m experiments " + " ".join(sys.argv[1:] if argv is None else argv),
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "commit": commit(),
-            "workload": {"name": wl.name, "config": wl.config, "requests": len(wl)},
-            "settings": {
-                k: getattr(cells[0], k)
-                for k in (
-                    "page_size",
-                    "executor",
-                    "device",
-                    "model",
-                    "token_budget",
-                    "max_running",
-                    "ordering",
-                    "protocol",
-                    "seed",
-                )
-            },
-            "backends": backends,
-            "capacities": capacities,
-            "bounds": None if args.no_bounds else bounds(wl, page, capacities),
-            "cells": [json.loads((cell_dir / f"{c.key()}.json").read_text()) for c in cells],
-        }
+        cell_results = [json.loads((cell_dir / f"{c.key()}.json").read_text()) for c in cells]
+        doc = document(
+            argv,
+            wl,
+            cells,
+            cell_results,
+            backends,
+            capacities,
+            None if args.no_bounds else bounds(wl, page, capacities),
+        )
         sub = out_dir / f"{wname}-p{page}"
-        sub.mkdir(parents=True, exist_ok=True)
-        (sub / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-        render(results, sub)
+        write(doc, sub)
         print(f"wrote {sub}/report.md")
     print(f"sweep done in {time.perf_counter() - started:.1f}s", file=sys.stderr)
     return 0

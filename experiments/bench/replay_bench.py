@@ -15,7 +15,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,19 +23,11 @@ import numpy as np
 
 from cachelib import create_cache
 from experiments.engine import replay
+from experiments.results import git_commit
 from experiments.workloads.mooncake import load_mooncake
 from experiments.workloads.spec import RequestSpec
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "data/mooncake_conversation_2000.jsonl"
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def bench(
@@ -92,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "replay_cache_us_per_request",
         "command": "python -m experiments.bench.replay_bench " + " ".join(argv if argv is not None else sys.argv[1:]),
         "started": started,
-        "commit": _commit(),
+        "commit": git_commit(),
         "machine": {
             "python": platform.python_version(),
             "cpus": os.cpu_count(),
