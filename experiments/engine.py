@@ -51,20 +51,24 @@ def replay(
     concurrency: int = 1,
     progress: bool = False,
     sample_lens: dict[str, tuple[int, ...]] | None = None,
+    beam_parents: dict[str, np.ndarray] | None = None,
 ) -> dict[str, Any]:
     """Run the replay protocol of `requests` on `cache`; returns the result as a JSON-able dict.
 
     `per_request_hits[i]` is the hit of request i (-1 when it was unschedulable). A request
     with `n > 1` forks `n - 1` samples after its prompt (sample j decodes `sample_lens[id][j]`
-    tokens, default `output_len`); the group is in flight, and finishes, as one.
+    tokens, default `output_len`); one with `beam_width > 1` follows its beam schedule
+    (`beam_parents[id][t]`: the parent of each surviving beam at step t; a beam nobody picks
+    is released, one picked k times forks k - 1 children). Either way the group is in flight,
+    and finishes, as one.
     """
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
-    if any(s.beam_width > 1 for s in requests):
-        raise ValueError(
-            "the replay protocol runs parallel sampling, not beam search; use experiments.bench.sharing_memory"
-        )
     sample_lens = sample_lens or {}
+    beam_parents = beam_parents or {}
+    missing = [s.request_id for s in requests if s.beam_width > 1 and s.request_id not in beam_parents]
+    if missing:
+        raise ValueError(f"beam search request {missing[0]!r} has no beam schedule (beam_parents)")
     clock = _Clock()
     pc = time.perf_counter
     inflight: deque[list[Sequence]] = deque()
@@ -74,11 +78,7 @@ def replay(
     bar = _progress(len(requests), progress, f"replay {cache.name}")
 
     def finish_oldest() -> None:
-        group = inflight.popleft()
-        t0 = pc()
-        for seq in group:
-            cache.release(seq)
-        clock.seconds += pc() - t0
+        release_all(inflight.popleft())
 
     def decode(seq: Sequence, output_len: int) -> bool:
         """Append `output_len` fresh tokens and give all but the last KV; False if no room."""
@@ -109,6 +109,55 @@ def replay(
                 return ops is not None
             finish_oldest()
 
+    def beam(root: Sequence, parents_by_step: np.ndarray) -> list[Sequence] | None:
+        """Follow a beam schedule from the computed prompt; the live beams at the end, or None
+        (all released) when even alone there is no room."""
+        nonlocal next_token
+        beams, forks = [root], 0
+        for t, parents in enumerate(parents_by_step):
+            counts = np.bincount(np.asarray(parents, dtype=np.int64), minlength=len(beams)).tolist()
+            for b, k in zip(beams, counts, strict=True):
+                if k == 0:  # pruned: its pages go back before anyone forks
+                    release_all([b])
+            kept: list[Sequence] = []
+            for i, (b, k) in enumerate(zip(beams, counts, strict=True)):
+                if k:
+                    kept.append(b)
+                for _ in range(k - 1):
+                    forks += 1
+                    child = b.fork(f"{root.request_id}/b{forks}")
+                    if not fork(b, child):
+                        release_all(kept + [x for x, c in zip(beams[i + 1 :], counts[i + 1 :], strict=True) if c])
+                        return None
+                    kept.append(child)
+            beams = kept
+            if t + 1 < len(parents_by_step):  # the last step's tokens are never fed back
+                for b in beams:
+                    b.append_token(next_token)
+                    next_token += 1
+                    if not write_last(b):
+                        release_all(beams)
+                        return None
+        return beams
+
+    def write_last(seq: Sequence) -> bool:
+        """Give the token just appended its KV (grow + commit), finishing others for room."""
+        while True:
+            t0 = pc()
+            ops = cache.grow(seq, len(seq))
+            if ops is not None:
+                cache.commit(seq, len(seq))
+            clock.seconds += pc() - t0
+            if ops is not None or not inflight:
+                return ops is not None
+            finish_oldest()
+
+    def release_all(seqs: list[Sequence]) -> None:
+        t0 = pc()
+        for seq in seqs:
+            cache.release(seq)
+        clock.seconds += pc() - t0
+
     for spec in requests:
         while len(inflight) >= concurrency:
             finish_oldest()
@@ -134,6 +183,13 @@ def replay(
         t0 = pc()
         cache.commit(seq, prompt_len)
         clock.seconds += pc() - t0
+        if spec.beam_width > 1:
+            beams = beam(seq, beam_parents[spec.request_id])
+            if beams is None:
+                truncated += 1  # ran out of room even alone: the request stops early
+            else:
+                inflight.append(beams)
+            continue
         group = [seq]
         lens = sample_lens.get(spec.request_id) or (spec.output_len,) * spec.n
         for j in range(1, spec.n):

@@ -156,11 +156,18 @@ def run_cell(cfg: CellConfig, workload: Workload | None = None, *, progress: boo
         for rid, sched in workload.schedules.items()
         if getattr(sched, "mode", None) == "parallel"
     }
+    beam_parents = {
+        rid: sched.beam_parents for rid, sched in workload.schedules.items() if getattr(sched, "mode", None) == "beam"
+    }
+    if beam_parents and cfg.protocol != "replay":
+        raise ValueError(
+            "beam search runs under the replay protocol only (--protocol replay); the serving engine forks parallel samples"
+        )
     if cfg.protocol in ("replay", "both"):
         cache = create_cache(cfg.backend, num_pages=num_pages, page_size=cfg.page_size, **cfg.backend_options)
         executor = CostModelExecutor()  # replay needs no timing; only prefix set-up runs through it
         requests, _ = _declare_prefixes(cache, workload, executor)
-        r = replay(cache, requests, progress=progress, sample_lens=sample_lens)
+        r = replay(cache, requests, progress=progress, sample_lens=sample_lens, beam_parents=beam_parents)
         r.pop("per_request_hits")
         out["replay"] = r
     if cfg.protocol in ("serving", "both"):
