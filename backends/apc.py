@@ -33,7 +33,7 @@ from itertools import islice
 
 import numpy as np
 
-from cachelib.errors import InvalidRequestError, InvariantViolation, StaleMatchError
+from cachelib.errors import InvalidRequestError, StaleMatchError
 from cachelib.free_queue import FreeBlockQueue, KVBlock
 from cachelib.hashing import BlockHash, BlockHasher, HashFn
 from cachelib.interface import PrefixCache
@@ -359,56 +359,6 @@ class APCCache(PrefixCache):
         return [b.block_id for b in self.free_queue if b.block_hash is not None]
 
     def check_invariants(self) -> None:
-        def fail(msg: str) -> None:
-            raise InvariantViolation(f"apc: {msg}")
+        from backends.apc_invariants import check_apc
 
-        self.free_queue.check()
-        in_queue = {b.block_id for b in self.free_queue}
-        refs = [0] * self.num_pages
-        for rid, held in self._live.items():
-            if not 0 <= held.num_cached <= len(held.blocks):
-                fail(f"{rid}: num_cached {held.num_cached} outside its table")
-            for i, block in enumerate(held.blocks):
-                refs[block.block_id] += 1
-                if (i < held.num_cached) != (block.block_hash is not None):
-                    fail(f"{rid}: block {i} hashed={block.block_hash is not None} but num_cached={held.num_cached}")
-        cached_free = 0
-        for block in self.blocks:
-            if block.ref_cnt != refs[block.block_id]:
-                fail(f"block {block.block_id} ref {block.ref_cnt} but held by {refs[block.block_id]} tables")
-            if (block.ref_cnt == 0) != (block.block_id in in_queue):
-                fail(f"block {block.block_id} ref {block.ref_cnt} but in_queue={block.block_id in in_queue}")
-            if block.block_hash is not None:
-                entry = self._table.get(block.block_hash)
-                members = {} if entry is None else ({entry.block_id: entry} if entry.__class__ is KVBlock else entry)
-                if members.get(block.block_id) is not block:
-                    fail(f"hashed block {block.block_id} missing from the table")
-                cached_free += block.ref_cnt == 0
-        for h, entry in self._table.items():
-            members = [entry] if entry.__class__ is KVBlock else list(entry.values())
-            if not members or (entry.__class__ is not KVBlock and len(members) < 2):
-                fail("table entry with a wrong number of blocks")
-            for block in members:
-                if block.block_hash != h:
-                    fail(f"table entry points at block {block.block_id} whose hash differs")
-        hashed = sum(b.block_hash is not None for b in self.blocks)
-        entries = sum(1 if e.__class__ is KVBlock else len(e) for e in self._table.values())
-        if not hashed == entries == self._num_hashed:
-            fail(f"hashed blocks {hashed}, table entries {entries}, count {self._num_hashed}")
-        if cached_free != self._num_cached_free:
-            fail(f"cached-free count {self._num_cached_free}, actual {cached_free}")
-        s = self.stats()
-        if (
-            s.pages_free + s.pages_cached + s.pages_pinned != self.num_pages
-            or min(s.pages_free, s.pages_cached, s.pages_pinned) < 0
-        ):
-            fail(f"free {s.pages_free} + cached {s.pages_cached} + pinned {s.pages_pinned} != {self.num_pages}")
-        # index entries point only at pages whose content matches: rehash every live table
-        for rid, held in self._live.items():
-            seq = held.seq
-            if seq.page_table != [b.block_id for b in held.blocks]:
-                fail(f"{rid}: page table differs from the blocks held")
-            fresh = self.hasher.hash_blocks(seq.tokens, seq.extra, 0, held.num_cached, None)
-            for i, (block, h) in enumerate(zip(held.blocks, fresh, strict=False)):
-                if block.block_hash != h:
-                    fail(f"{rid}: block {i} (page {block.block_id}) is cached under another content's hash")
+        check_apc(self)
