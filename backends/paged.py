@@ -38,7 +38,7 @@ from itertools import count
 
 import numpy as np
 
-from cachelib.errors import InvalidRequestError, InvariantViolation, StaleMatchError
+from cachelib.errors import InvalidRequestError, StaleMatchError
 from cachelib.interface import PrefixCache
 from cachelib.page_pool import FifoPagePool
 from cachelib.registry import register_backend
@@ -365,70 +365,6 @@ class PagedCache(PrefixCache):
         return self._ref[page]
 
     def check_invariants(self) -> None:
-        def fail(msg: str) -> None:
-            raise InvariantViolation(f"paged: {msg}")
+        from backends.paged_invariants import check_paged
 
-        ps = self.page_size
-        tables = list(self._live.items()) + [(p.table.seq.request_id, p.table) for p in self._prefixes.values()]
-        holders: list[list[tuple[_Table, int]]] = [[] for _ in range(self.num_pages)]
-        for rid, t in tables:
-            seq = t.seq
-            if seq.page_table != t.blocks:
-                fail(f"{rid}: page table {seq.page_table} differs from its blocks {t.blocks}")
-            if not seq.num_computed <= t.granted <= len(t.blocks) * ps:
-                fail(
-                    f"{rid}: computed {seq.num_computed} <= granted {t.granted} <= covered {len(t.blocks) * ps} broken"
-                )
-            if len(set(t.blocks)) != len(t.blocks):
-                fail(f"{rid}: a block appears twice in one table")
-            for i, b in enumerate(t.blocks):
-                if not 0 <= b < self.num_pages:
-                    fail(f"{rid}: block id {b} out of range")
-                holders[b].append((t, i))
-        # no shared block may be written: every block overlapping a table's granted window
-        # [num_computed, granted) has that table as its only holder (counted afresh here)
-        for rid, t in tables:
-            lo = t.seq.num_computed
-            for i in range(lo // ps, self.pages_for(t.granted) if t.granted > lo else 0):
-                if len(holders[t.blocks[i]]) > 1:
-                    fail(
-                        f"{rid}: block {t.blocks[i]} is granted for writing but has {len(holders[t.blocks[i]])} holders"
-                    )
-        for rid, t in self._live.items():
-            if rid != t.seq.request_id:
-                fail(f"table keyed {rid!r} holds {t.seq.request_id!r}")
-        free = list(self._free)
-        free_set = set(free)
-        if len(free_set) != len(free):
-            fail("a block is twice in the free list")
-        for b in range(self.num_pages):
-            if self._ref[b] != len(holders[b]):
-                fail(f"block {b}: ref {self._ref[b]} but held by {len(holders[b])} tables/prefixes")
-            if (self._ref[b] == 0) != (b in free_set):
-                fail(f"block {b}: ref {self._ref[b]} but in free list = {b in free_set}")
-            self._check_content(b, holders[b], fail)
-        for pid, p in self._prefixes.items():
-            if len(p.table.blocks) != self.pages_for(p.tokens.size) or p.prefix_id != pid:
-                fail(f"prefix {pid}: {len(p.table.blocks)} blocks for {p.tokens.size} tokens")
-        s = self.stats()
-        if s.pages_free + s.pages_cached + s.pages_pinned != self.num_pages or s.pages_pinned < 0:
-            fail(f"free {s.pages_free} + cached {s.pages_cached} + pinned {s.pages_pinned} != {self.num_pages}")
-
-    def _check_content(self, block: int, holders: list[tuple[_Table, int]], fail) -> None:
-        """Every holder of a shared block maps it at the same position, and the tokens whose
-        KV is in it (each holder's computed slots) agree on the slots they have in common."""
-        if len(holders) < 2:
-            return
-        ps = self.page_size
-        positions = {i for _, i in holders}
-        if len(positions) != 1:
-            fail(f"block {block} sits at table positions {sorted(positions)}: KV depends on position")
-        (i,) = positions
-        start = i * ps
-        common = min(min(t.seq.num_computed, start + ps) for t, _ in holders) - start
-        if common <= 0:
-            return
-        first = holders[0][0].seq.tokens[start : start + common]
-        for t, _ in holders[1:]:
-            if not np.array_equal(t.seq.tokens[start : start + common], first):
-                fail(f"block {block} is shared by sequences whose tokens differ in it")
+        check_paged(self)
