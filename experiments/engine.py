@@ -52,6 +52,7 @@ def replay(
     progress: bool = False,
     sample_lens: dict[str, tuple[int, ...]] | None = None,
     beam_parents: dict[str, np.ndarray] | None = None,
+    outputs: dict[str, np.ndarray] | None = None,
 ) -> dict[str, Any]:
     """Run the replay protocol of `requests` on `cache`; returns the result as a JSON-able dict.
 
@@ -60,12 +61,15 @@ def replay(
     tokens, default `output_len`); one with `beam_width > 1` follows its beam schedule
     (`beam_parents[id][t]`: the parent of each surviving beam at step t; a beam nobody picks
     is released, one picked k times forks k - 1 children). Either way the group is in flight,
-    and finishes, as one.
+    and finishes, as one. `outputs[id]`, when given, are the token ids a request generates
+    (a multi-turn conversation re-sends them in its next prompt, so their KV can be reused);
+    otherwise generated ids are fresh and no prompt ever matches them.
     """
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     sample_lens = sample_lens or {}
     beam_parents = beam_parents or {}
+    outputs = outputs or {}
     missing = [s.request_id for s in requests if s.beam_width > 1 and s.request_id not in beam_parents]
     if missing:
         raise ValueError(f"beam search request {missing[0]!r} has no beam schedule (beam_parents)")
@@ -80,13 +84,16 @@ def replay(
     def finish_oldest() -> None:
         release_all(inflight.popleft())
 
-    def decode(seq: Sequence, output_len: int) -> bool:
-        """Append `output_len` fresh tokens and give all but the last KV; False if no room."""
+    def decode(seq: Sequence, output_len: int, forced: np.ndarray | None = None) -> bool:
+        """Append `output_len` tokens (`forced` ones first, then fresh ids) and give all but
+        the last KV; False if no room."""
         nonlocal next_token
         start = len(seq)
         if output_len > 0:
-            seq.append(np.arange(next_token, next_token + output_len, dtype=np.int32))
-            next_token += output_len
+            given = np.asarray(forced[:output_len] if forced is not None else (), dtype=np.int32)
+            fresh = output_len - len(given)
+            seq.append(np.concatenate([given, np.arange(next_token, next_token + fresh, dtype=np.int32)]))
+            next_token += fresh
         target = start + max(output_len - 1, 0)
         if target <= seq.num_computed:
             return True
@@ -200,7 +207,7 @@ def replay(
             group.append(child)
             # Even alone a sample that cannot hold its output stops early.
             truncated += not decode(child, lens[j])
-        truncated += not decode(seq, lens[0])
+        truncated += not decode(seq, lens[0], outputs.get(spec.request_id))
         inflight.append(group)
     while inflight:
         finish_oldest()

@@ -4,7 +4,9 @@ Two bounds, both counted exactly as `experiments.engine.replay` counts a backend
 
 - `infinite_hits`: a cache that never evicts. Request i hits the longest run of its leading
   full pages that some earlier request computed (its prompt's full pages; generated tokens
-  have ids no prompt uses, so pages holding them never match), capped at `len - 1` tokens
+  have ids no prompt uses, so pages holding them never match, unless `page_keys(outputs=)`
+  names the tokens a request generates, as a conversation re-sends them: then the full
+  pages of prompt + output - 1 tokens count too), capped at `len - 1` tokens
   and rounded down to a page, as apc and radix cap it. Different `cache_salt`, `lora_id` or
   multimodal hashes never share: page keys are apc's chained block hashes, which fold them in.
 - `belady_hits`: the offline optimum at the same capacity. The cache is a trie of pages (a
@@ -20,7 +22,10 @@ rest new) and then `ceil((prompt + output - 1) / page_size)` in all while it dec
 or nothing; when that does not fit even alone the request is truncated and holds only its
 prompt, as in the engine). Its full prompt pages join the trie when the prompt is committed;
 generated and partial pages are dropped at release (no request can hit them, so caching them
-only takes room). A full last page that the cap makes it recompute while a copy is cached is
+only takes room; with `outputs`, generated pages a later prompt re-sends join the trie as
+decoding fills them, like prompt pages; they are unit pages too, so the argument below
+should carry over, but the tests check only infinite >= Belady >= apc, radix for them, not
+exhaustive optimality). A full last page that the cap makes it recompute while a copy is cached is
 one page, not two: the request's copy takes the cached one's place (apc keeps both under one
 hash and can evict either; radix frees the duplicate at commit), except while another
 in-flight request pins the cached copy, when prefill needs a page of its own. A request whose prompt pages exceed the capacity is unschedulable: it counts no hit
@@ -85,7 +90,7 @@ class PageKeys:
     """
 
     page_size: int
-    keys: list[np.ndarray]  # per request, int32 ids of its full prompt pages, in order
+    keys: list[np.ndarray]  # per request, int32 ids of its full pages, in order (see page_keys)
     prompt_lens: list[int]
     output_lens: list[int]
     parent: list[int]
@@ -99,10 +104,13 @@ class PageKeys:
         return (self.prompt_lens[i] - 1) // self.page_size
 
 
-def page_keys(requests: Seq[RequestSpec], page_size: int) -> PageKeys:
-    """Intern the chained block hashes of every request's full prompt pages."""
+def page_keys(requests: Seq[RequestSpec], page_size: int, *, outputs: dict[str, np.ndarray] | None = None) -> PageKeys:
+    """Intern the chained block hashes of every request's full pages: its prompt's, and when
+    `outputs[id]` gives the tokens it generates (a conversation re-sends them), also the full
+    pages of prompt + output - 1 tokens (the last generated token gets no KV)."""
     if not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    outputs = outputs or {}
     hasher = BlockHasher(page_size)
     ids: dict[bytes, int] = {}
     parent: list[int] = []
@@ -112,6 +120,10 @@ def page_keys(requests: Seq[RequestSpec], page_size: int) -> PageKeys:
         tokens = np.ascontiguousarray(spec.prompt, dtype=np.int32)
         if tokens.size == 0:
             raise ValueError(f"request {spec.request_id!r}: empty prompt")
+        prompt_lens.append(int(tokens.size))
+        out = outputs.get(spec.request_id)
+        if out is not None and spec.output_len > 1:
+            tokens = np.concatenate([tokens, np.asarray(out[: spec.output_len - 1], dtype=np.int32)])
         n_full = tokens.size // page_size
         chain: list[int] = []
         prev = -1
@@ -123,7 +135,6 @@ def page_keys(requests: Seq[RequestSpec], page_size: int) -> PageKeys:
             chain.append(k)
             prev = k
         keys.append(np.asarray(chain, dtype=np.int32))
-        prompt_lens.append(int(tokens.size))
     return PageKeys(page_size, keys, prompt_lens, [spec.output_len for spec in requests], parent)
 
 
@@ -283,6 +294,7 @@ def belady_hits(
             hits.append(-1)
             continue
         ks = pk.keys[i].tolist()
+        prompt_full = pk.prompt_lens[i] // page_size  # ks beyond it: generated pages (outputs given)
         cap = pk.hittable(i)
         h = 0
         while h < cap and cached[ks[h]]:
@@ -295,7 +307,7 @@ def belady_hits(
         # and then holds one copy. Keeping that copy costs nothing, so it is pinned as the
         # request's own page; only when another request pins it does the recompute need a
         # page of its own during prefill (then merged, as radix does at commit).
-        dup = h < len(ks) and cached[ks[h]]
+        dup = h < prompt_full and cached[ks[h]]
         transient = dup and pins[ks[h]] > 0
         held = ks[: h + dup]
         for k in held:
@@ -303,8 +315,8 @@ def belady_hits(
                 pinned_nodes += 1
             pins[k] += 1
         make_room(new - dup + transient)
-        own = need[i] - len(ks)  # the partial last page
-        for k in ks[h + dup :]:
+        own = need[i] - prompt_full  # the partial last page
+        for k in ks[h + dup : prompt_full]:
             cached[k] = 1
             pins[k] = 1
             tree_size += 1
@@ -316,15 +328,37 @@ def belady_hits(
         private += own
         hits.append(h * page_size)
         grow = total[i] - need[i]
-        if grow > 0:
+        if grow > 0 or len(ks) > prompt_full:
             while pinned_nodes + private + grow > capacity and inflight:
                 finish_oldest()
-            if pinned_nodes + private + grow <= capacity:
+            if pinned_nodes + private + grow > capacity:
+                truncated += 1
+            elif len(ks) > prompt_full:
+                # Generated pages a later prompt re-sends join the tree as decoding fills them
+                # (the prompt's partial page becomes the first); the rest stays private. Pages
+                # already cached are pinned first, so making room cannot evict them.
+                private -= own
+                for k in ks[prompt_full:]:
+                    if cached[k]:
+                        if pins[k] == 0:
+                            pinned_nodes += 1
+                        pins[k] += 1
+                fresh = [k for k in ks[prompt_full:] if not cached[k]]
+                make_room(len(fresh) + total[i] - len(ks))
+                for k in fresh:
+                    cached[k] = 1
+                    pins[k] = 1
+                    tree_size += 1
+                    pinned_nodes += 1
+                    if parent[k] >= 0:
+                        nchild[parent[k]] += 1
+                held.extend(ks[prompt_full:])
+                own = total[i] - len(ks)
+                private += own
+            else:
                 make_room(grow)
                 private += grow
                 own += grow
-            else:
-                truncated += 1
         inflight.append((held, own))
     while inflight:
         finish_oldest()

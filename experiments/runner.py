@@ -167,7 +167,14 @@ def run_cell(cfg: CellConfig, workload: Workload | None = None, *, progress: boo
         cache = create_cache(cfg.backend, num_pages=num_pages, page_size=cfg.page_size, **cfg.backend_options)
         executor = CostModelExecutor()  # replay needs no timing; only prefix set-up runs through it
         requests, _ = _declare_prefixes(cache, workload, executor)
-        r = replay(cache, requests, progress=progress, sample_lens=sample_lens, beam_parents=beam_parents)
+        r = replay(
+            cache,
+            requests,
+            progress=progress,
+            sample_lens=sample_lens,
+            beam_parents=beam_parents,
+            outputs=workload.outputs,
+        )
         r.pop("per_request_hits")
         out["replay"] = r
     if cfg.protocol in ("serving", "both"):
@@ -175,7 +182,7 @@ def run_cell(cfg: CellConfig, workload: Workload | None = None, *, progress: boo
         executor = make_executor(cfg, num_pages)
         requests, setup = _declare_prefixes(cache, workload, executor)
         sc = ServingConfig(cfg.token_budget, cfg.max_running, cfg.ordering)
-        res = serve(cache, requests, executor, sc, progress=progress, sample_lens=sample_lens)
+        res = serve(cache, requests, executor, sc, progress=progress, sample_lens=sample_lens, outputs=workload.outputs)
         out["serving"] = serving_metrics(res, cache.stats(), setup_seconds=setup)
     out["wall_seconds"] = time.perf_counter() - started
     return out
@@ -185,7 +192,7 @@ def bounds(workload: Workload, page_size: int, capacities: list[int]) -> dict[st
     """Infinite-capacity and Belady hit rates (replay protocol) for each capacity."""
     from experiments.oracle import belady_hits, infinite_hits, page_keys
 
-    keys = page_keys(workload.requests, page_size)
+    keys = page_keys(workload.requests, page_size, outputs=workload.outputs)
     inf = infinite_hits(workload.requests, page_size, keys=keys)
     out = {
         "page_size": page_size,

@@ -89,6 +89,7 @@ def serve(
     progress: bool = False,
     keep_outputs: bool = False,
     sample_lens: dict[str, tuple[int, ...]] | None = None,
+    outputs: dict[str, np.ndarray] | None = None,
 ) -> ServingResult:
     """Run `requests` through `cache` and `executor`; returns per-request metrics and the timeline.
 
@@ -96,7 +97,9 @@ def serve(
     first token is sampled (`cache.fork`); sample j generates `sample_lens[id][j]` tokens
     (default: `output_len` each). A sample that cannot fork for want of pages waits to be
     admitted like a preempted request (recompute). Beam search is not run here: it lives in
-    `experiments/bench/sharing_memory.py`.
+    `experiments/bench/sharing_memory.py`. `outputs[id]`, when given, are the tokens a
+    request generates (whatever the executor samples), so that a conversation's next turn
+    can reuse their KV.
     """
     beams = [s.request_id for s in requests if s.beam_width > 1]
     if beams:
@@ -104,6 +107,7 @@ def serve(
             f"the serving engine runs parallel sampling, not beam search (request {beams[0]!r}); use experiments.bench.sharing_memory"
         )
     sample_lens = sample_lens or {}
+    forced = {rid: np.asarray(toks, dtype=np.int64).tolist() for rid, toks in (outputs or {}).items()}
     pc = time.perf_counter
     res = ServingResult()
     pending = deque(sorted(requests, key=lambda s: s.arrival))
@@ -244,7 +248,7 @@ def serve(
                 flush(r)  # a decode window starts from committed state
         k = _decode_window(cache, executor, batch, running, admitted_now, pending, now)
         if k > 1:
-            now = _run_decode_window(cache, executor, batch, k, now, timed, finish, running, res)
+            now = _run_decode_window(cache, executor, batch, k, now, timed, finish, running, res, forced)
             continue
         seconds, tokens = executor.step([(r.seq, n, r.seq.num_computed + r.lag) for r, n in batch])
         now += seconds
@@ -259,6 +263,9 @@ def serve(
             r.computed_tokens += n
             if tok is None:
                 continue
+            given = forced.get(r.spec.request_id) if r.sample_of is None else None
+            if given is not None and r.generated < len(given):
+                tok = given[r.generated]
             if r.generated == 0 and r.spec.n > 1 and r.sample_of is None:
                 spawn_samples(r, tok)
             r.generated += 1
@@ -320,13 +327,17 @@ def _decode_window(cache, executor, batch, running, admitted_now, pending, now) 
     return max(k, 1)
 
 
-def _run_decode_window(cache, executor, batch, k, now, timed, finish, running, res) -> float:
+def _run_decode_window(cache, executor, batch, k, now, timed, finish, running, res, forced) -> float:
     """Take `k` decode steps of `batch` at once; returns the new clock."""
     computed = np.array([r.seq.num_computed for r, _ in batch], dtype=np.int64)
     times = executor.decode_step_seconds(computed, k)
     end = now + float(times.sum())
     for r, _ in batch:
         tokens = executor.fresh_tokens(k)
+        given = forced.get(r.spec.request_id) if r.sample_of is None else None
+        if given is not None:  # the request's recorded output overrides what was sampled
+            lo = r.generated
+            tokens[: max(0, min(k, len(given) - lo))] = given[lo : lo + k]
         r.seq.append(np.array(tokens[:-1], dtype=np.int32))
         target = r.seq.num_computed + k
         ops = timed(cache.grow, r.seq, target)

@@ -37,8 +37,10 @@ def multi_turn_chat(
 
     Turn t's prompt is `system + user_0 + answer_0 + ... + answer_{t-1} + user_t`; its
     output is `answer_t`. The answers are generated here, deterministically, and stored in
-    `Workload.outputs` (request id -> ids): an engine decodes its own ids, which differ, so
-    each spec carries the exact ids of its history rather than whatever was generated.
+    `Workload.outputs` (request id -> ids); the engine (replay and serving) makes each request
+    generate exactly its answer, so the next turn can reuse the answer's KV as a real
+    conversation does. Arrivals do not wait for the previous answer: keep `think_time` above
+    a turn's service time, or a turn may arrive before its history is cached.
 
     Knobs:
     - num_conversations (20): conversations.
