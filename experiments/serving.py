@@ -13,6 +13,7 @@ The executor prices the step (cost model) or runs it (model); the clock advances
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import time
 from collections import deque
 from collections.abc import Sequence as Seq
@@ -56,6 +57,7 @@ class _Request:
     finished_at: float | None = None
     preempted: int = 0
     output: list[int] = field(default_factory=list)
+    arrival: float = 0.0  # when it joined the queue (after its predecessor, for a dependent turn)
     target: int = 0  # tokens to generate (0: the spec's output_len)
     lag: int = 0  # decode tokens computed but not yet committed (see `decode_steps_are_noops`)
     sample_of: str | None = None  # parallel sampling: the request this sample was forked from
@@ -110,7 +112,18 @@ def serve(
     forced = {rid: np.asarray(toks, dtype=np.int64).tolist() for rid, toks in (outputs or {}).items()}
     pc = time.perf_counter
     res = ServingResult()
-    pending = deque(sorted(requests, key=lambda s: s.arrival))
+    # arrivals as a heap of (time, order, spec); a request that follows another (`after`)
+    # waits in `blocked` until that one finishes, then arrives `think_time` later
+    ids = {s.request_id for s in requests}
+    blocked: dict[str, list[RequestSpec]] = {}
+    pending: list[tuple[float, int, RequestSpec]] = []
+    for i, s in enumerate(requests):
+        if s.after is not None and s.after in ids:
+            blocked.setdefault(s.after, []).append(s)
+        else:
+            pending.append((s.arrival, i, s))
+    heapq.heapify(pending)
+    order = len(requests)
     waiting: deque[_Request] = deque()
     running: list[_Request] = []
     now = 0.0
@@ -138,12 +151,16 @@ def serve(
             r.lag = 0
 
     def finish(r: _Request, aborted: bool = False, admitted: bool = True, at: float | None = None) -> None:
+        nonlocal order
         if admitted:
             flush(r)
             timed(cache.release, r.seq)
         r.finished_at = now if at is None else at
         if keep_outputs:
             res.outputs[r.spec.request_id] = r.output
+        for dep in blocked.pop(r.spec.request_id, ()):
+            order += 1
+            heapq.heappush(pending, (r.finished_at + dep.think_time, order, dep))
         res.aborted += aborted
         res.requests.append(_record(r, aborted))
         if bar is not None:
@@ -170,7 +187,9 @@ def serve(
         for j in range(1, r.spec.n):
             spec = dataclasses.replace(r.spec, request_id=f"{r.spec.request_id}/{j}", output_len=lens[j], n=1)
             first = executor.fresh_tokens(1)[0] if hasattr(executor, "fresh_tokens") else tok
-            child = _Request(spec, r.seq.fork(spec.request_id), sample_of=r.spec.request_id, first_admit_hit=0)
+            child = _Request(
+                spec, r.seq.fork(spec.request_id), sample_of=r.spec.request_id, first_admit_hit=0, arrival=r.arrival
+            )
             ops = timed(cache.fork, r.seq, child.seq)
             child.generated, child.first_token_at = 1, now
             child.output.append(first)
@@ -188,11 +207,12 @@ def serve(
     gone: set[int] = set()  # ids of requests preempted during the current step
     lagging: set[int] = set()  # ids of requests whose step this time needs no cache call
     while pending or waiting or running:
-        while pending and pending[0].arrival <= now:
-            spec = pending.popleft()
-            waiting.append(_Request(spec, Sequence(spec.request_id, spec.prompt, spec.extra, prefix_id=spec.prefix_id)))
+        while pending and pending[0][0] <= now:
+            arrival, _, spec = heapq.heappop(pending)
+            seq = Sequence(spec.request_id, spec.prompt, spec.extra, prefix_id=spec.prefix_id)
+            waiting.append(_Request(spec, seq, arrival=arrival))
         if not waiting and not running:
-            now = pending[0].arrival
+            now = pending[0][0]
             continue
         budget = config.token_budget
         batch: list[tuple[_Request, int]] = []
@@ -241,7 +261,7 @@ def serve(
                 finish(waiting.popleft(), aborted=True, admitted=False)
                 continue
             if pending:
-                now = max(now, pending[0].arrival)
+                now = max(now, pending[0][0])
             continue
         if lazy and not admitted_now and len(batch) == len(running):
             for r, _ in batch:
@@ -323,7 +343,7 @@ def _decode_window(cache, executor, batch, running, admitted_now, pending, now) 
         k = lo
     if pending and k > 1:
         starts = now + np.concatenate(([0.0], np.cumsum(executor.decode_step_seconds(computed, k - 1))))
-        k = int(np.searchsorted(starts, pending[0].arrival, side="left"))  # steps starting before it
+        k = int(np.searchsorted(starts, pending[0][0], side="left"))  # steps starting before it
     return max(k, 1)
 
 
@@ -388,13 +408,13 @@ def _admit(cache, waiting, running, batch, budget, config, executor, timed, fini
 
 def _record(r: _Request, aborted: bool) -> dict[str, Any]:
     spec = r.spec
-    ttft = None if r.first_token_at is None else r.first_token_at - spec.arrival
+    ttft = None if r.first_token_at is None else r.first_token_at - r.arrival
     tpot = None
     if r.first_token_at is not None and r.finished_at is not None and r.generated > 1:
         tpot = (r.finished_at - r.first_token_at) / (r.generated - 1)
     return {
         "request_id": spec.request_id,
-        "arrival": spec.arrival,
+        "arrival": r.arrival,
         "prompt_tokens": int(len(spec.prompt_source) if hasattr(spec.prompt_source, "__len__") else len(spec.prompt)),
         "hit_tokens": r.first_admit_hit or 0,
         "hit_tokens_all_admissions": r.hit_tokens,

@@ -202,11 +202,17 @@ def test_device_profile_calibrates_from_the_gpu_benchmark_json(tmp_path):
 def test_recorded_outputs_are_generated_and_reused_by_the_next_turn():
     from experiments.workloads.registry import make_workload
 
-    # think time well above a turn's service time: each turn arrives after its answer exists
-    wl = make_workload("multi_turn_chat", seed=2, num_conversations=4, turns=3, rate=5.0, think_time=60.0)
+    # a think time far below a turn's service time: turns must still wait for their answers
+    wl = make_workload("multi_turn_chat", seed=2, num_conversations=4, turns=3, rate=5.0, think_time=0.01)
     cache = create_cache("apc", num_pages=400, page_size=16)
     res = serve(cache, wl.requests, CostModelExecutor(), ServingConfig(1024, 16), keep_outputs=True, outputs=wl.outputs)
     for rid, toks in wl.outputs.items():
         assert res.outputs[rid] == toks.tolist()
-    later = [r for r in res.requests if not r["request_id"].endswith("turn0")]
-    assert later and all(r["hit_tokens"] > 0 for r in later)
+    rows = {r["request_id"]: r for r in res.requests}
+    for spec in wl.requests:
+        if spec.after is None:
+            continue
+        prev = rows[spec.after]
+        # it arrives its think time after the previous turn finished, and reuses that history
+        assert rows[spec.request_id]["arrival"] == pytest.approx(prev["finished_at"] + spec.think_time)
+        assert rows[spec.request_id]["hit_tokens"] >= prev["prompt_tokens"] // 16 * 16

@@ -39,8 +39,9 @@ def multi_turn_chat(
     output is `answer_t`. The answers are generated here, deterministically, and stored in
     `Workload.outputs` (request id -> ids); the engine (replay and serving) makes each request
     generate exactly its answer, so the next turn can reuse the answer's KV as a real
-    conversation does. Arrivals do not wait for the previous answer: keep `think_time` above
-    a turn's service time, or a turn may arrive before its history is cached.
+    conversation does. In the serving protocol a turn arrives its think time after the
+    previous turn finishes (`RequestSpec.after`); `arrival` (think times after the
+    conversation's start) orders the replay protocol.
 
     Knobs:
     - num_conversations (20): conversations.
@@ -75,7 +76,11 @@ def multi_turn_chat(
             prompt = ConcatPrompt((*history, random_tokens(rng, user_turn_len, vocab_size)))
             answer = random_tokens(rng, int(answer_lens[t]), vocab_size)
             rid = f"conv{c}-turn{t}"
-            requests.append(RequestSpec(rid, prompt, int(answer.size), float(arrivals[t])))
+            prev = f"conv{c}-turn{t - 1}" if t else None
+            think = float(gaps[t - 1]) if t else 0.0
+            requests.append(
+                RequestSpec(rid, prompt, int(answer.size), float(arrivals[t]), after=prev, think_time=think)
+            )
             outputs[rid] = answer
             history = (*prompt.parts, answer)
     return Workload("multi_turn_chat", sort_by_arrival(requests), config=config, outputs=outputs)

@@ -21,7 +21,10 @@ class RequestSpec:
     `prompt_source` is the token array itself or a callable that builds it, so a long
     trace need not hold every prompt in memory at once. `prefix_id` names a declared
     prefix (for backends that share only what is declared); `n` is the number of parallel
-    samples and `beam_width` the beam search width (1 = plain decoding).
+    samples and `beam_width` the beam search width (1 = plain decoding). `after` names a
+    request this one follows (a conversation's previous turn): the serving engine lets it
+    arrive `think_time` seconds after that request finishes, whatever `arrival` says
+    (`arrival` still orders the replay protocol).
     """
 
     request_id: str
@@ -32,6 +35,8 @@ class RequestSpec:
     prefix_id: int | None = None
     n: int = 1
     beam_width: int = 1
+    after: str | None = None
+    think_time: float = 0.0
 
     @property
     def prompt(self) -> np.ndarray:
