@@ -84,28 +84,30 @@ class BlockHasher:
             raise InvalidRequestError(f"block {stop - 1} is not full ({tokens.size} tokens)")
         fn = self._fn
         h = ROOT_HASH if parent is None else parent
-        buf = tokens[start * size : stop * size].tobytes()
-        step = size * 4
+        span = np.ascontiguousarray(tokens[start * size : stop * size])
+        # one C call turns the span into a list of per-block byte strings (a void view per
+        # block): cheaper than slicing a bytes buffer block by block in the loop
+        chunks = span.reshape(-1, size).view(np.dtype((np.void, 4 * size))).ravel().tolist()
         out: list[BlockHash] = []
         append = out.append
         if extra.mm:
             # Multimodal spans vary the extra keys block by block: the slow path.
-            for i, off in enumerate(range(0, len(buf), step)):
-                h = fn(h + buf[off : off + step] + self.extra_bytes(extra, start + i))
+            for i, chunk in enumerate(chunks):
+                h = fn(h + chunk + self.extra_bytes(extra, start + i))
                 append(h)
             return out
         first = 0
         if start == 0 and stop > 0 and extra.cache_salt is not None:
-            h = fn(h + buf[:step] + self.extra_bytes(extra, 0))
+            h = fn(h + chunks[0] + self.extra_bytes(extra, 0))
             append(h)
-            first = step
+            first = 1
         suffix = self.extra_bytes(extra, 1)  # the same for every later block
         if suffix:
-            for off in range(first, len(buf), step):
-                h = fn(h + buf[off : off + step] + suffix)
+            for chunk in chunks[first:]:
+                h = fn(h + chunk + suffix)
                 append(h)
         else:
-            for off in range(first, len(buf), step):
-                h = fn(h + buf[off : off + step])
+            for chunk in chunks[first:] if first else chunks:
+                h = fn(h + chunk)
                 append(h)
         return out
