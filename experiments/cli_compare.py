@@ -51,6 +51,16 @@ def _backends(args: argparse.Namespace, default_all: bool) -> list[str]:
     return names
 
 
+def _check_model(name: str) -> None:
+    """An unknown --model fails before any work, not as a bare KeyError inside a cell."""
+    if name == "llama3-8b":  # the default: no need to import torch to know it
+        return
+    from attention.model import PRESETS
+
+    if name not in PRESETS:
+        raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(PRESETS)}")
+
+
 def _backend_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"eviction_policy": args.eviction_policy} if args.eviction_policy else {}
 
@@ -131,6 +141,7 @@ def _bounds_of(cfg: CellConfig, page_size: int, capacities: list[int]) -> dict[s
 
 def cmd_compare(args: argparse.Namespace, *, single: bool = False) -> int:
     backends = _backends(args, default_all=not single)
+    _check_model(args.model)
     if single and len(backends) != 1:
         raise ValueError("run takes one --backend; use compare for several")
     workload_name = "mooncake" if args.trace else args.workload
@@ -264,4 +275,6 @@ def add_comparison_commands(sub, positive_int) -> None:
 def cmd_sweep(args: argparse.Namespace) -> int:
     from experiments.sweep import run_sweep
 
-    return run_sweep(args, _backends(args, default_all=True))
+    backends = _backends(args, default_all=True)
+    _check_model(args.model)
+    return run_sweep(args, backends)
