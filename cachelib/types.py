@@ -42,6 +42,11 @@ def as_token_ids(tokens: Any, *, what: str = "prompt", allow_empty: bool = False
     return _check_nonempty(arr, what, allow_empty)
 
 
+def _is_int(x: Any) -> bool:
+    """A Python int that is not a bool (`True` would silently mean 1)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _check_nonempty(arr: np.ndarray, what: str, allow_empty: bool) -> np.ndarray:
     if arr.size == 0 and not allow_empty:
         raise InvalidRequestError(f"{what}: empty token sequence")
@@ -69,9 +74,22 @@ class ExtraKeys:
     mm: tuple[MultiModalSpan, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.lora_id is not None and (not isinstance(self.lora_id, int) or self.lora_id < 0):
+        # Each key enters a hash or a namespace: a wrong type would either crash deep inside
+        # a backend or, worse, compare equal to a different key (True == 1, 5 != "5").
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise InvalidRequestError(f"cache_salt must be a str or None, got {self.cache_salt!r}")
+        if self.lora_id is not None and (not _is_int(self.lora_id) or self.lora_id < 0):
             raise InvalidRequestError(f"lora_id must be a non-negative int, got {self.lora_id!r}")
+        if not isinstance(self.mm, tuple):
+            raise InvalidRequestError(f"mm must be a tuple of MultiModalSpan, got {type(self.mm).__name__}")
         for span in self.mm:
+            if (
+                not isinstance(span, MultiModalSpan)
+                or not _is_int(span.offset)
+                or not _is_int(span.length)
+                or not isinstance(span.mm_hash, str)
+            ):
+                raise InvalidRequestError(f"bad multimodal span {span!r}: want MultiModalSpan(int, int, str)")
             if span.offset < 0 or span.length <= 0:
                 raise InvalidRequestError(f"bad multimodal span {span}")
 
@@ -113,6 +131,14 @@ class Sequence:
         *,
         prefix_id: int | None = None,
     ) -> None:
+        # Caches key their live sequences by request id: it must hash and compare as text,
+        # so 1 and "1" (or a list) can never name the same request by accident.
+        if not isinstance(request_id, str):
+            raise InvalidRequestError(f"request_id must be a str, got {request_id!r}")
+        if not isinstance(extra, ExtraKeys):
+            raise InvalidRequestError(f"request {request_id!r}: extra must be ExtraKeys, got {type(extra).__name__}")
+        if prefix_id is not None and not _is_int(prefix_id):
+            raise InvalidRequestError(f"request {request_id!r}: prefix_id must be an int or None, got {prefix_id!r}")
         tokens = as_token_ids(prompt, what=f"request {request_id!r} prompt")
         self.request_id = request_id
         self.extra = extra
@@ -147,6 +173,12 @@ class Sequence:
 
     def append_token(self, token: int) -> None:
         """Append one generated token id (the decode hot path: no array round trip)."""
+        if token.__class__ is not int:
+            # numpy integers are fine (engines index int32 arrays); a float or a bool would
+            # be stored truncated (1.5 -> 1, True -> 1) and change the KV silently
+            if isinstance(token, bool) or not isinstance(token, (int, np.integer)):
+                raise InvalidRequestError(f"request {self.request_id!r}: token id must be an int, got {token!r}")
+            token = int(token)
         if not 0 <= token <= INT32_MAX:
             raise InvalidRequestError(f"request {self.request_id!r}: token id {token} outside [0, {INT32_MAX}]")
         if self._len == self._buf.size:
