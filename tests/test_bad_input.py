@@ -136,12 +136,14 @@ def test_malformed_trace_lines_name_the_line(tmp_path, bad, message):
 
 def test_trace_expansion_rule(tmp_path):
     path = _write(
-        tmp_path, [GOOD, json.dumps({"timestamp": 5, "input_length": 2000, "output_length": 1, "hash_ids": [7]})]
+        tmp_path,
+        [GOOD, json.dumps({"timestamp": 5, "input_length": 2000, "output_length": 1, "hash_ids": [7, 8, 9, 3]})],
     )
     a, b = load_mooncake(path)
     assert a.prompt.dtype == np.int32 and len(a.prompt) == 600
     assert a.prompt[:3].tolist() == [512, 513, 514] and a.prompt[512] == 1024
-    assert len(b.prompt) == 512 and b.arrival == 0.005  # last block clipped to 512
+    assert len(b.prompt) == 2000 and b.arrival == 0.005  # last block: 2000 - 3 * 512 = 464 tokens
+    assert b.prompt[1536:].tolist() == list(range(3 * 512, 3 * 512 + 464))
 
 
 def test_cli_errors_exit_3_with_a_message(tmp_path, capsys):

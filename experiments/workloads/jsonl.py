@@ -5,11 +5,14 @@ One JSON object per line; blank lines are skipped. A *request* line:
     {"prompt": [1, 2, 3], "output_len": 16, "arrival": 0.5, "cache_salt": "a",
      "lora_id": 2, "prefix_id": 1, "id": "r7"}
 
-- `prompt` (required): non-empty list of token ids, ints in [0, 2**31 - 1].
-- `output_len` (required): tokens to generate, int >= 0.
-- `arrival` (optional, default 0.0): arrival time in seconds, number >= 0.
+- `prompt` (required): non-empty list of token ids, ints in [0, 1_999_999_999] (ids from
+  2_000_000_000 up are the engine's generated tokens, which no prompt may match).
+- `output_len` (required): tokens to generate, int in 0..147,483,647 (so the generated ids
+  stay in int32).
+- `arrival` (optional, default 0.0): arrival time in seconds, a finite number >= 0 (no
+  `NaN`, `Infinity` or `1e400`, which Python's json would otherwise accept).
 - `cache_salt` (optional): string; isolates the request's KV (per tenant).
-- `lora_id` (optional): int >= 0; the adapter, part of every block's key.
+- `lora_id` (optional): int in 0..2**63 - 1; the adapter, part of every block's key.
 - `prefix_id` (optional): int >= 0 naming a declared prefix the prompt starts with.
 - `id` (optional, default "jsonl-<index>"): the request id, a unique string.
 
@@ -19,8 +22,8 @@ A *prefix* line declares a shared prefix that requests name by `prefix_id`:
 
 (`cache_salt`/`lora_id` optional: the keys its KV is computed under; requests naming it must
 carry the same.) A prefix may be declared after the requests that use it. Any other field
-is an error (a typo should not be silently ignored). Requests keep file order. Errors
-raise `TraceFormatError` naming `path:line`.
+is an error (a typo should not be silently ignored). The file must be UTF-8. Requests keep
+file order. Errors raise `TraceFormatError` naming `path:line`.
 """
 
 from __future__ import annotations
@@ -32,32 +35,27 @@ from typing import Any
 
 import numpy as np
 
-from cachelib.types import INT32_MAX, ExtraKeys
+from cachelib.types import ExtraKeys
 from experiments.workloads.generators import Workload
 from experiments.workloads.spec import RequestSpec, TraceFormatError
+from experiments.workloads.tracefile import (
+    MAX_PROMPT_TOKEN,
+    finite_nonneg,
+    is_int,
+    output_length,
+    read_json_lines,
+    show,
+)
 
+MAX_LORA_ID = 2**63 - 1
 REQUEST_FIELDS = ("prompt", "output_len", "arrival", "cache_salt", "lora_id", "prefix_id", "id")
 PREFIX_FIELDS = ("prefix_id", "prefix", "cache_salt", "lora_id")
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def read_objects(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(`path:line`, object) for every non-blank line; raises on bad JSON or a non-object."""
-    with path.open() as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TraceFormatError(f"{where}: not valid JSON ({exc.msg})") from None
-            if not isinstance(obj, dict):
-                raise TraceFormatError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            yield where, obj
+    """(`path:line`, object) for every non-blank line; raises on bytes that are not UTF-8,
+    bad or non-strict JSON (NaN, Infinity) or a non-object (see `tracefile`)."""
+    return read_json_lines(path)
 
 
 def check_fields(obj: dict[str, Any], where: str, allowed: tuple[str, ...], required: tuple[str, ...]) -> None:
@@ -70,9 +68,12 @@ def check_fields(obj: dict[str, Any], where: str, allowed: tuple[str, ...], requ
 
 
 def token_ids(value: object, where: str, field: str) -> np.ndarray:
-    """A non-empty JSON list of ids in [0, 2**31 - 1] as int32."""
-    if not isinstance(value, list) or not value or not all(_is_int(t) and 0 <= t <= INT32_MAX for t in value):
-        raise TraceFormatError(f"{where}: {field} must be a non-empty list of token ids (ints in 0..{INT32_MAX})")
+    """A non-empty JSON list of ids in [0, MAX_PROMPT_TOKEN] as int32."""
+    if not isinstance(value, list) or not value or not all(is_int(t) and 0 <= t <= MAX_PROMPT_TOKEN for t in value):
+        raise TraceFormatError(
+            f"{where}: {field} must be a non-empty list of token ids (ints in 0..{MAX_PROMPT_TOKEN:_}; "
+            "larger ids are the engine's generated tokens)"
+        )
     return np.asarray(value, dtype=np.int32)
 
 
@@ -80,31 +81,29 @@ def extra_keys(obj: dict[str, Any], where: str) -> ExtraKeys:
     salt, lora = obj.get("cache_salt"), obj.get("lora_id")
     if salt is not None and not isinstance(salt, str):
         raise TraceFormatError(f"{where}: cache_salt must be a string, got {salt!r}")
-    if lora is not None and not (_is_int(lora) and lora >= 0):
-        raise TraceFormatError(f"{where}: lora_id must be a non-negative int, got {lora!r}")
+    if lora is not None and not (is_int(lora) and 0 <= lora <= MAX_LORA_ID):  # hashed as 8 bytes
+        raise TraceFormatError(f"{where}: lora_id must be an int in 0..2**63-1, got {show(lora)}")
     return ExtraKeys(cache_salt=salt, lora_id=lora)
 
 
 def prefix_id_of(obj: dict[str, Any], where: str) -> int | None:
     pid = obj.get("prefix_id")
-    if pid is not None and not (_is_int(pid) and pid >= 0):
-        raise TraceFormatError(f"{where}: prefix_id must be a non-negative int, got {pid!r}")
+    if pid is not None and not (is_int(pid) and pid >= 0):
+        raise TraceFormatError(f"{where}: prefix_id must be a non-negative int, got {show(pid)}")
     return pid
 
 
 def request_meta(obj: dict[str, Any], where: str, index: int) -> dict[str, Any]:
     """The RequestSpec fields of a request line other than its prompt."""
-    n_out, arrival, rid = obj.get("output_len"), obj.get("arrival", 0.0), obj.get("id", f"jsonl-{index}")
-    if not (_is_int(n_out) and n_out >= 0):
-        raise TraceFormatError(f"{where}: output_len must be a non-negative int, got {n_out!r}")
-    if not isinstance(arrival, (int, float)) or isinstance(arrival, bool) or not arrival >= 0:
-        raise TraceFormatError(f"{where}: arrival must be a non-negative number of seconds, got {arrival!r}")
+    rid = obj.get("id", f"jsonl-{index}")
+    n_out = output_length(obj.get("output_len"), where, "output_len")
+    arrival = finite_nonneg(obj.get("arrival", 0.0), where, "arrival", " of seconds")
     if not isinstance(rid, str) or not rid:
         raise TraceFormatError(f"{where}: id must be a non-empty string, got {rid!r}")
     return {
         "request_id": rid,
         "output_len": n_out,
-        "arrival": float(arrival),
+        "arrival": arrival,
         "extra": extra_keys(obj, where),
         "prefix_id": prefix_id_of(obj, where),
     }
@@ -154,7 +153,7 @@ def open_trace(path: str | Path, limit: int | None) -> Path:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"trace file not found: {path}")
-    if limit is not None and (not _is_int(limit) or limit <= 0):
+    if limit is not None and (not is_int(limit) or limit <= 0):
         raise ValueError(f"limit must be a positive int, got {limit!r}")
     return path
 

@@ -16,7 +16,9 @@ Format: like `jsonl.py` with text in place of token ids. A request line
 "You are ...", "cache_salt": "a", "lora_id": 1}`. A request naming a prefix gets
 `encode(prefix_text) + encode(text)`: the two are tokenized apart so every request shares
 exactly the prefix's ids (tokenizing the joined string could merge across the seam). No
-special tokens are added. Errors name `path:line`.
+special tokens are added. The file must be UTF-8; strict JSON (no NaN or Infinity); errors name
+`path:line`. A tokenizer that cannot be loaded or returns ids of 2_000_000_000 or more (the
+engine's generated tokens) is a ValueError naming it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from cachelib.types import INT32_MAX
 from experiments.workloads.generators import Workload
 from experiments.workloads.jsonl import (
     TraceBuilder,
@@ -38,6 +39,7 @@ from experiments.workloads.jsonl import (
     request_meta,
 )
 from experiments.workloads.spec import TraceFormatError
+from experiments.workloads.tracefile import MAX_PROMPT_TOKEN
 
 TEXT_FIELDS = ("text", "output_len", "arrival", "cache_salt", "lora_id", "prefix_id", "id")
 PREFIX_TEXT_FIELDS = ("prefix_id", "prefix_text", "cache_salt", "lora_id")
@@ -47,8 +49,9 @@ class Encoder(Protocol):
     def encode(self, text: str, add_special_tokens: bool = ...) -> Any: ...
 
 
-class MissingTokenizerPackage(ImportError):
-    """The optional package a tokenizer path needs is not installed."""
+class MissingTokenizerPackage(ImportError, ValueError):
+    """The optional package a tokenizer path needs is not installed (a ValueError too, so the
+    command line reports it in one line, as bad input, instead of a traceback)."""
 
 
 def load_tokenizer(path: str | Path) -> Encoder:
@@ -69,7 +72,10 @@ def load_tokenizer(path: str | Path) -> Encoder:
             f"tokenizer directory {path} needs the `transformers` package (pip install transformers), "
             "or a tokenizer.json in it and the `tokenizers` package"
         ) from None
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"tokenizer directory {path} cannot be loaded: {exc}") from None
 
 
 def _from_tokenizer_json(path: Path) -> Encoder:
@@ -79,15 +85,18 @@ def _from_tokenizer_json(path: Path) -> Encoder:
         raise MissingTokenizerPackage(
             f"tokenizer file {path} needs the `tokenizers` package (pip install tokenizers)"
         ) from None
-    return Tokenizer.from_file(str(path))
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception on a file it cannot parse
+        raise ValueError(f"tokenizer file {path} cannot be read as a tokenizer.json: {exc}") from None
 
 
 def encode(tokenizer: Encoder, text: str) -> np.ndarray:
-    """Token ids of `text` (no special tokens) as int32."""
+    """Token ids of `text` (no special tokens) as int32, each in 0..MAX_PROMPT_TOKEN."""
     out = tokenizer.encode(text, add_special_tokens=False)
     ids = np.asarray(getattr(out, "ids", out), dtype=np.int64).reshape(-1)
-    if ids.size and (ids.min() < 0 or ids.max() > INT32_MAX):
-        raise ValueError(f"tokenizer returned ids outside 0..{INT32_MAX}")
+    if ids.size and (ids.min() < 0 or ids.max() > MAX_PROMPT_TOKEN):
+        raise ValueError(f"tokenizer returned ids outside 0..{MAX_PROMPT_TOKEN:_} (larger ids are generated tokens)")
     return ids.astype(np.int32)
 
 
