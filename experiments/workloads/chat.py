@@ -60,7 +60,7 @@ def multi_turn_chat(
     require_int("turns", turns)
     require_int("system_len", system_len, 0)
     require_int("user_turn_len", user_turn_len)
-    require_float("think_time", think_time)
+    require_float("think_time", think_time, finite=True)  # inf: a next turn that never arrives
     common_knobs(vocab_size, rate, answer_len, answer_dist)
     rng = make_rng(seed, "multi_turn_chat")
     system = random_tokens(rng, system_len, vocab_size)

@@ -116,10 +116,11 @@ def require_int(name: str, value: Any, lo: int = 1, hi: int | None = None) -> in
     return int(value)
 
 
-def require_float(name: str, value: Any, lo: float = 0.0, *, strict: bool = False) -> float:
+def require_float(name: str, value: Any, lo: float = 0.0, *, strict: bool = False, finite: bool = False) -> float:
     ok = isinstance(value, (int, float, np.floating)) and not isinstance(value, bool) and not math.isnan(value)
-    if not ok or value < lo or (strict and value == lo):
-        raise ValueError(f"knob {name} must be a number {'>' if strict else '>='} {lo}, got {value!r}")
+    if not ok or value < lo or (strict and value == lo) or (finite and math.isinf(value)):
+        kind = "a finite number" if finite else "a number"
+        raise ValueError(f"knob {name} must be {kind} {'>' if strict else '>='} {lo}, got {value!r}")
     return float(value)
 
 

@@ -4,15 +4,20 @@ Every entry is a callable `(seed=0, *, knob=default, ...) -> Workload`; its keyw
 parameters are its knobs and its docstring documents them. Loaders take the seed and
 ignore it. Knob values given as strings (from a command line) are converted to the type
 of the knob's default (`"inf"` is a float, `"65,65"` a tuple of ints, `"true"` a bool).
+`make_workload` refuses, as a `WorkloadError`, a seed outside 0..2**63-1, a workload with no
+requests and a request whose arrival or think time is not finite.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from experiments.workloads.chat import multi_turn_chat
 from experiments.workloads.generators import Workload
@@ -23,6 +28,7 @@ from experiments.workloads.nosharing import no_sharing
 from experiments.workloads.shared_doc import shared_doc_qa
 from experiments.workloads.tenants import multi_tenant
 from experiments.workloads.text import load_text
+from experiments.workloads.tracefile import show
 
 DEFAULT_MOONCAKE_TRACE = str(Path(__file__).resolve().parents[1] / "data" / "mooncake_conversation_2000.jsonl")
 REQUIRED = "<required>"
@@ -99,8 +105,39 @@ def make_workload(name: str, seed: int = 0, **knobs: Any) -> Workload:
     missing = [k for k, d in valid.items() if d is REQUIRED and k not in knobs]
     if missing:
         raise WorkloadError(f"workload {name!r} needs knob(s) {', '.join(missing)}")
+    check_seed(seed)
     typed = {k: _coerce(name, k, v, valid[k]) for k, v in knobs.items()}
-    return WORKLOADS[name](seed, **typed)
+    workload = WORKLOADS[name](seed, **typed)
+    _check_requests(workload, knobs)
+    return workload
+
+
+MAX_SEED = 2**63 - 1
+
+
+def check_seed(seed: Any) -> int:
+    """`seed` if it is an int in 0..2**63-1; a `WorkloadError` saying so otherwise.
+
+    numpy takes any non-negative int, but torch's `manual_seed` (the model executor) fails
+    past 64 bits and a negative one means nothing to numpy: one range, checked before any
+    work."""
+    if not (isinstance(seed, (int, np.integer)) and not isinstance(seed, bool) and 0 <= seed <= MAX_SEED):
+        raise WorkloadError(f"seed must be an int in 0..2**63-1, got {show(seed)}")
+    return int(seed)
+
+
+def _check_requests(workload: Workload, knobs: dict[str, Any]) -> None:
+    """No run starts on an empty workload (every metric would be 0/0) or on an arrival time
+    that never comes (NaN or inf: the serving clock would wait for it forever)."""
+    if not workload.requests:
+        given = ", ".join(f"{k}={v}" for k, v in knobs.items()) or "default knobs"
+        raise WorkloadError(f"workload {workload.name!r} has no requests ({given}): nothing to measure")
+    for spec in workload.requests:
+        if not (math.isfinite(spec.arrival) and spec.arrival >= 0 and math.isfinite(spec.think_time)):
+            raise WorkloadError(
+                f"workload {workload.name!r}: request {spec.request_id!r} arrives at {spec.arrival!r} s "
+                f"(think time {spec.think_time!r} s); times must be finite and non-negative"
+            )
 
 
 def describe_workloads() -> dict[str, dict[str, Any]]:
