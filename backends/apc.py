@@ -92,6 +92,9 @@ class APCCache(PrefixCache):
             self._tokens = np.zeros((num_pages, page_size), dtype=np.int32)
             self._extra: list[bytes] = [b""] * num_pages
             self._parent: list[tuple[int, int] | None] = [None] * num_pages
+            # the parent's hash when recorded: lets check_invariants rehash each cached block
+            # from its recorded content, even after its parent block was evicted
+            self._parent_hash: list[BlockHash | None] = [None] * num_pages
             self._generation = [0] * num_pages
 
     # -- hashing --------------------------------------------------------------------
@@ -131,17 +134,25 @@ class APCCache(PrefixCache):
                 append(block)
         self._counters["lookups"] += 1
         self._counters["lookup_tokens"] += len(seq)
-        return Match(seq.request_id, len(hit) * self.page_size, tuple([b.block_id for b in hit]), hit, self._epoch)
+        pages = tuple([b.block_id for b in hit])
+        return Match(seq.request_id, len(hit) * self.page_size, pages, hit, self._epoch, self.match_token)
 
-    def _verified_walk(self, seq: Sequence, hashes: list[BlockHash]) -> list[KVBlock]:
+    def _verified_walk(
+        self, seq: Sequence, hashes: list[BlockHash], chosen: list[KVBlock] | None = None
+    ) -> list[KVBlock]:
+        """The longest run of cached blocks whose recorded contents are `seq`'s first blocks.
+        With `chosen`, only those blocks are candidates (re-checking a match's hit)."""
         size = self.page_size
         tokens = seq.tokens
         hit: list[KVBlock] = []
         for i, h in enumerate(hashes):
-            entry = self._table.get(h)
-            if entry is None:
-                break
-            candidates = [entry] if entry.__class__ is KVBlock else list(entry.values())
+            if chosen is not None:
+                candidates = [chosen[i]]
+            else:
+                entry = self._table.get(h)
+                if entry is None:
+                    break
+                candidates = [entry] if entry.__class__ is KVBlock else list(entry.values())
             want_parent = None if i == 0 else (hit[-1].block_id, self._generation[hit[-1].block_id])
             extra = self.hasher.extra_bytes(seq.extra, i)
             block_tokens = tokens[i * size : (i + 1) * size]
@@ -160,13 +171,45 @@ class APCCache(PrefixCache):
             hit.append(found)
         return hit
 
+    def _verify_match(self, seq: Sequence, match: Match) -> None:
+        """The hit must be this cache's blocks, not evicted since, holding `seq`'s first
+        blocks: their hashes equal the sequence's chained hashes (and, with
+        `verify_tokens`, their recorded tokens, extra keys and parents equal its own)."""
+        hit = match.handle
+        blocks = self.blocks
+        n = len(match.pages)
+        foreign = other_tokens = False
+        if hit.__class__ is not list or len(hit) != n or n * self.page_size != match.num_tokens:
+            foreign = True
+        else:
+            hashes = self._block_hashes(seq, n)
+            try:
+                for block, page, h in zip(hit, match.pages, hashes, strict=False):
+                    if blocks[block.block_id] is not block or block.block_id != page:
+                        foreign = True
+                        break
+                    if block.block_hash != h:
+                        other_tokens = True
+            except (AttributeError, IndexError, TypeError):
+                foreign = True
+        if foreign:
+            raise InvalidRequestError(
+                f"request {seq.request_id!r}: the match's blocks are not this cache's (another cache's match, or forged)"
+            )
+        if match.epoch != self._epoch:
+            raise StaleMatchError(f"request {seq.request_id!r}: the cache evicted since this match; match again")
+        if other_tokens or (self.verify_tokens and len(self._verified_walk(seq, hashes[:n], hit)) != n):
+            raise InvalidRequestError(
+                f"request {seq.request_id!r}: the match's blocks hold other tokens (a match made for another sequence)"
+            )
+
     def admit(self, seq: Sequence, match: Match, num_tokens: int) -> list[CopyOp] | None:
         self._check_new(seq, self._live)
-        self._check_match(seq, match)
+        self._check_match(seq, match)  # proves a hit through `_verify_match`
         if match.epoch != self._epoch:
             raise StaleMatchError(f"request {seq.request_id!r}: the cache evicted since this match; match again")
         self._check_num_tokens(seq, num_tokens, max(match.num_tokens, 1))
-        hit: list[KVBlock] = match.handle
+        hit: list[KVBlock] = match.handle if match.num_tokens else []
         num_new = self.pages_for(num_tokens) - len(hit)
         # Hit blocks still in the free queue are about to leave it: they are not free for us.
         num_free_hit = sum(1 for b in hit if b.ref_cnt == 0)
@@ -221,6 +264,7 @@ class APCCache(PrefixCache):
             # a new instance of this block id: children recorded against the old one no longer match
             self._generation[block.block_id] += 1
             self._parent[block.block_id] = None
+            self._parent_hash[block.block_id] = None
 
     def grow(self, seq: Sequence, num_tokens: int) -> list[CopyOp] | None:
         held = self._check_live(seq, self._live)
@@ -271,15 +315,13 @@ class APCCache(PrefixCache):
             self._extra[bid] = self.hasher.extra_bytes(seq.extra, i)
             prev = blocks[i - 1].block_id if i else None
             self._parent[bid] = None if prev is None else (prev, self._generation[prev])
+            self._parent_hash[bid] = None if prev is None else blocks[i - 1].block_hash
 
     def fork(self, parent: Sequence, child: Sequence) -> list[CopyOp] | None:
         held = self._check_live(parent, self._live)
         self._check_new(child, self._live)
+        self._check_fork(parent, child)
         computed = parent.num_computed
-        if len(child) < computed or not np.array_equal(child.tokens[:computed], parent.tokens[:computed]):
-            raise InvalidRequestError(
-                f"fork: {child.request_id!r} does not hold {parent.request_id!r}'s computed tokens"
-            )
         full = computed // self.page_size
         partial = computed % self.page_size != 0
         if partial and self.free_queue.num_free < 1:

@@ -60,6 +60,8 @@ def check_apc(cache: APCCache) -> None:
         or min(s.pages_free, s.pages_cached, s.pages_pinned) < 0
     ):
         fail(f"free {s.pages_free} + cached {s.pages_cached} + pinned {s.pages_pinned} != {cache.num_pages}")
+    if cache.verify_tokens:
+        _check_recorded_contents(cache, fail)
     # index entries point only at pages whose content matches: rehash every live table
     for rid, held in cache._live.items():
         seq = held.seq
@@ -69,3 +71,25 @@ def check_apc(cache: APCCache) -> None:
         for i, (block, h) in enumerate(zip(held.blocks, fresh, strict=False)):
             if block.block_hash != h:
                 fail(f"{rid}: block {i} (page {block.block_id}) is cached under another content's hash")
+
+
+def _check_recorded_contents(cache: APCCache, fail) -> None:
+    """With `verify_tokens`: every cached block's recorded tokens and extra keys, chained
+    from its recorded parent hash, rehash to the hash it is indexed under, and a parent
+    still cached (same generation) still has that hash. So no block is indexed under
+    another block's tokens, nor under another prefix."""
+    hasher = cache.hasher
+    for block in cache.blocks:
+        h = block.block_hash
+        if h is None:
+            continue
+        bid = block.block_id
+        parent, parent_hash = cache._parent[bid], cache._parent_hash[bid]
+        if (parent is None) != (parent_hash is None):
+            fail(f"block {bid}: recorded parent {parent} but parent hash {parent_hash!r:.20}")
+        if parent is not None:
+            pid, generation = parent
+            if cache._generation[pid] == generation and cache.blocks[pid].block_hash != parent_hash:
+                fail(f"block {bid}: its parent block {pid} is cached under another hash than recorded")
+        if hasher.hash_block(parent_hash, cache._tokens[bid].tobytes(), cache._extra[bid]) != h:
+            fail(f"block {bid}: its recorded tokens do not rehash to the hash it is indexed under")

@@ -7,8 +7,6 @@ and returned to the back of the free list (FIFO), which keeps runs reproducible.
 
 from __future__ import annotations
 
-import numpy as np
-
 from cachelib.errors import InvalidRequestError, InvariantViolation
 from cachelib.interface import PrefixCache
 from cachelib.page_pool import FifoPagePool
@@ -16,6 +14,15 @@ from cachelib.registry import register_backend
 from cachelib.types import CacheStats, CopyOp, Match, Sequence
 
 _PAGE_BYTES = 4  # one int32 page id per table entry; no index at all
+
+
+class _Held:
+    """An admitted sequence (the exact object admitted: `_check_live` insists on it)."""
+
+    __slots__ = ("seq",)
+
+    def __init__(self, seq: Sequence) -> None:
+        self.seq = seq
 
 
 @register_backend("none")
@@ -27,7 +34,7 @@ class NoCache(PrefixCache):
     def __init__(self, num_pages: int, page_size: int) -> None:
         super().__init__(num_pages, page_size)
         self._free = FifoPagePool(num_pages)
-        self._live: dict[str, Sequence] = {}
+        self._live: dict[str, _Held] = {}
         self._counters = dict(lookups=0, lookup_tokens=0, admitted=0, admitted_tokens=0, copied_pages=0)
 
     def match(self, seq: Sequence) -> Match:
@@ -35,7 +42,7 @@ class NoCache(PrefixCache):
             raise InvalidRequestError(f"expected a Sequence, got {type(seq).__name__}")
         self._counters["lookups"] += 1
         self._counters["lookup_tokens"] += len(seq)
-        return Match(seq.request_id, 0, ())
+        return Match(seq.request_id, 0, (), None, 0, self.match_token)
 
     def admit(self, seq: Sequence, match: Match, num_tokens: int) -> list[CopyOp] | None:
         self._check_new(seq, self._live)
@@ -46,7 +53,7 @@ class NoCache(PrefixCache):
             return None
         seq.page_table = self._free.take(need)
         seq.num_computed = 0
-        self._live[seq.request_id] = seq
+        self._live[seq.request_id] = _Held(seq)
         self._counters["admitted"] += 1
         self._counters["admitted_tokens"] += len(seq)
         return []
@@ -71,17 +78,14 @@ class NoCache(PrefixCache):
     def fork(self, parent: Sequence, child: Sequence) -> list[CopyOp] | None:
         self._check_live(parent, self._live)
         self._check_new(child, self._live)
+        self._check_fork(parent, child)
         computed = parent.num_computed
-        if len(child) < computed or not np.array_equal(child.tokens[:computed], parent.tokens[:computed]):
-            raise InvalidRequestError(
-                f"fork: {child.request_id!r} does not hold {parent.request_id!r}'s computed tokens"
-            )
         need = self.pages_for(computed)
         if need > len(self._free):
             return None
         child.page_table = self._free.take(need)
         child.num_computed = computed
-        self._live[child.request_id] = child
+        self._live[child.request_id] = _Held(child)
         self._counters["copied_pages"] += need
         return [CopyOp(src, dst) for src, dst in zip(parent.page_table, child.page_table, strict=False)]
 
@@ -108,10 +112,13 @@ class NoCache(PrefixCache):
         )
 
     def check_invariants(self) -> None:
-        held = [p for seq in self._live.values() for p in seq.page_table]
+        held = [p for h in self._live.values() for p in h.seq.page_table]
         everything = sorted(held + list(self._free))
         if everything != list(range(self.num_pages)):
             raise InvariantViolation("none: pages are lost, duplicated, or held twice")
-        for rid, seq in self._live.items():
+        for rid, h in self._live.items():
+            seq = h.seq
+            if seq.request_id != rid:
+                raise InvariantViolation(f"none: table keyed {rid!r} holds {seq.request_id!r}")
             if seq.num_computed > len(seq.page_table) * self.page_size:
                 raise InvariantViolation(f"none: {rid} computed beyond its pages")

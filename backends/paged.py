@@ -168,20 +168,35 @@ class PagedCache(PrefixCache):
                 pages = tuple(prefix.table.blocks[: self.pages_for(hit)])
         self._counters["lookups"] += 1
         self._counters["lookup_tokens"] += len(seq)
-        return Match(seq.request_id, hit, pages, seq.prefix_id if hit else None, self._epoch)
+        return Match(seq.request_id, hit, pages, seq.prefix_id if hit else None, self._epoch, self.match_token)
 
-    def admit(self, seq: Sequence, match: Match, num_tokens: int) -> list[CopyOp] | None:
-        self._check_new(seq, self._live)
-        self._check_match(seq, match)
-        if match.num_tokens and match.epoch != self._epoch:
+    def _verify_match(self, seq: Sequence, match: Match) -> None:
+        """A hit is the first blocks of the fully computed prefix `seq` names and really
+        starts with; anything else (another prefix, another cache's, forged pages) is refused."""
+        if match.epoch != self._epoch:
             raise StaleMatchError(
                 f"request {seq.request_id!r}: a prefix was unregistered since this match; match again"
             )
-        self._check_num_tokens(seq, num_tokens, max(match.num_tokens, 1))
-        if match.num_tokens and (match.handle != seq.prefix_id or match.handle not in self._prefixes):
+        prefix = self._prefixes.get(match.handle) if match.handle.__class__ is int else None
+        if prefix is None or match.handle != seq.prefix_id or not match.num_tokens:
             raise InvalidRequestError(
-                f"request {seq.request_id!r}: match is for prefix {match.handle}, not {seq.prefix_id}"
+                f"request {seq.request_id!r}: match is for prefix {match.handle!r}, not {seq.prefix_id!r}"
             )
+        self._verify_prefix(seq, prefix)
+        n = match.num_tokens
+        if (
+            not prefix.computed
+            or n > prefix.tokens.size
+            or match.pages != tuple(prefix.table.blocks[: self.pages_for(n)])
+        ):
+            raise InvalidRequestError(
+                f"request {seq.request_id!r}: the match's pages are not prefix {prefix.prefix_id}'s (forged?)"
+            )
+
+    def admit(self, seq: Sequence, match: Match, num_tokens: int) -> list[CopyOp] | None:
+        self._check_new(seq, self._live)
+        self._check_match(seq, match)  # proves a hit through `_verify_match`
+        self._check_num_tokens(seq, num_tokens, max(match.num_tokens, 1))
         hit = list(match.pages)
         num_new = self.pages_for(num_tokens) - len(hit)
         # a hit block always has ref >= 1 (the registration), so with us it is shared
@@ -240,11 +255,8 @@ class PagedCache(PrefixCache):
     def fork(self, parent: Sequence, child: Sequence) -> list[CopyOp] | None:
         held = self._check_live(parent, self._live)
         self._check_new(child, self._live)
+        self._check_fork(parent, child)
         computed = parent.num_computed
-        if len(child) < computed or not np.array_equal(child.tokens[:computed], parent.tokens[:computed]):
-            raise InvalidRequestError(
-                f"fork: {child.request_id!r} does not hold {parent.request_id!r}'s computed tokens"
-            )
         blocks = held.blocks[: self.pages_for(computed)]
         ops: list[CopyOp] = []
         # The parent was granted writes into its partial last block and may be writing it

@@ -74,6 +74,11 @@ class BlockHasher:
                     parts.append(_key(b"m", span.mm_hash.encode()))
         return b"".join(parts)
 
+    def hash_block(self, parent: BlockHash | None, block_tokens: bytes, extra: bytes) -> BlockHash:
+        """The hash of one block from its parent's hash (None: the first block), its tokens'
+        int32 bytes and its extra-key bytes (`extra_bytes`): what `hash_blocks` chains."""
+        return self._fn((ROOT_HASH if parent is None else parent) + block_tokens + extra)
+
     def hash_blocks(
         self, tokens: np.ndarray, extra: ExtraKeys, start: int, stop: int, parent: BlockHash | None
     ) -> list[BlockHash]:

@@ -19,6 +19,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
+import numpy as np
+
 from cachelib.errors import InvalidRequestError, UnknownSequenceError
 from cachelib.types import CacheStats, CopyOp, Match, Sequence
 
@@ -41,6 +43,9 @@ class PrefixCache(ABC):
             raise InvalidRequestError(f"num_pages must be a positive int, got {num_pages!r}")
         self.num_pages = num_pages
         self.page_size = page_size
+        #: stamped on every `Match` this cache makes (`Match.owner`): one `is` tells a match
+        #: from another cache instance apart before anything else is looked at
+        self.match_token = object()
 
     # -- the contract ---------------------------------------------------------------
 
@@ -111,17 +116,52 @@ class PrefixCache(ABC):
         """Pages needed to hold `num_tokens` tokens."""
         return -(-num_tokens // self.page_size)
 
+    # Every backend keeps its admitted sequences in a dict `request id -> state`, where the
+    # state's `seq` is the exact `Sequence` object admit (or fork) was given. Calls find the
+    # state by id and then insist on that object: a second `Sequence` carrying a live id
+    # (another request, a re-created one) would otherwise grow, publish or free pages
+    # through a table that is not its own.
+
     def _check_new(self, seq: Sequence, live: dict) -> None:
-        if not isinstance(seq, Sequence):
-            raise InvalidRequestError(f"expected a Sequence, got {type(seq).__name__}")
+        if not isinstance(seq, Sequence) or not isinstance(seq.request_id, str):
+            raise InvalidRequestError(f"expected a Sequence with a str request id, got {seq!r}")
         if seq.request_id in live:
             raise InvalidRequestError(f"request {seq.request_id!r} is already admitted")
 
     def _check_live(self, seq: Sequence, live: dict):
-        state = live.get(seq.request_id)
-        if state is None:
-            raise UnknownSequenceError(f"request {seq.request_id!r} is not admitted (never, or already released)")
+        """The live state of `seq`; raises unless `seq` is the very object admitted."""
+        try:
+            state = live[seq.request_id]
+        except (AttributeError, KeyError, TypeError):
+            state = None
+        if state is None or state.seq is not seq:
+            self._refuse_live(seq, live)
         return state
+
+    def _refuse_live(self, seq: object, live: dict) -> None:
+        """Raise the error that says why `seq` is not a live sequence of this cache."""
+        if not isinstance(seq, Sequence) or not isinstance(seq.request_id, str):
+            raise InvalidRequestError(f"expected a Sequence with a str request id, got {seq!r}")
+        if seq.request_id not in live:
+            raise UnknownSequenceError(f"request {seq.request_id!r} is not admitted (never, or already released)")
+        raise InvalidRequestError(
+            f"request {seq.request_id!r} is admitted as another Sequence object; pass the one given to admit/fork"
+        )
+
+    def _check_fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` must continue `parent`: its computed tokens, under the same extra keys
+        (salt, LoRA, multimodal inputs change the KV, so a child under other keys cannot
+        share a single page of it)."""
+        computed = parent.num_computed
+        if len(child) < computed or not np.array_equal(child.tokens[:computed], parent.tokens[:computed]):
+            raise InvalidRequestError(
+                f"fork: {child.request_id!r} does not hold {parent.request_id!r}'s computed tokens"
+            )
+        if child.extra is not parent.extra and child.extra != parent.extra:
+            raise InvalidRequestError(
+                f"fork: {child.request_id!r} has other extra keys than {parent.request_id!r} "
+                f"({child.extra} vs {parent.extra}); its KV cannot come from the parent's"
+            )
 
     def _check_num_tokens(self, seq: Sequence, num_tokens: int, lo: int) -> None:
         if type(num_tokens) is int and lo <= num_tokens <= len(seq):
@@ -131,5 +171,42 @@ class PrefixCache(ABC):
         raise InvalidRequestError(f"request {seq.request_id!r}: num_tokens {num_tokens} outside [{lo}, {len(seq)}]")
 
     def _check_match(self, seq: Sequence, match: Match) -> None:
-        if not isinstance(match, Match) or match.request_id != seq.request_id:
+        """Refuse a `Match` that does not describe `seq`'s prefix in this cache now.
+
+        The generic part (type, request id, a sane token count and page tuple) is checked
+        here; `_verify_match` then proves the hit against the backend's own index, so a
+        match made for other tokens under the same id, by another cache, or forged can
+        never pin a page that does not hold `seq`'s KV. A match made stale by the cache
+        changing in between raises `StaleMatchError`.
+        """
+        if match.__class__ is not Match or match.request_id != seq.request_id:
             raise InvalidRequestError(f"match does not belong to request {seq.request_id!r}")
+        if match.owner is not self.match_token:
+            raise InvalidRequestError(f"request {seq.request_id!r}: the match was made by another cache (or forged)")
+        n, pages = match.num_tokens, match.pages
+        if (
+            n.__class__ is not int
+            or not 0 <= n < max(len(seq), 1)
+            or pages.__class__ is not tuple
+            or len(pages) != -(-n // self.page_size)
+        ):
+            raise InvalidRequestError(
+                f"request {seq.request_id!r}: match of {n!r} tokens over {len(pages) if isinstance(pages, tuple) else pages!r} "
+                f"pages is not a match of this {len(seq)}-token sequence"
+            )
+        handle = match.handle
+        if n or (handle is not None and not (handle.__class__ is list and not handle)):
+            # a hit, or a miss with a handle (radix's namespace root): neither may smuggle a
+            # node or blocks of another cache, sequence or namespace into admit
+            self._verify_match(seq, match)
+
+    def _verify_match(self, seq: Sequence, match: Match) -> None:
+        """Prove a match against the index (backends that reuse KV override this).
+
+        Called for a hit (`num_tokens > 0`) and for a miss that carries a handle (None and
+        an empty list are no handle). The default is for backends that never return either:
+        such a match is another cache's, or forged."""
+        raise InvalidRequestError(
+            f"request {seq.request_id!r}: a {self.name} cache never reuses KV, but the match claims "
+            f"{match.num_tokens} cached tokens / handle {match.handle!r:.40} (made by another cache, or forged)"
+        )

@@ -206,7 +206,9 @@ class Match(NamedTuple):
 
     `num_tokens` tokens have KV in `pages` (their first pages); 0 means no hit. `handle` and
     `epoch` are the backend's: `admit` uses them, and refuses a match made stale by an
-    eviction in between (`StaleMatchError`).
+    eviction in between (`StaleMatchError`). `owner` is the identity token of the cache that
+    made it (`PrefixCache.match_token`): `admit` on any other cache refuses it. Nothing in a
+    match is trusted: `admit` proves the hit against its own index before pinning a page.
     """
 
     request_id: str
@@ -214,6 +216,7 @@ class Match(NamedTuple):
     pages: tuple[int, ...]
     handle: Any = None
     epoch: int = 0
+    owner: object = None
 
 
 class CopyOp(NamedTuple):
