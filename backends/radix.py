@@ -1,41 +1,82 @@
-"""radix: SGLang RadixAttention (reference: SGLang 0.5.x `RadixCache` and its scheduler calls).
+"""radix: SGLang RadixAttention (reference: SGLang 0.5.23 `RadixCache`, its allocators and
+the scheduler's calls into them).
 
 The tree (`backends/radix_tree.py`) holds runs of tokens and their pages; this module is the
-`PrefixCache` contract over it and a pool of pages. What it reproduces:
+`PrefixCache` contract over it and a pool of pages. Under the replay protocol it makes
+SGLang 0.5.23's decisions request for request: the same hit for every request and the same
+evicted nodes in the same order, for every policy, page sizes 1 and 16, any concurrency
+(`tests/test_radix_sglang.py` against recorded runs of the real code,
+`tests/test_radix_fidelity.py` against an independent model). What it reproduces:
 
 - `match`: the prompt's first `len - 1` tokens, rounded down to whole pages, walked from
-  the namespace's root; stamps the path (logical clock) and splits the node where the match
-  ends (`match_prefix`).
-- `admit`: locks the matched node up to the root (`inc_lock_ref`) and allocates pages for
-  the rest. When free pages are short it asks the tree to evict the *whole* number of new
-  pages, not the shortfall, as SGLang's prefill allocation does (`evict(extend_tokens)`).
-  All or nothing: `None` when free + evictable-off-this-path pages cannot cover it.
-- `commit(seq, n)`: inserts the full pages of the first `n` tokens (`cache_unfinished_req`
-  after prefill, the finish-time insert at the end). Pages the request computed for tokens
-  the tree already held are duplicates: they are freed and the request's table is pointed
-  at the tree's pages (same tokens, same prefix, hence the same KV), and the lock moves to
-  the node ending at the inserted prefix. The partial last page stays private.
-- `grow`: decode pages; when short, evicts the shortfall, which is what SGLang's
-  one-token-at-a-time decode allocation adds up to for one request.
-- `release`: unlocks (`dec_lock_ref`) and frees the private pages (the unaligned tail and
-  anything not committed). `evict(n)` pops unlocked leaves in policy order.
-- `fork`: inserts the parent's computed full pages, locks them for the child too, and
-  copies only a partial last page (`CopyOp`).
+  the namespace's root; stamps the path and splits the node where the match ends
+  (`match_kv_cache` -> `match_prefix`).
+- `admit`: locks the matched node up to the root (`inc_lock_ref`), then evicts as the
+  allocator's `evict_to_free_tokens` does: only the *shortfall*, demand minus free tokens,
+  where the demand is the new tokens, plus one page at page size > 1 (the per-request
+  over-estimate of `alloc_paged_token_slots_extend`). All or nothing: `None` when free +
+  evictable-off-this-path pages cannot hold the new pages.
+- `commit(seq, n)` while prefilling: SGLang's `checkpoint`: inserts the full pages of the
+  first `n` tokens. A node the walk passes or creates gains an LFU hit only if it ends
+  beyond what this request inserted before (`cache_inserted_len`), so a request counts each
+  node once. Pages the request computed for tokens the tree already held are duplicates:
+  they are freed and the table points at the tree's pages (same tokens, same prefix, hence
+  the same KV); the lock moves to the node ending at the inserted prefix. The partial last
+  page stays private.
+- `grow`: a further prefill chunk evicts like admission; decode tokens are SGLang's decode
+  steps, one per token: each first makes its demand available (one token at page size 1;
+  a whole page at larger sizes, even for a token inside a page the request holds: free
+  pages 0 means one leaf goes), then takes a page if the token starts one.
+- `release`: SGLang's `release_kv_cache(checkpoint=True)`: *always* inserts what has KV
+  (prompt + output − 1 tokens, whole pages), a walk that refreshes the path's recency even
+  when nothing is new (output length 1); then unlocks (`dec_lock_ref`) and frees the
+  private pages. `evict(n)` pops unlocked leaves in policy order (SGLang's heap of leaves;
+  a parent that becomes an unlocked leaf joins the same eviction).
 
-Deviation on purpose: SGLang's paged allocator adds one page per request to its eviction
-threshold and amount (`extend + page_size` tokens); at `page_size > 1` this backend uses
-the exact page need, the same rule as at page size 1, so backends compare at equal memory.
+Options, each a named variant, never a silent change: `eviction_policy` (lru, lfu, fifo,
+mru, filo: SGLang's `evict_policy.py`; its priority, slru and tlru policies are not offered);
+`admission_eviction="extend"` evicts the whole new-page count whenever free pages are short
+(older SGLang releases, and this backend before it followed 0.5.23); `reserve_page=False`
+drops the one-page over-estimate at page size > 1 (admission and decode ask for exactly
+what they take), so radix competes at exactly the memory the other backends get.
+
+Remaining differences from SGLang 0.5.23, all deliberate:
+- Time is a logical clock (one tick per walk) instead of `time.monotonic()`, so runs are
+  reproducible; SGLang stamps a node it creates or splits a moment after the walk's stamp,
+  which orders every eviction candidate the same way (the independent model ticks as
+  SGLang does, and agrees).
+- The finish-time insert of a request whose output extends its prompt re-inserts the
+  prompt (`split_prompt`) in SGLang: the prompt boundary is already a node boundary (the
+  request's lock sits on it), and its only other effects are a priority (read only by the
+  priority policy) and a recency stamp that the checkpoint's re-match overwrites; not done.
+- Whether a prompt fits is the engine's protocol (free + evictable pages), not SGLang's
+  `PrefillAdder` budget, which also reserves future decode tokens of running requests.
+- A preempted request (serving protocol) goes through the same `release`, which inserts
+  its computed tokens; SGLang retracts with `checkpoint=False`. The contract does not say
+  why a sequence is released.
+- `fork` (parallel sampling, beam search) has no SGLang counterpart (SGLang serves samples
+  as separate requests sharing the prompt through the tree): it inserts the parent's full
+  pages, locks them for the child, copies only a partial last page (`CopyOp`), and the
+  child counts its own LFU hits once, as a separate request would.
+- Page ids: no padded slot 0, no request-to-token pool; which ids a table holds differs,
+  no hit or eviction does.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from backends.radix_match import verify_radix_match
 from backends.radix_tree import EVICTION_POLICIES, RadixNode, RadixTree
 from cachelib.errors import InvalidRequestError, StaleMatchError
 from cachelib.interface import PrefixCache
 from cachelib.registry import register_backend
 from cachelib.types import CacheStats, CopyOp, Match, Sequence
+
+#: how admission (and a further prefill chunk) evicts when free pages are short:
+#: `shortfall` = SGLang 0.5.23's `evict_to_free_tokens` (the demand minus what is free),
+#: `extend` = older SGLang (the whole new-page count)
+ADMISSION_EVICTION = ("shortfall", "extend")
 
 # Modelled bytes of index metadata, as a compact native tree would keep it: per node
 # parent/child links, lock ref, clock stamps, hit count (48); per token its id (4); per page
@@ -46,36 +87,64 @@ _PAGE_ID_BYTES = 4
 
 
 class _Held:
-    """An admitted sequence: the node its lock hangs on and how many leading tokens that
-    path covers (SGLang's `last_node` and `cache_protected_len`)."""
+    """An admitted sequence: the node its lock hangs on, how many leading tokens that path
+    covers (SGLang's `last_node` and `cache_protected_len`), how many it has inserted so far
+    (`cache_inserted_len`: LFU counts a node once per request) and how many tokens its
+    allocations have covered (SGLang allocates decode slots one step at a time)."""
 
-    __slots__ = ("seq", "node", "protected")
+    __slots__ = ("seq", "node", "protected", "inserted", "covered")
 
-    def __init__(self, seq: Sequence, node: RadixNode, protected: int) -> None:
+    def __init__(self, seq: Sequence, node: RadixNode, protected: int, inserted: int, covered: int) -> None:
         self.seq = seq
         self.node = node
         self.protected = protected
+        self.inserted = inserted
+        self.covered = covered
 
 
 @register_backend("radix")
 class RadixCache(PrefixCache):
     """SGLang RadixAttention over `num_pages` pages of `page_size` tokens.
 
-    `eviction_policy`: `lru` (default), `lfu`, `fifo`, `mru`, `filo`. `track_contents=True`
-    records which token each page slot was written with, so `check_invariants` can prove
-    that tree entries point only at pages holding their tokens (tests; it costs time).
+    `eviction_policy`: `lru` (default), `lfu`, `fifo`, `mru`, `filo`.
+    `admission_eviction`: `shortfall` (SGLang 0.5.23, default) or `extend` (older SGLang).
+    `reserve_page`: SGLang's one-page over-estimate at page size > 1 (default True).
+    `track_contents=True` records which token each page slot was written with, so
+    `check_invariants` can prove that tree entries point only at pages holding their tokens
+    (tests; it costs time).
     """
 
     decode_steps_are_noops = True  # decode tokens enter the tree at release, as in SGLang
 
     def __init__(
-        self, num_pages: int, page_size: int, *, eviction_policy: str = "lru", track_contents: bool = False
+        self,
+        num_pages: int,
+        page_size: int,
+        *,
+        eviction_policy: str = "lru",
+        admission_eviction: str = "shortfall",
+        reserve_page: bool = True,
+        track_contents: bool = False,
     ) -> None:
         super().__init__(num_pages, page_size)
         if not isinstance(eviction_policy, str):
             raise InvalidRequestError(
                 f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, got {eviction_policy!r}"
             )
+        if admission_eviction not in ADMISSION_EVICTION:
+            raise InvalidRequestError(
+                f"admission_eviction must be one of {', '.join(ADMISSION_EVICTION)}, got {admission_eviction!r}"
+            )
+        if not isinstance(reserve_page, bool):
+            raise InvalidRequestError(f"reserve_page must be a bool, got {reserve_page!r}")
+        self.admission_eviction = admission_eviction
+        # SGLang's paged allocator asks eviction for one page more than it allocates; at page
+        # size 1 there is nothing to reserve.
+        self.reserve_page = reserve_page and page_size > 1
+        if self.reserve_page:
+            # a decode step inside a held page still evicts when nothing is free: an engine
+            # must call grow every step (declared per instance, the class default is True)
+            self.decode_steps_are_noops = False
         self.tree = RadixTree(page_size, eviction_policy)
         self.eviction_policy = self.tree.policy
         # Free pages: runs of recycled page ids (an evicted node's page list moves here whole,
@@ -162,13 +231,13 @@ class RadixCache(PrefixCache):
         c["lookups"] += 1
         c["lookup_tokens"] += len(seq)
         if limit <= 0:
-            return Match(seq.request_id, 0, (), None)
+            return Match(seq.request_id, 0, (), None, 0, self.match_token)
         node, hit, runs = self.tree.match(self._namespace(seq), seq.tokens, limit)
         if len(runs) == 1:
             pages = tuple(runs[0])
         else:
             pages = tuple(p for run in runs for p in run)
-        return Match(seq.request_id, hit, pages, node)
+        return Match(seq.request_id, hit, pages, node, 0, self.match_token)
 
     def admit(self, seq: Sequence, match: Match, num_tokens: int) -> list[CopyOp] | None:
         self._check_new(seq, self._live)
@@ -188,13 +257,12 @@ class RadixCache(PrefixCache):
         if node is None:
             node = tree.root(self._namespace(seq), create=True)
         tree.lock(node)
-        if need > free:
-            self._evict_tokens(need * self.page_size)  # SGLang asks for the whole extend
+        self._evict_for_extend(num_tokens - match.num_tokens, need)
         table = self._take(need)
         table[0:0] = match.pages  # one list: hit pages, then the new ones
         seq.page_table = table
         seq.num_computed = match.num_tokens
-        self._live[seq.request_id] = _Held(seq, node, match.num_tokens)
+        self._live[seq.request_id] = _Held(seq, node, match.num_tokens, 0, num_tokens)
         c = self._counters
         c["admitted"] += 1
         c["admitted_tokens"] += len(seq)
@@ -202,18 +270,67 @@ class RadixCache(PrefixCache):
         return []
 
     def grow(self, seq: Sequence, num_tokens: int) -> list[CopyOp] | None:
-        self._check_live(seq, self._live)
+        held = self._check_live(seq, self._live)
         self._check_num_tokens(seq, num_tokens, 0)
-        need = self.pages_for(num_tokens) - len(seq.page_table)
-        if need <= 0:
+        table = seq.page_table
+        need = self.pages_for(num_tokens) - len(table)
+        if need > self._num_free and self._num_free + self._evictable_pages() < need:
+            return None
+        start = held.covered
+        if num_tokens <= start:
             return []
-        free = self._num_free
-        if need > free:
-            if free + self._evictable_pages() < need:
-                return None
-            self._evict_tokens((need - free) * self.page_size)  # decode evicts step by step
-        seq.page_table.extend(self._take(need))
+        held.covered = num_tokens
+        if start < seq.prompt_len:  # a further prefill chunk: one extend allocation
+            end = min(num_tokens, seq.prompt_len)
+            extend_pages = max(self.pages_for(end) - len(table), 0)
+            self._evict_for_extend(end - start, extend_pages)
+            table.extend(self._take(extend_pages))
+            start = end
+        if start < num_tokens:
+            self._decode_steps(table, start, num_tokens)
         return []
+
+    def _evict_for_extend(self, extend_tokens: int, need_pages: int) -> None:
+        """Evict before an extend (prefill) allocation of `need_pages` pages for `extend_tokens`
+        new tokens, as the allocator's `evict_to_free_tokens` does (see the module docstring)."""
+        ps = self.page_size
+        reserve = ps if self.reserve_page else 0
+        if self.admission_eviction == "extend":  # older SGLang: ask for the whole extend when short
+            if need_pages > self._num_free:
+                self._evict_tokens(need_pages * ps + reserve)
+            return
+        shortfall = extend_tokens + reserve - self._num_free * ps
+        if shortfall > 0:
+            self._evict_tokens(shortfall)
+
+    def _decode_steps(self, table: list[int], start: int, end: int) -> None:
+        """Decode slots for tokens `start..end-1`, one SGLang decode step each (the caller
+        checked the pages fit). A step first makes its demand available (1 token at page
+        size 1; a whole page at larger sizes with `reserve_page`, even when the step needs
+        no new page), then takes a page when the token starts one."""
+        ps = self.page_size
+        if not self.reserve_page:
+            # the demand is exactly the new pages: step by step or at once, the same leaves go
+            need = self.pages_for(end) - len(table)
+            if need > self._num_free:
+                self._evict_tokens((need - self._num_free) * ps)
+            table.extend(self._take(need))
+            return
+        pos = start
+        while pos < end:
+            if self._num_free == 0:
+                self._evict_tokens(ps)  # the step at `pos` finds nothing free
+            need = self.pages_for(end) - len(table)
+            if need <= 0:
+                return  # the remaining steps find a page free (or nothing to evict)
+            # Until free pages run out again no step evicts: take them at once. The k-th is
+            # taken by the step at token `first + (k - 1) * page_size`.
+            first = len(table) * ps
+            k = min(self._num_free, need)
+            if k == 0:
+                raise AssertionError("radix: decode steps ran out of pages after the fit check")
+            table.extend(self._take(k))
+            pos = first + (k - 1) * ps + 1
 
     def commit(self, seq: Sequence, num_computed: int) -> None:
         held = self._check_live(seq, self._live)
@@ -228,10 +345,10 @@ class RadixCache(PrefixCache):
             self._record_contents(seq, seq.num_computed, num_computed)
         seq.num_computed = num_computed
         if num_computed <= seq.prompt_len:
-            # after a prefill chunk (SGLang's cache_unfinished_req); decode tokens wait for release
-            self._insert(held, num_computed // ps * ps, chunked=num_computed < seq.prompt_len)
+            # after a prefill chunk (SGLang's checkpoint); decode tokens wait for release
+            self._insert(held, num_computed // ps * ps)
 
-    def _insert(self, held: _Held, end: int, chunked: bool) -> None:
+    def _insert(self, held: _Held, end: int) -> None:
         """Insert the sequence's first `end` (page-aligned) tokens; free duplicates, move the lock."""
         seq = held.seq
         ps = self.page_size
@@ -239,7 +356,8 @@ class RadixCache(PrefixCache):
         table = seq.page_table
         start = held.protected
         old = held.node
-        new, matched, runs = tree.insert(old, start, seq.tokens, end, table, count_hit=not chunked)
+        new, matched, runs = tree.insert(old, start, seq.tokens, end, table, held.inserted)
+        held.inserted = max(held.inserted, end)
         if matched > start:
             # the tree already held [start, matched): our pages there are duplicates
             lo, hi = start // ps, matched // ps
@@ -267,7 +385,7 @@ class RadixCache(PrefixCache):
         partial = computed % ps != 0
         if partial and not self._num_free and self._evictable_pages() < 1:
             return None
-        self._insert(held, full * ps, chunked=False)  # the child shares through the tree
+        self._insert(held, full * ps)  # the child shares through the tree
         self.tree.lock(held.node)
         pages = parent.page_table[:full]
         ops: list[CopyOp] = []
@@ -284,15 +402,15 @@ class RadixCache(PrefixCache):
                 ]
         child.page_table = pages
         child.num_computed = computed
-        self._live[child.request_id] = _Held(child, held.node, full * ps)
+        # The child counts its own LFU hits once, as a separate SGLang request would.
+        self._live[child.request_id] = _Held(child, held.node, full * ps, 0, computed)
         return ops
 
     def release(self, seq: Sequence) -> None:
         held = self._check_live(seq, self._live)
-        if seq.num_computed > seq.prompt_len:
-            # SGLang's cache_finished_req: prompt + output go into the tree when the request
-            # ends (a walk that refreshes and counts the path even when no page is new)
-            self._insert(held, seq.num_computed // self.page_size * self.page_size, chunked=False)
+        # SGLang's release_kv_cache -> checkpoint: what has KV goes into the tree when the
+        # request ends, always (a walk that refreshes recency even when no page is new)
+        self._insert(held, max(seq.num_computed // self.page_size * self.page_size, held.protected))
         del self._live[seq.request_id]
         self.tree.unlock(held.node)
         self._give(seq.page_table[held.protected // self.page_size :])
@@ -355,3 +473,7 @@ class RadixCache(PrefixCache):
     def evictable_leaves_in_order(self) -> list[tuple[int, int]]:
         """(start token, length) of each eviction candidate, next evicted first."""
         return [(k[-1].start, len(k[-1].key)) for k in self.tree.candidates]
+
+    def _verify_match(self, seq: Sequence, match: Match) -> None:
+        """`_check_match`'s proof of a hit against the tree (O(hit), backends/radix_match.py)."""
+        verify_radix_match(self, seq, match)

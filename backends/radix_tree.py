@@ -200,11 +200,15 @@ class RadixTree:
         return node, pos, runs
 
     def insert(
-        self, node: RadixNode, pos: int, tokens: np.ndarray, end: int, pages: list[int], count_hit: bool
+        self, node: RadixNode, pos: int, tokens: np.ndarray, end: int, pages: list[int], count_from: int
     ) -> tuple[RadixNode, int, list[list[int]]]:
         """Insert `tokens[pos:end]` below `node` (which ends at `pos`); `pages[i]` holds page i of
-        the whole sequence. Stamps the root..node path and what it walks, counts a hit on each
-        (unless `count_hit` is false: SGLang skips chunked prefills), splits where needed.
+        the whole sequence. Stamps the root..node path and what it walks, splits where needed.
+
+        LFU hits follow SGLang 0.5.23's `_insert_helper`: a node on the walk (or created by it)
+        gains one hit iff it ends beyond `count_from`, the length this request already
+        inserted (`cache_inserted_len`), so one request counts each node once however many
+        times it inserts (prefill chunks, the finish-time insert).
 
         Returns (the node ending at `end`, tokens already in the tree, tree page runs over
         `[pos, that)`) so the caller can free its duplicates.
@@ -213,7 +217,7 @@ class RadixTree:
         x = node
         while x is not None:  # the path SGLang's walk from the root would take down to `node`
             x.last_access = t
-            if count_hit and x.parent is not None:
+            if x.parent is not None and x.start + len(x.key) > count_from:
                 x.hit_count += 1
             if x.cand_key is not None:
                 self._touch(x, t)
@@ -230,7 +234,7 @@ class RadixTree:
             self._touch(child, t)
             if m < klen:
                 child = self._split(child, m, t)  # copies the hit count before this walk's
-            if count_hit:
+            if pos + m > count_from:
                 child.hit_count += 1
                 if child.cand_key is not None:
                     self._touch(child, t)
@@ -240,7 +244,7 @@ class RadixTree:
         matched = pos
         if pos < end:
             leaf = self._new_node(tokens[pos:end].copy(), pages[pos // ps : end // ps], node, t)
-            leaf.hit_count = 1 if count_hit else 0
+            leaf.hit_count = 1 if end > count_from else 0
             node.children[self._child_key(leaf.key, 0)] = leaf
             self.evictable_tokens += end - pos
             self._update_leaf_status(node)

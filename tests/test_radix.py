@@ -222,17 +222,94 @@ def test_admission_does_not_count_its_own_path_as_evictable():
         assert cache.admit(b, m, len(b)) is None
 
 
-def test_admit_evicts_the_whole_need_when_short():
-    """SGLang's prefill asks the tree for all the new tokens, not the shortfall."""
-    cache = radix(num_pages=20, page_size=1)
+def _four_leaves(cache: RadixCache) -> None:
     for i, rid in enumerate("abcd"):
         s = seq(rid, [10 * (i + 1)] * 4)
         run_prompt(cache, s)
-        finish(cache, s)  # four leaves of 4 tokens, LRU a..d; 4 pages free
+        finish(cache, s)  # four leaves of 4 tokens, LRU a..d
+
+
+def test_admit_evicts_only_the_shortfall():
+    """SGLang 0.5.23's `evict_to_free_tokens`: evict the demand minus what is free."""
+    cache = radix(num_pages=20, page_size=1)
+    _four_leaves(cache)  # 4 pages free
     e = seq("e", [90] * 6)
     assert run_prompt(cache, e).num_tokens == 0
-    assert cache.stats().evicted_pages == 8  # asked for 6: two whole leaves (a, b), not one
+    assert cache.stats().evicted_pages == 4  # short by 2: one whole leaf (a)
     finish(cache, e)
+
+
+def test_admit_evicts_the_whole_need_with_the_older_rule():
+    """`admission_eviction="extend"`: older SGLang asked the tree for all the new tokens."""
+    cache = radix(num_pages=20, page_size=1, admission_eviction="extend")
+    _four_leaves(cache)
+    e = seq("e", [90] * 6)
+    assert run_prompt(cache, e).num_tokens == 0
+    assert cache.stats().evicted_pages == 8  # asked for 6: two whole leaves (a, b)
+    finish(cache, e)
+
+
+def test_paged_admission_reserves_one_page():
+    """At page size > 1 SGLang's demand is the extend tokens plus one page."""
+    for reserve, evicted in ((True, 2), (False, 0)):
+        cache = radix(num_pages=10, page_size=4, reserve_page=reserve)
+        for i, rid in enumerate("ab"):
+            s = seq(rid, [10 * (i + 1)] * 8)
+            run_prompt(cache, s)
+            finish(cache, s)  # two leaves of 2 pages; 6 pages free
+        e = seq("e", [90] * 24)  # 6 new pages: they fit exactly, the demand is 7
+        run_prompt(cache, e)
+        assert cache.stats().evicted_pages == evicted
+        finish(cache, e)
+
+
+def test_paged_decode_keeps_one_page_available_every_step():
+    """SGLang's paged decode asks for a whole page every step, even one inside a held page."""
+    for reserve, evicted in ((True, 2), (False, 0)):
+        cache = radix(num_pages=4, page_size=4, reserve_page=reserve)
+        a = seq("a", [10] * 8)
+        run_prompt(cache, a)
+        finish(cache, a)  # one leaf of 2 pages; 2 free
+        e = seq("e", [90] * 4)  # its demand (2 pages) is free: 1 left after it
+        run_prompt(cache, e)
+        assert cache.stats().evicted_pages == 0
+        e.append([91, 92])
+        # token 4 takes the last free page; token 5 lives in that page, yet its step finds
+        # nothing free and evicts a whole page's worth (the leaf a)
+        assert cache.grow(e, len(e)) == []
+        assert cache.stats().evicted_pages == evicted
+        cache.commit(e, len(e))
+        finish(cache, e)
+
+
+def test_lfu_counts_one_hit_per_request():
+    """A request's finish-time insert does not count the path its prefill already counted."""
+    cache = radix(page_size=1, eviction_policy="lfu")
+    a = seq("a", range(10))
+    run_prompt(cache, a)
+    a.append([100, 101, 102])
+    cache.grow(a, len(a))
+    cache.commit(a, len(a))
+    finish(cache, a)
+    counts = {(n.start, len(n.key)): n.hit_count for n in cache.tree.nodes()}
+    assert counts == {(0, 10): 1, (10, 3): 1}
+    b = seq("b", range(12))  # hits 10, inserts 2 more: the shared node counts b once
+    run_prompt(cache, b)
+    finish(cache, b)
+    counts = {(n.start, len(n.key)): n.hit_count for n in cache.tree.nodes()}
+    assert counts == {(0, 10): 2, (10, 3): 1, (10, 2): 1}
+
+
+def test_release_refreshes_recency_without_decode_tokens():
+    """SGLang's release always re-inserts (a walk that touches the path), output length 1 too."""
+    cache = radix(num_pages=20, page_size=1)
+    x = seq("x", [1] * 6)
+    run_prompt(cache, x)
+    y = seq("y", [2] * 6)
+    run_prompt(cache, y)
+    finish(cache, y)
+    finish(cache, x)  # no decode token got KV, yet x is now the most recent
+    assert [first for _, first in leaf_runs(cache)] == [2, 1]
 
 
 def test_grow_evicts_only_the_shortfall():
