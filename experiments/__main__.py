@@ -1,8 +1,11 @@
 """Command line: `python -m experiments replay|run|compare|sweep|report|workloads ...`.
 
-Exit codes: 0 success; 2 bad usage (argparse: a missing or malformed option); 3 bad input
-(unknown backend, workload or knob, a trace that does not exist or cannot be parsed, a
-capacity smaller than one request, bad sizes or options).
+Exit codes: 0 success; 1 a cell failed (its process was killed, e.g. out of memory, or it
+raised an unexpected error; finished cells are kept for a rerun); 2 bad usage (a missing or
+malformed option); 3 bad input (unknown backend, workload or knob, a trace that does not
+exist or cannot be parsed, a capacity smaller than one request or that schedules nothing,
+bad sizes or options, an output that cannot be written or is in use by another run);
+130 interrupted (Ctrl-C or SIGTERM: outputs are left complete or unchanged).
 """
 
 from __future__ import annotations
@@ -10,17 +13,23 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Any
 
 from cachelib import create_cache, get_backend
 from cachelib.errors import CacheError
+from experiments.cell_pool import TasksFailed
 from experiments.engine import replay, unlimited_pages
+from experiments.output_dir import OutputError, check_writable_file, write_file_atomically
 from experiments.workloads.mooncake import load_mooncake
 from experiments.workloads.spec import TraceFormatError
 
+EXIT_CELL_FAILED = 1
+EXIT_USAGE = 2
 EXIT_BAD_INPUT = 3
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 
 
 class BadInput(Exception):
@@ -54,6 +63,8 @@ def _backend_options(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     options = _backend_options(args.backend, args)  # an unknown backend fails before the trace loads
+    if args.output:
+        check_writable_file(Path(args.output))  # before the replay, not after it
     requests = load_mooncake(args.trace, args.limit)
     if args.num_pages is not None:
         num_pages = args.num_pages
@@ -65,6 +76,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
         num_pages = unlimited_pages(requests, args.page_size)
     cache = create_cache(args.backend, num_pages=num_pages, page_size=args.page_size, **options)
     result = replay(cache, requests, concurrency=args.concurrency, progress=not args.no_progress)
+    if result["unschedulable"] == len(requests):
+        raise BadInput(
+            f"nothing was schedulable: every request needs more than {num_pages} pages of {args.page_size} tokens"
+        )
     result["trace"] = str(args.trace)
     result["capacity"] = (
         "unlimited" if args.num_pages is None and args.capacity_tokens is None else num_pages * args.page_size
@@ -78,8 +93,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     )
     if args.output:
         out = Path(args.output)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1) + "\n")
+        write_file_atomically(out, json.dumps(result, indent=1) + "\n")
         print(f"wrote {out}")
     return 0
 
@@ -108,15 +122,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: errors that mean the input was bad (exit 3), also when a cell raised them in a child
+BAD_INPUT_ERRORS = (BadInput, CacheError, TraceFormatError, FileNotFoundError, ValueError, KeyError, OutputError)
+
+
 def main(argv: list[str] | None = None) -> int:
+    from experiments.cli_compare import UsageError
+
     args = build_parser().parse_args(argv)
     if hasattr(args, "argv"):
         args.argv = argv  # None: the report records sys.argv
+    # SIGTERM ends a run the way Ctrl-C does: temporary outputs removed, children killed
+    previous_term = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         return args.func(args)
-    except (BadInput, CacheError, TraceFormatError, FileNotFoundError, ValueError, KeyError) as exc:
+    except KeyboardInterrupt:
+        print("interrupted: outputs were left complete or unchanged, never half-written", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except UsageError as exc:
+        print(f"usage error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except TasksFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT if exc.raised_only(BAD_INPUT_ERRORS) else EXIT_CELL_FAILED
+    except BAD_INPUT_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    finally:
+        signal.signal(signal.SIGTERM, previous_term)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,27 @@
 """The comparison commands: `run` (one backend), `compare` (several, one report), `sweep`
-(a resumable grid), `report` (re-render from JSON), `workloads` (what can be generated)."""
+(a resumable grid), `report` (re-render from JSON), `workloads` (what can be generated).
+
+Outputs are never mixed or half-written (experiments/output_dir.py): the output folder is
+checked writable before any work, locked (`OUT.lock`) for the whole run, and the report is
+written into a temporary sibling that replaces OUT in one swap at the end. `compare` saves
+each finished cell in `OUT.partial/` (experiments/cell_store.py) until the report is in
+place, so a run that is interrupted or loses a worker keeps its finished cells and a rerun
+of the same command resumes; it never writes a report that lacks cells.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
 from cachelib import available_backends, get_backend
+from experiments.cell_pool import CellPool, Failure, Task, TasksFailed
+from experiments.cell_store import CellStore
+from experiments.output_dir import OutputLock, StagedDir, check_writable_dir
+from experiments.provenance import provenance
 from experiments.report import load, render
 from experiments.results import document, write
 from experiments.runner import CellConfig, bounds, build_workload, check_capacity, run_cell
@@ -22,6 +33,10 @@ DEFAULT_KNOBS = {"num_documents": 100, "num_requests": 1000, "rate": 20.0}
 DEFAULT_CAPACITIES = [25_000, 50_000, 100_000, 200_000]
 
 
+class UsageError(Exception):
+    """A missing or malformed option: one line for the user, exit code 2 (as argparse)."""
+
+
 def _list(text: str) -> list[str]:
     return [t for t in text.replace(",", " ").split() if t]
 
@@ -30,7 +45,7 @@ def _knobs(args: argparse.Namespace) -> dict[str, Any]:
     knobs: dict[str, Any] = {} if args.knob or args.workload != DEFAULT_WORKLOAD or args.trace else dict(DEFAULT_KNOBS)
     for item in args.knob or []:
         if "=" not in item:
-            raise ValueError(f"--knob expects NAME=VALUE, got {item!r}")
+            raise UsageError(f"--knob expects NAME=VALUE, got {item!r}")
         k, v = item.split("=", 1)
         knobs[k.strip()] = v.strip()
     if args.trace:
@@ -45,7 +60,7 @@ def _backends(args: argparse.Namespace, default_all: bool) -> list[str]:
     if not names:
         names = available_backends() if default_all else []
     if not names:
-        raise ValueError("name a backend with --backend")
+        raise UsageError("name a backend with --backend")
     for n in names:
         get_backend(n)  # an unknown name fails here, before any work
     return names
@@ -65,7 +80,7 @@ def _backend_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"eviction_policy": args.eviction_policy} if args.eviction_policy else {}
 
 
-def _cells(args, backends, capacities, page_size, workload_name, knobs) -> list[CellConfig]:
+def _cells(args, backends, capacities, page_size, workload_name, knobs, prov: dict[str, str]) -> list[CellConfig]:
     cells = []
     for cap in capacities:
         for b in backends:
@@ -88,51 +103,56 @@ def _cells(args, backends, capacities, page_size, workload_name, knobs) -> list[
                     max_running=args.max_running,
                     ordering=args.ordering,
                     backend_options=opts,
+                    provenance=prov,
                 )
             )
     return cells
 
 
-def _run_one(cfg: CellConfig) -> dict[str, Any]:
-    return run_cell(cfg)
+def label(cfg: CellConfig) -> str:
+    """A cell as errors and progress lines name it."""
+    return f"cell {cfg.backend} @ {cfg.capacity_tokens:,} tokens, page {cfg.page_size}, {cfg.workload}"
 
 
-def _execute(cells: list[CellConfig], jobs: int, progress: bool, ray_address: str | None = None, side=None):
-    """Run cells locally (in `jobs` processes) or on a Ray cluster; results in input order.
+def execute(
+    cells: list[CellConfig], jobs: int, store: CellStore, progress: bool, side: Task | None = None
+) -> tuple[list[dict[str, Any]], Any]:
+    """Results of `cells` in input order, and of `side` (the bounds, run beside them).
 
-    `side`, a picklable `(fn, args)`, runs beside the cells (the bounds) and its result is
-    returned second."""
-    if ray_address:
-        from experiments.ray_runner import run_on_ray
-
-        return run_on_ray(cells, ray_address), (side[0](*side[1]) if side else None)
-    if jobs <= 1 or len(cells) <= 1:
-        out = []
-        for i, cfg in enumerate(cells, 1):
-            out.append(run_cell(cfg, progress=progress))
+    Cells already in `store` are reused; each cell that runs is saved there as it finishes.
+    `jobs` > 1 runs each cell in its own process (experiments/cell_pool.py); then a cell
+    that raises or dies does not stop the others, and `TasksFailed` names it at the end.
+    With one job cells run in this process and the first failure stops the run."""
+    results: list[dict[str, Any] | None] = [store.load(c) for c in cells]
+    todo = [i for i, r in enumerate(results) if r is None]
+    side_result = None
+    if jobs <= 1 or len(todo) <= 1:
+        for n, i in enumerate(todo, 1):
+            try:
+                results[i] = run_cell(cells[i], progress=progress)
+            except Exception as exc:
+                raise TasksFailed([Failure(label(cells[i]), error=exc)]) from exc
+            store.save(cells[i], results[i])
             if progress:
-                print(
-                    f"  [{i}/{len(cells)}] {cfg.backend} @ {cfg.capacity_tokens:,} tokens: {out[-1]['wall_seconds']:.1f}s",
-                    file=sys.stderr,
-                )
-        return out, (side[0](*side[1]) if side else None)
-    results: list[dict[str, Any] | None] = [None] * len(cells)
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(cells), desc="cells", unit="cell")
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
-        side_future = pool.submit(side[0], *side[1]) if side else None  # first: it is the longest
-        futures = {pool.submit(_run_one, cfg): i for i, cfg in enumerate(cells)}
-        for fut in as_completed(futures):
-            results[futures[fut]] = fut.result()
-            if bar is not None:
-                bar.update(1)
-        side_result = side_future.result() if side_future else None
-    if bar is not None:
-        bar.close()
-    return results, side_result
+                print(f"  [{n}/{len(todo)}] {label(cells[i])}: {results[i]['wall_seconds']:.1f}s", file=sys.stderr)
+        if side is not None:
+            side_result = side.fn(*side.args)
+        return results, side_result  # type: ignore[return-value]
+    tasks = [Task(label(cells[i]), run_cell, (cells[i],)) for i in todo]
+    if side is not None:
+        tasks.insert(0, side)  # first: it is the longest
+    done = 0
+    for t, res in CellPool(jobs).results(tasks):
+        if side is not None and t == 0:
+            side_result = res
+            continue
+        i = todo[t - (side is not None)]
+        results[i] = res
+        store.save(cells[i], res)
+        done += 1
+        if progress:
+            print(f"  [{done}/{len(todo)}] {label(cells[i])}: {res['wall_seconds']:.1f}s", file=sys.stderr)
+    return results, side_result  # type: ignore[return-value]
 
 
 def _bounds_of(cfg: CellConfig, page_size: int, capacities: list[int]) -> dict[str, Any]:
@@ -140,12 +160,22 @@ def _bounds_of(cfg: CellConfig, page_size: int, capacities: list[int]) -> dict[s
 
 
 def cmd_compare(args: argparse.Namespace, *, single: bool = False) -> int:
+    if single and not args.backend:
+        raise UsageError("run needs --backend NAME (compare runs every backend)")
     backends = _backends(args, default_all=not single)
-    _check_model(args.model)
     if single and len(backends) != 1:
-        raise ValueError("run takes one --backend; use compare for several")
+        raise UsageError("run takes one --backend; use compare for several")
     workload_name = "mooncake" if args.trace else args.workload
     knobs = _knobs(args)
+    out_dir = Path(args.output_dir)
+    check_writable_dir(out_dir)  # before any work: an unwritable output fails in a second
+    with OutputLock(out_dir):
+        return _compare_locked(args, backends, workload_name, knobs, out_dir)
+
+
+def _compare_locked(
+    args: argparse.Namespace, backends: list[str], workload_name: str, knobs: dict[str, Any], out_dir: Path
+) -> int:
     capacities = args.capacity_tokens or DEFAULT_CAPACITIES
     page_size = args.page_size
     workload = build_workload(
@@ -156,13 +186,26 @@ def cmd_compare(args: argparse.Namespace, *, single: bool = False) -> int:
     for cap in capacities:
         check_capacity(workload, cap, page_size)
     started = time.perf_counter()
-    cells = _cells(args, backends, capacities, page_size, workload_name, knobs)
-    side = None if args.no_bounds else (_bounds_of, (cells[0], page_size, capacities))
-    results, bound = _execute(cells, args.jobs, not args.no_progress, side=side)
+    cells = _cells(args, backends, capacities, page_size, workload_name, knobs, provenance(workload.config))
+    store = CellStore(out_dir.with_name(out_dir.name + ".partial"))
+    reused = sum(store.load(c) is not None for c in cells)
+    if reused:
+        print(f"compare: {reused} of {len(cells)} cells reused from {store.directory}", file=sys.stderr)
+    side = None if args.no_bounds else Task("bounds", _bounds_of, (cells[0], page_size, capacities))
+    try:
+        results, bound = execute(cells, args.jobs, store, not args.no_progress, side)
+    except TasksFailed as exc:
+        raise TasksFailed(
+            exc.failures,
+            note=f"{out_dir} is unchanged; {store.count()} finished cell(s) are kept in {store.directory}, "
+            "and rerunning the same command resumes from them",
+        ) from None
     out = document(args.argv, workload, cells, results, backends, capacities, bound)
     out["wall_seconds"] = time.perf_counter() - started
-    out_dir = Path(args.output_dir)
-    paths = write(out, out_dir)
+    with StagedDir(out_dir) as stage:
+        names = [p.name for p in write(out, stage.path)]
+        stage.publish()
+    store.discard()
     for cap in capacities:
         row = [c for c in results if c["config"]["capacity_tokens"] == cap]
         print(
@@ -174,7 +217,7 @@ def cmd_compare(args: argparse.Namespace, *, single: bool = False) -> int:
                 else f"; Belady {out['bounds']['belady'][str(cap)]['hit_rate']:.1%}, infinite {out['bounds']['infinite']['hit_rate']:.1%}"
             )
         )
-    print(f"wrote {', '.join(str(p) for p in paths)} in {out['wall_seconds']:.1f}s")
+    print(f"wrote {', '.join(str(out_dir / n) for n in names)} in {out['wall_seconds']:.1f}s")
     return 0
 
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from experiments.provenance import code_version, git_commit
 from experiments.report import render
 from experiments.runner import CellConfig
 from experiments.workloads.generators import Workload
@@ -18,13 +18,13 @@ from experiments.workloads.generators import Workload
 SETTINGS = ("page_size", "executor", "device", "model", "token_budget", "max_running", "ordering", "protocol", "seed")
 
 
-def git_commit() -> str:
-    """The short commit of the working tree, or "unknown" outside a git checkout."""
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+__all__ = [
+    "code_version",
+    "command_line",
+    "document",
+    "git_commit",
+    "write",
+]  # git_commit: bench scripts import it here
 
 
 def command_line(argv: Sequence[str] | None) -> str:
@@ -44,7 +44,8 @@ def document(
     return {
         "command": command_line(argv),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "commit": git_commit(),
+        "commit": git_commit(),  # of the package's own checkout, not the current directory's
+        "code_version": code_version(),
         "workload": {"name": workload.name, "config": workload.config, "requests": len(workload)},
         "settings": {k: getattr(cells[0], k) for k in SETTINGS},
         "backends": backends,

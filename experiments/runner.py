@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +31,11 @@ from experiments.workloads.registry import make_workload
 
 PROTOCOLS = ("replay", "serving", "both")
 EXECUTORS = ("cost", "model")
+#: Test seam, declared: when this environment variable is `<backend>@<capacity_tokens>`,
+#: `run_cell` kills its own process with SIGKILL as that cell starts, which is what an
+#: out-of-memory kill looks like to the parent. tests/test_outputs.py uses it to check that
+#: a dead worker is named and the finished cells are kept. Never set otherwise.
+KILL_CELL_ENV = "PCL_TEST_KILL_CELL"
 
 
 class CapacityError(ValueError):
@@ -55,6 +62,9 @@ class CellConfig:
     max_running: int = 256
     ordering: str = "fcfs"
     backend_options: dict[str, Any] = field(default_factory=dict)
+    #: what the numbers depend on beyond the settings (experiments/provenance.py): the code
+    #: version and input file digests; part of `key()`, so stale cells are never reused
+    provenance: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOLS:
@@ -147,6 +157,8 @@ def _cuda() -> bool:
 
 def run_cell(cfg: CellConfig, workload: Workload | None = None, *, progress: bool = False) -> dict[str, Any]:
     """Run one cell; returns config, metrics and the series the plots need."""
+    if os.environ.get(KILL_CELL_ENV) == f"{cfg.backend}@{cfg.capacity_tokens}":
+        os.kill(os.getpid(), signal.SIGKILL)
     workload = workload or build_workload(cfg)
     num_pages = check_capacity(workload, cfg.capacity_tokens, cfg.page_size)
     out: dict[str, Any] = {"config": cfg.as_dict(), "workload_config": workload.config, "num_pages": num_pages}

@@ -1,11 +1,18 @@
 """A resumable grid: workloads x page sizes x capacities x backends.
 
-Each finished cell is written to `OUT/cells/<key>.json` the moment it finishes (atomically:
-a temporary file renamed into place, so an interrupted write never looks finished); a
-rerun skips every cell whose file exists and parses, so an interrupted sweep resumes where
-it stopped. The key hashes the cell's whole configuration, so changing any setting (a knob,
-the seed, the executor...) makes new cells rather than reusing stale ones. One report per
-(workload, page size) is rendered into `OUT/<workload>-p<page>/` from the cell files.
+Each finished cell is written to `OUT/cells/<key>.json` the moment it finishes
+(experiments/cell_store.py: atomically, a temporary file renamed into place, so an
+interrupted write never looks finished); a rerun skips every cell whose file holds a whole
+result, so an interrupted sweep resumes where it stopped, and a torn, empty or error file is
+run again. The key hashes the cell's whole configuration and its provenance (the code
+version, the content of a trace file), so changing any setting, the code or the trace makes
+new cells rather than reusing stale ones.
+
+How this fits "outputs never mixed": OUT itself is not replaced as a whole, since its cells
+are the sweep's resumable cache; each cell file is atomic, and each report folder
+`OUT/<workload>-p<page>/` is written into a temporary sibling and swapped in whole
+(experiments/output_dir.py), so its `results.json`, `report.md` and `results.csv` always
+come from one run. `OUT.lock` keeps a second sweep out of OUT while one runs.
 
 Cells run in local processes (`--jobs N`) or on Ray (`--ray local|ADDRESS`, see
 `experiments/ray_runner.py`).
@@ -13,13 +20,15 @@ Cells run in local processes (`--jobs N`) or on Ray (`--ray local|ADDRESS`, see
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from experiments.cell_pool import TasksFailed
+from experiments.cell_store import CellStore
+from experiments.output_dir import OutputLock, StagedDir, check_writable_dir
+from experiments.provenance import provenance
 from experiments.results import document, write
 from experiments.runner import CellConfig, bounds, build_workload, check_capacity
 
@@ -49,31 +58,22 @@ def _check_knobs_used(workloads: list[str], knobs: dict[str, Any], per: dict[str
         raise WorkloadError(f"knob(s) {', '.join(unused)} taken by none of the workloads {', '.join(workloads)}")
 
 
-def _done(path: Path) -> bool:
-    """A finished cell: its file exists and holds a result (a torn file is rerun)."""
-    try:
-        return "config" in json.loads(path.read_text())
-    except (OSError, ValueError):
-        return False
-
-
-def _write_cell(cell_dir: Path, cfg: CellConfig, res: dict[str, Any]) -> None:
-    path = cell_dir / f"{cfg.key()}.json"
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(res) + "\n")
-    os.replace(tmp, path)
-
-
 def run_sweep(args, backends: list[str]) -> int:
-    from experiments.cli_compare import _cells as cells_of
-    from experiments.cli_compare import _execute as execute
     from experiments.cli_compare import _knobs as knobs_of
 
     out_dir = Path(args.output_dir)
-    cell_dir = out_dir / "cells"
-    cell_dir.mkdir(parents=True, exist_ok=True)
-    workloads = list(dict.fromkeys(args.workloads or (["mooncake"] if args.trace else [args.workload])))
     knobs = knobs_of(args)
+    check_writable_dir(out_dir)  # before any work
+    with OutputLock(out_dir):
+        return _sweep_locked(args, backends, knobs, out_dir)
+
+
+def _sweep_locked(args, backends: list[str], knobs: dict[str, Any], out_dir: Path) -> int:
+    from experiments.cli_compare import _cells as cells_of
+    from experiments.cli_compare import execute
+
+    store = CellStore(out_dir / "cells")
+    workloads = list(dict.fromkeys(args.workloads or (["mooncake"] if args.trace else [args.workload])))
     per = {w: _workload_knobs(w, knobs, args) for w in workloads}
     if getattr(args, "knob", None) or args.trace:
         _check_knobs_used(workloads, knobs, per)
@@ -87,50 +87,25 @@ def run_sweep(args, backends: list[str]) -> int:
                 backend=backends[0], workload=wname, capacity_tokens=capacities[0], knobs=per[wname], seed=args.seed
             )
         )
+        prov = provenance(wl.config)
         for page in page_sizes:
             for cap in capacities:
                 check_capacity(wl, cap, page)
-            plan.append((wname, page, cells_of(args, backends, capacities, page, wname, per[wname])))
-    todo = [c for _, _, cells in plan for c in cells if not _done(cell_dir / f"{c.key()}.json")]
-    total = sum(len(cells) for _, _, cells in plan)
-    print(f"sweep: {total} cells, {total - len(todo)} already done, {len(todo)} to run", file=sys.stderr)
-    if args.ray:
-        from experiments.ray_runner import run_on_ray
-
-        finished = 0
-
-        def on_result(cfg: CellConfig, res: dict[str, Any]) -> None:
-            nonlocal finished
-            _write_cell(cell_dir, cfg, res)
-            finished += 1
-            if not args.no_progress:
-                print(
-                    f"  {finished}/{len(todo)} cells ({cfg.backend} @ {cfg.capacity_tokens:,} tokens, page {cfg.page_size}, {cfg.workload})",
-                    file=sys.stderr,
-                )
-
-        run_on_ray(todo, args.ray, on_result, num_cpus=args.jobs if args.jobs > 1 else None)
-    else:
-        # run in batches so each finished batch is on disk before the next starts
-        batch = max(args.jobs, 1)
-        for i in range(0, len(todo), batch):
-            chunk = todo[i : i + batch]
-            try:
-                results, _ = execute(chunk, args.jobs, not args.no_progress)
-            except Exception:
-                names = ", ".join(
-                    f"{c.key()} ({c.backend} @ {c.capacity_tokens} tokens, page {c.page_size}, {c.workload})"
-                    for c in chunk
-                )
-                print(f"sweep: failed while running {names}; finished cells are kept, rerun to resume", file=sys.stderr)
-                raise
-            for cfg, res in zip(chunk, results, strict=True):
-                _write_cell(cell_dir, cfg, res)
-            print(f"  {min(i + batch, len(todo))}/{len(todo)} cells", file=sys.stderr)
+            plan.append((wname, page, cells_of(args, backends, capacities, page, wname, per[wname], prov)))
+    every = [c for _, _, cells in plan for c in cells]
+    todo = [c for c in every if store.load(c) is None]
+    print(f"sweep: {len(every)} cells, {len(every) - len(todo)} already done, {len(todo)} to run", file=sys.stderr)
+    try:
+        if args.ray:
+            _run_on_ray(todo, store, args)
+        else:
+            execute(todo, args.jobs, store, not args.no_progress)
+    except TasksFailed as exc:
+        raise TasksFailed(exc.failures, note=f"finished cells are kept in {store.directory}; rerun to resume") from None
     argv = getattr(args, "argv", None)
     for wname, page, cells in plan:
         wl = build_workload(cells[0])
-        cell_results = [json.loads((cell_dir / f"{c.key()}.json").read_text()) for c in cells]
+        cell_results = [store.load(c) for c in cells]
         doc = document(
             argv,
             wl,
@@ -141,7 +116,41 @@ def run_sweep(args, backends: list[str]) -> int:
             None if args.no_bounds else bounds(wl, page, capacities),
         )
         sub = out_dir / f"{wname}-p{page}"
-        write(doc, sub)
+        with StagedDir(sub) as stage:
+            write(doc, stage.path)
+            stage.publish()
         print(f"wrote {sub}/report.md")
     print(f"sweep done in {time.perf_counter() - started:.1f}s", file=sys.stderr)
     return 0
+
+
+class _RaySaver:
+    """Saves each cell Ray finishes and reports progress (`run_on_ray`'s `on_result`)."""
+
+    def __init__(self, store: CellStore, total: int, progress: bool) -> None:
+        self.store, self.total, self.progress = store, total, progress
+        self.finished = 0
+
+    def __call__(self, cfg: CellConfig, res: dict[str, Any]) -> None:
+        self.store.save(cfg, res)
+        self.finished += 1
+        if self.progress:
+            print(
+                f"  {self.finished}/{self.total} cells ({cfg.backend} @ {cfg.capacity_tokens:,} tokens, page {cfg.page_size}, {cfg.workload})",
+                file=sys.stderr,
+            )
+
+
+def _run_on_ray(todo: list[CellConfig], store: CellStore, args) -> None:
+    from experiments.cell_pool import Failure
+    from experiments.ray_runner import CellFailed, run_on_ray
+
+    try:
+        run_on_ray(
+            todo,
+            args.ray,
+            _RaySaver(store, len(todo), not args.no_progress),
+            num_cpus=args.jobs if args.jobs > 1 else None,
+        )
+    except CellFailed as exc:
+        raise TasksFailed([Failure(name, error=RuntimeError(err)) for name, err in exc.failures.items()]) from None

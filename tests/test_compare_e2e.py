@@ -109,12 +109,25 @@ def test_run_takes_one_backend(tmp_path):
 @pytest.mark.parametrize(
     "argv, message",
     [
+        (["run", "--backend", "apc,radix", *SMALL], "run takes one --backend"),
+        (["run", *SMALL], "run needs --backend"),
+        (["compare", *SMALL, "--knob", "num_requests"], "--knob expects NAME=VALUE"),
+    ],
+)
+def test_bad_usage_exits_2_with_a_message(argv, message, capsys, tmp_path):
+    assert main([*argv, "--output-dir", str(tmp_path / "out")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
         (["compare", "--workload", "nope"], "unknown workload"),
         (["compare", "--backend", "lru9", *SMALL], "unknown backend 'lru9'"),
         (["compare", *SMALL, "--capacity-tokens", "100"], "smaller than request"),
         (["compare", "--trace", "/no/such/trace.jsonl"], "trace file not found"),
         (["compare", *SMALL, "--knob", "colour=red"], "colour"),
-        (["run", "--backend", "apc,radix", *SMALL], "run takes one --backend"),
         (["report", "/no/such/dir"], "no results JSON"),
     ],
 )

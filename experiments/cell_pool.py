@@ -1,0 +1,158 @@
+"""Run tasks (cells, the bounds) in child processes, at most `jobs` at once, one process per task.
+
+One process per task, rather than a `ProcessPoolExecutor`, because of how tasks fail:
+- a task whose process is killed (SIGKILL from the out-of-memory killer) is named exactly,
+  with its signal, and only that task fails: a process pool would break as a whole
+  (`BrokenProcessPool`) without saying which task killed it, and fail the others too;
+- on Ctrl-C or SIGTERM the parent kills every child at once (`Process.kill`, a public
+  API) instead of waiting for the running tasks to finish.
+Children start with `spawn` (a fresh interpreter, 0.2–0.3 s; no fork of a parent that may
+hold threads) with SIGINT blocked from birth, then ignore it: Ctrl-C in a terminal reaches
+the whole process group, and the parent alone answers it, without a child's traceback.
+
+`CellPool.results(tasks)` yields `(index, result)` as tasks finish, so the caller saves each
+one at once; after the last, `TasksFailed` names every task that raised or died.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import signal
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+_CONTEXT = multiprocessing.get_context("spawn")
+
+
+@dataclass(frozen=True)
+class Task:
+    """A picklable module-level function and its arguments; `label` names it in errors."""
+
+    label: str
+    fn: Callable[..., Any]
+    args: tuple[Any, ...] = ()
+
+
+@dataclass(frozen=True)
+class Failure:
+    """How one task failed: the exception it raised, or the signal that killed its process."""
+
+    label: str
+    error: BaseException | None = None
+    signal_name: str | None = None
+    exitcode: int | None = None
+
+    def text(self) -> str:
+        if self.error is not None:
+            return f"{self.label}: {type(self.error).__name__}: {self.error}"
+        if self.signal_name is not None:
+            hint = " (out of memory?)" if self.signal_name == "SIGKILL" else ""
+            return f"{self.label}: its process was killed by {self.signal_name}{hint}"
+        return f"{self.label}: its process exited with code {self.exitcode} without a result"
+
+
+class TasksFailed(Exception):
+    """One or more tasks raised or died; the others ran to the end."""
+
+    def __init__(self, failures: list[Failure], note: str = "") -> None:
+        self.failures = failures
+        self.note = note  # what the caller kept, how to resume
+        super().__init__("; ".join([*(f.text() for f in failures), *([note] if note else [])]))
+
+    def raised_only(self, kinds: tuple[type[BaseException], ...]) -> bool:
+        """Every failure is an exception of one of `kinds` (none died)."""
+        return all(f.error is not None and isinstance(f.error, kinds) for f in self.failures)
+
+
+def _child(conn: Connection, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    """A child's body: run the task, send ("ok", result) or ("raised", exception)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent answers Ctrl-C and kills us
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    try:
+        message: tuple[str, Any] = ("ok", fn(*args))
+    except Exception as exc:  # noqa: BLE001 - every error goes back to the parent, named
+        message = ("raised", exc)
+    try:
+        conn.send(message)
+    except Exception as exc:  # noqa: BLE001 - an exception that does not pickle
+        conn.send(("raised", RuntimeError(f"{type(exc).__name__}: {exc}")))
+    conn.close()
+
+
+@dataclass
+class _Running:
+    index: int
+    task: Task
+    process: multiprocessing.process.BaseProcess
+    conn: Connection
+
+
+class CellPool:
+    """At most `jobs` tasks at once, each in its own child process."""
+
+    def __init__(self, jobs: int) -> None:
+        self.jobs = max(1, jobs)
+
+    def results(self, tasks: list[Task]) -> Iterator[tuple[int, Any]]:
+        """Yield `(index, result)` as tasks finish; then raise `TasksFailed` if any failed.
+
+        If the caller stops early (an exception, Ctrl-C), every running child is killed."""
+        waiting = list(enumerate(tasks))
+        waiting.reverse()  # pop() from the end starts tasks in order
+        running: dict[Any, _Running] = {}
+        failures: list[Failure] = []
+        try:
+            while waiting or running:
+                while waiting and len(running) < self.jobs:
+                    index, task = waiting.pop()
+                    run = self._start(index, task)
+                    running[run.conn] = run
+                ready = wait([*running, *(r.process.sentinel for r in running.values())])
+                for run in [r for r in running.values() if r.conn in ready or r.process.sentinel in ready]:
+                    outcome = self._collect(run)
+                    del running[run.conn]
+                    if isinstance(outcome, Failure):
+                        failures.append(outcome)
+                    else:
+                        yield run.index, outcome[0]
+        finally:
+            for run in running.values():
+                run.process.kill()
+                run.process.join()
+                run.conn.close()
+        if failures:
+            raise TasksFailed(failures)
+
+    def _start(self, index: int, task: Task) -> _Running:
+        recv, send = _CONTEXT.Pipe(duplex=False)
+        process = _CONTEXT.Process(target=_child, args=(send, task.fn, task.args), name=f"cell-{index}", daemon=True)
+        # the child inherits the blocked mask through spawn's exec, so it never sees a
+        # Ctrl-C before it has chosen to ignore it
+        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        send.close()  # the child holds the only write end: EOF once it is gone
+        return _Running(index, task, process, recv)
+
+    def _collect(self, run: _Running) -> tuple[Any] | Failure:
+        """The finished task's result (as a 1-tuple), or how it failed."""
+        message = None
+        try:
+            if run.conn.poll():
+                message = run.conn.recv()
+        except (EOFError, OSError):
+            message = None
+        run.process.join()
+        run.conn.close()
+        if message is not None and message[0] == "ok":
+            return (message[1],)
+        if message is not None:
+            return Failure(run.task.label, error=message[1])
+        code = run.process.exitcode
+        if code is not None and code < 0:
+            return Failure(run.task.label, signal_name=signal.Signals(-code).name, exitcode=code)
+        return Failure(run.task.label, exitcode=code)
