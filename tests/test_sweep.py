@@ -90,6 +90,15 @@ def test_sweep_writes_cells_and_reports_and_resumes(tmp_path, capsys):
     after[victim].write_text('{"config": {"backe')
     assert sweep(out, capsys, "--page-size", "16", "32") == (7, 1)
 
+    # nor an empty one, nor one without results (an error in place of a result): each is
+    # rerun, never reported as a row of "—"
+    config = json.loads(after[victim].read_text())["config"]
+    for text in ("", json.dumps({"config": config, "error": "boom"}), json.dumps({"config": config, "replay": {}})):
+        after[victim].write_text(text)
+        assert sweep(out, capsys, "--page-size", "16", "32") == (7, 1)
+        reported = json.loads((out / f"shared_doc_qa-p{config['page_size']}" / "results.json").read_text())["cells"]
+        assert all({"replay", "serving"} <= set(c) for c in reported)
+
     # a different setting is a different cell, never a stale one
     assert sweep(out, capsys, "--page-size", "16", "32", "--seed", "1") == (0, 8)
 
