@@ -1,15 +1,29 @@
 """Random operation sequences against every registered backend (hypothesis).
 
 A shadow KV store stands in for the GPU: every computed slot holds a value that identifies
-the whole prefix up to it, as real KV does. After every step the backend's own invariants
-are checked, and so is the shadow: every live sequence's computed tokens must read back
-their own prefix through its page table, and every match must return pages holding exactly
-the matched prefix. Copy-on-write bugs, wrong hits and lost pages all show up here.
+the whole prefix up to it *and* the extra keys it was computed under, as real KV does.
+After every step the backend's own invariants are checked (with content tracking on:
+apc `verify_tokens`, radix `track_contents`), and so is the shadow: every live sequence's
+computed tokens must read back their own prefix through its page table, and every match
+must return pages holding exactly the matched prefix. Copy-on-write bugs, wrong hits, lost
+pages and KV shared across salts or adapters all show up here.
+
+Besides the ordinary calls the machine
+- admits matches made many steps earlier (stale: `StaleMatchError`, or a hit still exact),
+- misuses the contract every way a caller can (an impostor `Sequence` with a live id, a
+  match made for other tokens / by another cache / forged, a fork into a child under other
+  extra keys, wrong types) and requires a `CacheError` and a *deep* snapshot of the cache
+  (every object, order and count: `tests/snapshots.py`) unchanged,
+- uses token ids across the whole int32 range (0 and 2**31 - 1), and a larger cache.
+
+Every contract call goes through a counting proxy; the last test checks one run makes at
+least `MIN_CONTRACT_CALLS` of them and prints the tally (derandomized, so it is stable).
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -17,29 +31,93 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from cachelib import ExtraKeys, Sequence, available_backends, create_cache
+from cachelib import CacheError, ExtraKeys, Sequence, StaleMatchError, available_backends, create_cache
+from tests.snapshots import deep_state, first_difference
 
-PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 7, 7], [4, 4, 4, 4, 4, 4], []]
+TOP = 2**31 - 1  # the largest int32 token id
+PREFIXES = [
+    [1, 2, 3, 4, 5, 6, 7, 8, 9],
+    [1, 2, 3, 7, 7],
+    [4, 4, 4, 4, 4, 4],
+    [0, TOP, 0, TOP, 5, 6, 0],
+    [TOP, TOP - 1, TOP, TOP - 1],
+    [],
+]
+TOKENS = st.one_of(st.integers(0, 9), st.sampled_from([0, TOP, TOP - 1]))
+EXTRAS = [ExtraKeys(), ExtraKeys(), ExtraKeys(cache_salt="t1"), ExtraKeys(lora_id=2)]
+OTHER_EXTRAS = [ExtraKeys(cache_salt="t2"), ExtraKeys(lora_id=7), ExtraKeys(cache_salt="t1", lora_id=2)]
+#: the calls counted: the contract's operations (DESIGN §3) and paged's prefix declarations;
+#: `stats` and `check_invariants` (after every step) are tallied apart, as observation
+OPERATIONS = frozenset(
+    {"match", "admit", "grow", "commit", "fork", "release", "evict", "register_prefix", "unregister_prefix"}
+)
+OBSERVATIONS = frozenset({"stats", "check_invariants"})
+MIN_CONTRACT_CALLS = 100_000
+TALLY: dict[str, Counter] = {}  # case id -> contract method -> calls
 
 
-def prefix_value(tokens: np.ndarray, t: int) -> bytes:
-    """What the KV at position t holds: a function of tokens 0..t (causal attention)."""
-    return hashlib.blake2b(tokens[: t + 1].tobytes(), digest_size=8).digest()
+class Counted:
+    """The cache, with every contract call counted (attribute access = one call)."""
+
+    def __init__(self, cache, tally: Counter) -> None:
+        self._cache = cache
+        self._tally = tally
+
+    def __getattr__(self, name: str):
+        if name in OPERATIONS or name in OBSERVATIONS:
+            self._tally[name] += 1
+        return getattr(self._cache, name)
+
+
+class Misused(AssertionError):
+    """A misuse that should have raised a CacheError was accepted."""
 
 
 class CacheMachine(RuleBasedStateMachine):
     backend = "apc"
     page_size = 4
     num_pages = 10
+    scale = 1  # > 1: longer prompts (prefixes repeated) for the larger cache
+    options: dict = {}
+    case = "apc-4-10"
 
     @initialize()
     def setup(self):
-        self.cache = create_cache(self.backend, num_pages=self.num_pages, page_size=self.page_size)
+        tally = TALLY.setdefault(self.case, Counter())
+        self.raw = create_cache(self.backend, num_pages=self.num_pages, page_size=self.page_size, **self.options)
+        self.cache = Counted(self.raw, tally)
+        # another cache with the same history of prefixes: the source of foreign matches
+        self.twin = Counted(
+            create_cache(self.backend, num_pages=self.num_pages, page_size=self.page_size, **self.options), tally
+        )
         self.kv: dict[int, list[bytes | None]] = {}
         self.live: dict[str, Sequence] = {}
+        self.pending: list = []  # (sequence, match) made earlier, admitted later
+        self.values: dict[str, tuple] = {}  # request id -> (seq, running hash, prefix values)
+        self.prefixes: dict[tuple, int] = {}  # paged: declared prefix tokens -> prefix id
+        self.twin_prefixes: dict[tuple, int] = {}  # the same on the twin
         self.counter = 0
+        if self.backend == "paged":
+            for p in (PREFIXES[0], PREFIXES[3]):
+                self._declare(p * self.scale)
 
     # -- shadow KV ------------------------------------------------------------------
+
+    def _prefix_values(self, s: Sequence, n: int) -> list[bytes]:
+        """What the KV at positions 0..n-1 of `s` holds: a function of tokens 0..t and the
+        extra keys (causal attention under an adapter / a tenant's salt), memoised."""
+        entry = self.values.get(s.request_id)
+        if entry is None or entry[0] is not s:
+            h = hashlib.blake2b(repr((s.extra.cache_salt, s.extra.lora_id)).encode(), digest_size=8)
+            entry = (s, h, [])
+            if self.live.get(s.request_id) is s:
+                self.values[s.request_id] = entry
+        _, h, vals = entry
+        toks = s.tokens
+        for t in range(len(vals), n):
+            h.update(int(toks[t]).to_bytes(4, "little"))
+            vals.append(h.copy().digest())
+        return vals
 
     def _apply(self, ops):
         for op in ops:
@@ -47,62 +125,165 @@ class CacheMachine(RuleBasedStateMachine):
 
     def _write(self, s: Sequence, upto: int):
         B = self.page_size
-        toks = s.tokens
+        vals = self._prefix_values(s, upto)
         for t in range(s.num_computed, upto):
-            page = s.page_table[t // B]
-            self.kv.setdefault(page, [None] * B)[t % B] = prefix_value(toks, t)
+            self.kv.setdefault(s.page_table[t // B], [None] * B)[t % B] = vals[t]
 
     def _reads_back(self, s: Sequence, pages, n: int) -> bool:
         B = self.page_size
-        toks = s.tokens
-        return all(self.kv.get(pages[t // B], [None] * B)[t % B] == prefix_value(toks, t) for t in range(n))
+        vals = self._prefix_values(s, n)
+        empty = [None] * B
+        return all(self.kv.get(pages[t // B], empty)[t % B] == vals[t] for t in range(n))
 
     def _new_id(self) -> str:
         self.counter += 1
         return f"r{self.counter}"
 
-    # -- operations -----------------------------------------------------------------
+    def _declare(self, tokens: list[int]) -> None:
+        pid = self.cache.register_prefix(tokens)
+        if pid is None:
+            return
+        ps = self.cache.prefix_sequence(pid)
+        self._write(ps, len(ps))
+        self.cache.commit(ps, len(ps))
+        self.prefixes[tuple(tokens)] = pid
+        if tuple(tokens) not in self.twin_prefixes:  # declared once on the twin: its ids drift apart
+            twin_pid = self.twin.register_prefix(tokens)
+            tps = self.twin.prefix_sequence(twin_pid)
+            self.twin.commit(tps, len(tps))
+            self.twin_prefixes[tuple(tokens)] = twin_pid
 
-    @rule(
-        prefix=st.sampled_from(PREFIXES),
-        suffix=st.lists(st.integers(0, 9), max_size=8),
-        salt=st.sampled_from([None, None, "t1"]),
-        partial=st.booleans(),
-    )
-    def admit(self, prefix, suffix, salt, partial):
-        tokens = prefix + suffix
-        if not tokens:
-            tokens = [0]
-        s = Sequence(self._new_id(), tokens, ExtraKeys(cache_salt=salt))
-        m = self.cache.match(s)
-        assert m.num_tokens <= len(s) - 1
-        assert self._reads_back(s, m.pages, m.num_tokens), "match returned pages holding other KV"
-        n = len(s) if not partial else max(m.num_tokens, 1, len(s) // 2)
+    def _sequence(self, prefix, suffix, extra, rid: str | None = None) -> Sequence:
+        tokens = list(prefix) * self.scale + list(suffix) * self.scale or [0]
+        pid = None
+        if self.backend == "paged" and extra == ExtraKeys():
+            for p, i in self.prefixes.items():
+                if tokens[: len(p)] == list(p):
+                    pid = i
+        return Sequence(rid or self._new_id(), tokens, extra, prefix_id=pid)
+
+    def _admit(self, s: Sequence, m, n: int) -> bool:
+        """Admit with `m`; on success check the hit, write and commit. False if it did not fit."""
+        hit_ok = self._reads_back(s, m.pages, m.num_tokens)
         ops = self.cache.admit(s, m, n)
         if ops is None:
-            return
+            return False
+        assert hit_ok, "admit accepted a match whose pages hold other KV"
         assert s.num_computed == m.num_tokens
         self._apply(ops)
         self.live[s.request_id] = s
         self._write(s, n)
         self.cache.commit(s, n)
+        return True
+
+    def _release(self, s: Sequence) -> None:
+        self.cache.release(s)
+        del self.live[s.request_id]
+        self.values.pop(s.request_id, None)
+
+    def _finish_oldest(self, keep: Sequence | None = None) -> bool:
+        """Release the oldest live sequence but `keep`, as the replay protocol makes room."""
+        for q in self.live.values():
+            if q is not keep:
+                self._release(q)
+                return True
+        return False
+
+    def _extend(self, s: Sequence, n: int) -> bool:
+        """grow to `n` (finishing older sequences while it does not fit), write, commit."""
+        ops = self.cache.grow(s, n)
+        while ops is None:
+            if not self._finish_oldest(keep=s):
+                return False
+            ops = self.cache.grow(s, n)
+        self._apply(ops)
+        self._write(s, n)
+        self.cache.commit(s, n)
+        return True
+
+    def _refused(self, what: str, call, *objs, allow=CacheError) -> None:
+        """`call` must raise `allow` and leave the cache (and `objs`) exactly as they were."""
+        before = deep_state((self.raw, *objs))
+        try:
+            call()
+        except allow:
+            pass
+        else:
+            raise Misused(f"{self.backend}: {what} was accepted")
+        after = deep_state((self.raw, *objs))
+        assert after == before, f"{self.backend}: refused {what} changed state: {first_difference(before, after)}"
+        self.cache._tally["refused misuse"] += 1
+
+    def _pick_live(self, data) -> Sequence:
+        return data.draw(st.sampled_from(sorted(self.live.values(), key=lambda q: q.request_id)))
+
+    # -- ordinary operations ----------------------------------------------------------
+
+    @rule(
+        prefix=st.sampled_from(PREFIXES),
+        suffix=st.lists(TOKENS, max_size=8),
+        extra=st.sampled_from(EXTRAS),
+        chunk=st.sampled_from([0, 0, 1, 3, 5]),
+    )
+    def admit(self, prefix, suffix, extra, chunk):
+        """match, admit, commit; with `chunk`, a chunked prefill (grow + commit per chunk)."""
+        s = self._sequence(prefix, suffix, extra)
+        while True:  # when it does not fit, finish the oldest request and match again
+            m = self.cache.match(s)
+            assert m.num_tokens <= len(s) - 1
+            assert self._reads_back(s, m.pages, m.num_tokens), "match returned pages holding other KV"
+            n = len(s) if not chunk else min(len(s), max(m.num_tokens, 1) + chunk)
+            if self._admit(s, m, n):
+                break
+            if not self._finish_oldest():
+                return
+        while n < len(s):
+            n = min(len(s), n + chunk)
+            if not self._extend(s, n):
+                return
+
+    @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(TOKENS, max_size=8), extra=st.sampled_from(EXTRAS))
+    def match_for_later(self, prefix, suffix, extra):
+        s = self._sequence(prefix, suffix, extra)
+        self.pending.append((s, self.cache.match(s)))
+        del self.pending[:-4]
+
+    @precondition(lambda self: self.pending)
+    @rule(data=st.data())
+    def admit_stale(self, data):
+        """A match made steps ago: admitted exactly, or refused as stale with nothing changed."""
+        s, m = self.pending.pop(data.draw(st.integers(0, len(self.pending) - 1)))
+        before = deep_state((self.raw, s))
+        try:
+            self._admit(s, m, len(s))
+        except StaleMatchError:
+            after = deep_state((self.raw, s))
+            assert after == before, f"a stale admit changed state: {first_difference(before, after)}"
+            self.cache._tally["refused stale match"] += 1
 
     @precondition(lambda self: self.live)
-    @rule(data=st.data(), new=st.lists(st.integers(0, 9), min_size=0, max_size=6))
+    @rule(data=st.data(), new=st.lists(TOKENS, min_size=0, max_size=6))
     def grow(self, data, new):
-        s = data.draw(st.sampled_from(sorted(self.live.values(), key=lambda q: q.request_id)))
+        s = self._pick_live(data)
         s.append(new)
-        ops = self.cache.grow(s, len(s))
-        if ops is None:
-            return
-        self._apply(ops)
-        self._write(s, len(s))
-        self.cache.commit(s, len(s))
+        self._extend(s, len(s))
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), new=st.lists(TOKENS, min_size=1, max_size=16))
+    def decode(self, data, new):
+        """Token by token, as an engine decodes: append, grow, write, commit."""
+        s = self._pick_live(data)
+        for tok in new:
+            if s.num_computed < len(s):  # an earlier grow did not fit: finish that first
+                break
+            s.append_token(tok)
+            if not self._extend(s, len(s)):
+                return
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def fork(self, data):
-        parent = data.draw(st.sampled_from(sorted(self.live.values(), key=lambda q: q.request_id)))
+        parent = self._pick_live(data)
         child = parent.fork(self._new_id())
         ops = self.cache.fork(parent, child)
         if ops is None:
@@ -114,9 +295,7 @@ class CacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def release(self, data):
-        s = data.draw(st.sampled_from(sorted(self.live.values(), key=lambda q: q.request_id)))
-        self.cache.release(s)
-        del self.live[s.request_id]
+        self._release(self._pick_live(data))
 
     @rule(n=st.integers(0, 5))
     def evict(self, n):
@@ -124,6 +303,131 @@ class CacheMachine(RuleBasedStateMachine):
         freed = self.cache.evict(n)
         assert freed == min(n, before) or freed >= n
         assert self.cache.stats().pages_cached == before - freed
+
+    @precondition(lambda self: self.backend == "paged" and self.prefixes)
+    @rule(data=st.data())
+    def redeclare_prefix(self, data):
+        """Unregister a declared prefix (its pending matches go stale) and declare it again."""
+        tokens = data.draw(st.sampled_from(sorted(self.prefixes)))
+        self.cache.unregister_prefix(self.prefixes.pop(tokens))
+        self._declare(list(tokens))
+
+    # -- misuse: each must raise a CacheError and change nothing ------------------------
+
+    @rule(
+        data=st.data(), kind=st.sampled_from(["impostor", "other_tokens", "foreign", "forged", "fork_extra", "types"])
+    )
+    def misuse(self, data, kind):
+        """One misuse of the contract (one rule, so ordinary calls keep most of the steps)."""
+        if kind in ("impostor", "fork_extra") and not self.live:
+            kind = "types"
+        getattr(self, f"_misuse_{kind}")(data)
+
+    def _misuse_impostor(self, data):
+        """A second Sequence object carrying a live request id."""
+        call = data.draw(st.sampled_from(["grow", "commit", "release", "fork"]))
+        same = data.draw(st.booleans())
+        s = self._pick_live(data)
+        imp = Sequence(s.request_id, s.tokens.copy() if same else np.asarray([TOP] * len(s)), s.extra)
+        calls = {
+            "grow": lambda: self.cache.grow(imp, len(imp)),
+            "commit": lambda: self.cache.commit(imp, len(imp)),
+            "release": lambda: self.cache.release(imp),
+            "fork": lambda: self.cache.fork(imp, imp.fork(self._new_id())),
+        }
+        self._refused(f"{call} with an impostor of {s.request_id}", calls[call], s, imp)
+
+    def _misuse_other_tokens(self, data):
+        """Admit a match made for other tokens under the same request id."""
+        prefix = data.draw(st.sampled_from(PREFIXES))
+        suffix = data.draw(st.lists(TOKENS, max_size=8))
+        other = data.draw(st.lists(TOKENS, min_size=1, max_size=12))
+        s = self._sequence(prefix, suffix, ExtraKeys())
+        m = self.cache.match(s)
+        s2 = self._sequence(other, [], ExtraKeys(), rid=s.request_id)
+        n = m.num_tokens
+        if n and (len(s2) <= n or not np.array_equal(s2.tokens[:n], s.tokens[:n])):
+            self._refused("a match made for other tokens", lambda: self.cache.admit(s2, m, len(s2)), s2)
+        else:  # a miss, or the same first n tokens: the match is true of s2 too
+            before = deep_state((self.raw, s2))
+            try:
+                self._admit(s2, m, len(s2))
+            except CacheError:  # refusing is fine (paged: s2 lacks the rest of the prefix)
+                after = deep_state((self.raw, s2))
+                assert after == before, f"a refused admit changed state: {first_difference(before, after)}"
+
+    def _misuse_foreign(self, data):
+        """Admit a match made by another cache instance (with the same prefixes declared)."""
+        prefix = data.draw(st.sampled_from(PREFIXES))
+        suffix = data.draw(st.lists(TOKENS, max_size=8))
+        extra = data.draw(st.sampled_from(EXTRAS))
+        s = self._sequence(prefix, suffix, extra)
+        twin_pid = None
+        if s.prefix_id is not None:  # paged: name the twin's registration of the same prefix
+            twin_pid = next(i for p, i in self.twin_prefixes.items() if s.tokens[: len(p)].tolist() == list(p))
+        m = self.twin.match(Sequence(s.request_id, s.tokens, s.extra, prefix_id=twin_pid))
+        self._refused("another cache's match", lambda: self.cache.admit(s, m, len(s)), s)
+
+    def _misuse_forged(self, data):
+        """Admit a match altered after it was made."""
+        prefix = data.draw(st.sampled_from(PREFIXES))
+        suffix = data.draw(st.lists(TOKENS, max_size=8))
+        how = data.draw(st.sampled_from(["longer", "page", "handle", "owner", "count"]))
+        ps = self.page_size
+        s = self._sequence(prefix, list(suffix) + [0] * ps, ExtraKeys())  # longer than a page
+        m = self.cache.match(s)
+        if how == "longer":
+            forged = m._replace(num_tokens=m.num_tokens + ps, pages=m.pages + (self.num_pages - 1,))
+        elif how == "page":
+            forged = m._replace(
+                num_tokens=max(m.num_tokens, ps), pages=((m.pages[0] if m.pages else 0) + 1,) + m.pages[1:]
+            )
+            forged = forged._replace(pages=forged.pages[: -(-forged.num_tokens // ps)])
+        elif how == "handle":
+            forged = m._replace(handle=self.twin.match(s).handle if m.handle is None else None)
+            if forged.handle == m.handle or (not m.num_tokens and not forged.handle):
+                forged = forged._replace(num_tokens=ps, pages=(0,))
+        elif how == "owner":
+            forged = m._replace(owner=object())
+        else:
+            forged = m._replace(num_tokens=float(m.num_tokens))
+        self._refused(f"a forged match ({how})", lambda: self.cache.admit(s, forged, len(s)), s)
+
+    def _misuse_fork_extra(self, data):
+        """Fork a live sequence into a child under other extra keys (salt, LoRA)."""
+        extra = data.draw(st.sampled_from(OTHER_EXTRAS))
+        parent = self._pick_live(data)
+        if extra == parent.extra:
+            return
+        child = Sequence(self._new_id(), parent.tokens.copy(), extra)
+        self._refused("a fork into other extra keys", lambda: self.cache.fork(parent, child), parent, child)
+
+    def _misuse_types(self, data):
+        """A call with an argument of the wrong type."""
+        which = data.draw(st.integers(0, 13))
+        live = self._pick_live(data) if self.live else Sequence(self._new_id(), [1, 2, 3])
+        fresh = Sequence(self._new_id(), [1, 2, 3, 4, 5])
+        m = self.cache.match(fresh)
+        renamed = Sequence(self._new_id(), [1, 2, 3])
+        renamed.request_id = int(self.counter)  # mutated after validation
+        c = self.cache
+        calls = [
+            lambda: c.match(None),
+            lambda: c.admit(fresh, tuple(m), 3),
+            lambda: c.admit(fresh, m, 3.0),
+            lambda: c.admit(fresh, m, True),
+            lambda: c.admit(renamed, m, 3),
+            lambda: c.grow("r1", 3),
+            lambda: c.grow(live, str(len(live))),
+            lambda: c.commit(live, float(len(live))),
+            lambda: c.commit(renamed, 1),
+            lambda: c.fork(live, "child"),
+            lambda: c.release(None),
+            lambda: c.release(renamed),
+            lambda: c.evict(1.0),
+            lambda: live.append_token(1.5),
+        ]
+        self._refused(f"wrong-type call #{which}", calls[which], live, fresh)
 
     # -- checks after every step -----------------------------------------------------
 
@@ -143,14 +447,70 @@ class CacheMachine(RuleBasedStateMachine):
         for s in list(self.live.values()):
             self.cache.release(s)
         self.cache.check_invariants()
-        assert self.cache.stats().pages_pinned == 0, "pages stay pinned after every sequence is released"
+        st_ = self.cache.stats()
+        assert st_.pages_pinned == st_.extra.get("prefix_pages", 0), "pages stay pinned after every release"
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
-@pytest.mark.parametrize("backend", available_backends())
-def test_random_operation_sequences(backend, page_size):
-    machine = type(f"{backend}_{page_size}", (CacheMachine,), {"backend": backend, "page_size": page_size})
+def _options(backend: str) -> dict:
+    """Content tracking on, so check_invariants proves index entries hold their tokens."""
+    if backend == "apc":
+        return {"verify_tokens": True}
+    if backend.startswith("radix"):
+        return {"track_contents": True}
+    return {}
+
+
+#: (page size, pages, prompt scale, examples, steps): small caches evict all the time, the
+#: larger one holds long prompts of several pages and many live sequences
+SHAPES = [(1, 12, 1, 50, 50), (4, 10, 1, 50, 50), (4, 48, 3, 60, 60)]
+CASES = [(b, *shape) for b in available_backends() for shape in SHAPES]
+
+
+@pytest.mark.parametrize(
+    "backend, page_size, num_pages, scale, examples, steps", CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in CASES]
+)
+def test_random_operation_sequences(backend, page_size, num_pages, scale, examples, steps):
+    case = f"{backend}-{page_size}-{num_pages}"
+    TALLY.pop(case, None)
+    machine = type(
+        case.replace("-", "_"),
+        (CacheMachine,),
+        {
+            "backend": backend,
+            "page_size": page_size,
+            "num_pages": num_pages,
+            "scale": scale,
+            "options": _options(backend),
+            "case": case,
+        },
+    )
     machine.TestCase.settings = settings(
-        max_examples=100, stateful_step_count=30, deadline=None, suppress_health_check=list(HealthCheck)
+        max_examples=examples,
+        stateful_step_count=steps,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
     )
     machine.TestCase().runTest()
+
+
+def test_contract_call_count(request):
+    """The run above made at least MIN_CONTRACT_CALLS contract calls (only when it ran whole)."""
+    expected = {f"{c[0]}-{c[1]}-{c[2]}" for c in CASES}
+    if set(TALLY) != expected:
+        pytest.skip("only part of the property tests ran")
+    per_method = sum(TALLY.values(), Counter())
+    total = sum(n for name, n in per_method.items() if name in OPERATIONS)
+    observed = sum(n for name, n in per_method.items() if name in OBSERVATIONS)
+    per_backend = Counter()
+    for case, t in TALLY.items():
+        per_backend[case.rsplit("-", 2)[0]] += sum(n for name, n in t.items() if name in OPERATIONS)
+    assert per_method["refused misuse"] > 1000 and per_method["refused stale match"] > 100
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(
+            f"\nproperty tests: {total} contract operations (+ {observed} stats/check_invariants); "
+            f"by backend {dict(per_backend)}; by call {dict(per_method.most_common())}"
+        )
+    assert total >= MIN_CONTRACT_CALLS, f"only {total} contract operations"
