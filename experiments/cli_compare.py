@@ -22,7 +22,7 @@ from experiments.cell_pool import CellPool, Failure, Task, TasksFailed
 from experiments.cell_store import CellStore
 from experiments.output_dir import OutputLock, StagedDir, check_writable_dir
 from experiments.provenance import provenance
-from experiments.report import load, render
+from experiments.report import load
 from experiments.results import document, write
 from experiments.runner import CellConfig, bounds, build_workload, check_capacity, run_cell
 
@@ -233,8 +233,13 @@ def cmd_report(args: argparse.Namespace) -> int:
         if args.output_dir
         else (Path(args.results) if Path(args.results).is_dir() else Path(args.results).parent)
     )
-    paths = render(results, out_dir)
-    print("wrote " + ", ".join(str(p) for p in paths))
+    check_writable_dir(out_dir)
+    # rendered in place or elsewhere, the folder is swapped in whole like compare's, and
+    # holds the results it was drawn from
+    with OutputLock(out_dir), StagedDir(out_dir) as stage:
+        names = [p.name for p in write(results, stage.path)]
+        stage.publish()
+    print("wrote " + ", ".join(str(out_dir / n) for n in names))
     return 0
 
 

@@ -122,11 +122,13 @@ def test_an_unwritable_output_fails_before_any_work(tmp_path, monkeypatch, capsy
     monkeypatch.setattr("experiments.__main__.load_mooncake", no_work)
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
+    (tmp_path / "results.json").write_text("{}")
     for argv in (
         ["compare", *FAST, "--output-dir", str(blocker / "out")],
         ["run", "--backend", "apc", *FAST, "--output-dir", str(blocker / "out")],
         ["sweep", *FAST, "--output-dir", str(blocker / "out")],
         ["compare", *FAST, "--output-dir", str(blocker)],  # the output folder is a file
+        ["report", str(tmp_path), "--output-dir", str(blocker / "out")],
     ):
         assert main(argv) == 3, argv
         err = capsys.readouterr().err
@@ -152,6 +154,20 @@ def test_a_killed_worker_is_named_and_finished_cells_are_kept(tmp_path, monkeypa
     assert "5 of 6 cells reused" in capsys.readouterr().err
     assert len(json.loads((out / "results.json").read_text())["cells"]) == 6
     assert siblings(out) == []  # the partial cells are gone once the report is in place
+
+
+def test_a_killed_sweep_worker_is_named_and_the_sweep_resumes(tmp_path, monkeypatch, capsys):
+    argv = ["sweep", *FAST, "--backend", "apc,none", "--jobs", "2", "--capacity-tokens", "1200", "2400",
+            "--output-dir", str(tmp_path / "sw")]  # fmt: skip
+    monkeypatch.setenv(KILL_CELL_ENV, "none@2400")
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "cell none @ 2,400 tokens, page 16, shared_doc_qa: its process was killed by SIGKILL" in err
+    assert "finished cells are kept" in err
+    assert len(list((tmp_path / "sw" / "cells").glob("*.json"))) == 3
+    assert not (tmp_path / "sw" / "shared_doc_qa-p16").exists()
+    monkeypatch.delenv(KILL_CELL_ENV)
+    assert _sweep_counts(argv, capsys) == (3, 1)
 
 
 def _sweep_counts(argv: list[str], capsys) -> tuple[int, int]:
