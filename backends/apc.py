@@ -73,6 +73,8 @@ class APCCache(PrefixCache):
         verify_tokens: bool = False,
     ) -> None:
         super().__init__(num_pages, page_size)
+        if not isinstance(verify_tokens, bool):
+            raise InvalidRequestError(f"verify_tokens must be a bool, got {verify_tokens!r}")
         self.hasher = BlockHasher(page_size, hash_algorithm, hash_fn)
         self.verify_tokens = verify_tokens
         self.blocks = [KVBlock(i) for i in range(num_pages)]

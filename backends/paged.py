@@ -129,7 +129,7 @@ class PagedCache(PrefixCache):
         self._epoch += 1
 
     def _prefix(self, prefix_id: object) -> _Prefix:
-        prefix = self._prefixes.get(prefix_id) if isinstance(prefix_id, int) else None
+        prefix = self._prefixes.get(prefix_id) if prefix_id.__class__ is int else None  # not True
         if prefix is None:
             raise InvalidRequestError(
                 f"unknown prefix id {prefix_id!r} (never registered, or unregistered); registered: {sorted(self._prefixes)}"

@@ -129,7 +129,9 @@ class AgedRadixCache(RadixCache):
         super().__init__(num_pages, page_size, track_contents=track_contents)
         if not (isinstance(half_life, (int, float)) and not isinstance(half_life, bool) and half_life > 0):
             raise InvalidRequestError(f"half_life must be a positive number (inf allowed), got {half_life!r}")
-        if cost_context is not None and not (isinstance(cost_context, (int, float)) and cost_context > 0):
+        if cost_context is not None and not (
+            isinstance(cost_context, (int, float)) and not isinstance(cost_context, bool) and cost_context > 0
+        ):
             raise InvalidRequestError(f"cost_context must be a positive number or None, got {cost_context!r}")
         self.tree = AgedRadixTree(page_size, float(half_life), None if cost_context is None else float(cost_context))
         self.eviction_policy = "aged"

@@ -49,6 +49,8 @@ class BlockHasher:
     """
 
     def __init__(self, page_size: int, algorithm: str = "xxh3_128", hash_fn: HashFn | None = None) -> None:
+        if hash_fn is not None and not callable(hash_fn):
+            raise InvalidRequestError(f"hash_fn must be a function bytes -> bytes, got {hash_fn!r}")
         if hash_fn is None:
             try:
                 hash_fn = HASH_ALGORITHMS[algorithm]

@@ -9,9 +9,10 @@ module is imported (or listed in `BUILTIN_BACKENDS`).
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any
 
-from cachelib.errors import UnknownBackendError
+from cachelib.errors import InvalidRequestError, UnknownBackendError
 from cachelib.interface import PrefixCache
 
 #: name -> module that registers it when imported
@@ -61,5 +62,14 @@ def get_backend(name: str) -> type[PrefixCache]:
 
 
 def create_cache(name: str, *, num_pages: int, page_size: int, **options: Any) -> PrefixCache:
-    """Instantiate backend `name` over `num_pages` pages of `page_size` tokens."""
-    return get_backend(name)(num_pages=num_pages, page_size=page_size, **options)
+    """Instantiate backend `name` over `num_pages` pages of `page_size` tokens.
+
+    An option the backend does not take is an `InvalidRequestError` naming the ones it
+    does (not a `TypeError` from deep inside a constructor)."""
+    cls = get_backend(name)
+    try:
+        inspect.signature(cls).bind(num_pages=num_pages, page_size=page_size, **options)
+    except TypeError as exc:
+        accepted = [p for p in inspect.signature(cls).parameters if p not in ("num_pages", "page_size")]
+        raise InvalidRequestError(f"backend {name!r}: {exc}; its options are {', '.join(accepted) or 'none'}") from None
+    return cls(num_pages=num_pages, page_size=page_size, **options)

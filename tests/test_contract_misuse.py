@@ -367,3 +367,25 @@ def test_radix_invariants_catch_a_node_whose_pages_hold_other_tokens(backend):
     na.pages, nb.pages = nb.pages, na.pages  # each node's pages hold the other's tokens
     with pytest.raises(InvariantViolation, match="other tokens than its key"):
         cache.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "backend, options, message",
+    [
+        ("none", {"verify_tokens": True}, "unexpected keyword argument 'verify_tokens'; its options are none"),
+        ("radix", {"bogus": 1}, "unexpected keyword argument 'bogus'; its options are .*eviction_policy"),
+        ("apc", {"verify_tokens": "yes"}, "verify_tokens must be a bool"),
+        ("apc", {"hash_fn": "sha256"}, "hash_fn must be a function"),
+        ("radix-aged", {"cost_context": True}, "cost_context"),
+    ],
+)
+def test_wrong_options_are_invalid_requests(backend, options, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        create_cache(backend, num_pages=4, page_size=PS, **options)
+
+
+def test_paged_prefix_id_true_is_not_prefix_1():
+    w = Warm("paged")
+    assert w.prefix_id == 1
+    with pytest.raises(InvalidRequestError, match="unknown prefix id True"):
+        w.cache.prefix_sequence(True)
