@@ -20,10 +20,10 @@ from typing import Any
 from cachelib import available_backends, get_backend
 from experiments.cell_pool import CellPool, Failure, Task, TasksFailed
 from experiments.cell_store import CellStore
-from experiments.output_dir import OutputLock, StagedDir, check_writable_dir
+from experiments.output_dir import OutputLock, StagedDir, check_replaceable, check_writable_dir
 from experiments.provenance import provenance
 from experiments.report import load
-from experiments.results import document, write
+from experiments.results import REPORT_ENTRIES, document, write
 from experiments.runner import CellConfig, bounds, build_workload, check_capacity, run_cell
 
 DEFAULT_OUTPUT = Path("reports/latest")
@@ -169,6 +169,7 @@ def cmd_compare(args: argparse.Namespace, *, single: bool = False) -> int:
     knobs = _knobs(args)
     out_dir = Path(args.output_dir)
     check_writable_dir(out_dir)  # before any work: an unwritable output fails in a second
+    check_replaceable(out_dir, "results.json")
     with OutputLock(out_dir):
         return _compare_locked(args, backends, workload_name, knobs, out_dir)
 
@@ -202,7 +203,7 @@ def _compare_locked(
         ) from None
     out = document(args.argv, workload, cells, results, backends, capacities, bound)
     out["wall_seconds"] = time.perf_counter() - started
-    with StagedDir(out_dir) as stage:
+    with StagedDir(out_dir, owned=REPORT_ENTRIES) as stage:
         names = [p.name for p in write(out, stage.path)]
         stage.publish()
     store.discard()
@@ -234,9 +235,10 @@ def cmd_report(args: argparse.Namespace) -> int:
         else (Path(args.results) if Path(args.results).is_dir() else Path(args.results).parent)
     )
     check_writable_dir(out_dir)
+    check_replaceable(out_dir, "results.json")
     # rendered in place or elsewhere, the folder is swapped in whole like compare's, and
     # holds the results it was drawn from
-    with OutputLock(out_dir), StagedDir(out_dir) as stage:
+    with OutputLock(out_dir), StagedDir(out_dir, owned=REPORT_ENTRIES) as stage:
         names = [p.name for p in write(results, stage.path)]
         stage.publish()
     print("wrote " + ", ".join(str(out_dir / n) for n in names))

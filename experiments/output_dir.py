@@ -12,6 +12,12 @@
   a crash exactly there leaves the previous output in `.OUT.old-*` beside it.
   Leaving the block unpublished (an error, Ctrl-C) removes the temporary folder; the
   temporary folders of a run that was killed are removed by the next run that takes the lock.
+  Entries of the old folder that the run does not own (`owned`: glob patterns, e.g. a
+  `replay --output OUT/replay.json` beside a report) are carried into the new folder, so
+  replacing a report never deletes someone else's file; owned ones (a plot this run no
+  longer draws) go with the old output, so nothing of two runs is mixed.
+- `check_replaceable` refuses, before any work, to replace a folder that is neither new,
+  empty nor a previous output (`--output-dir .` or `reports/` must not be swapped away).
 - `check_writable_dir` / `check_writable_file` run before any work, so an unwritable output
   fails in a second with one line instead of after the experiment.
 """
@@ -21,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import fnmatch
 import os
 import shutil
 import signal
@@ -49,6 +56,7 @@ def _old_prefix(final: Path) -> str:
 def check_writable_dir(path: Path) -> None:
     """`path` can be created or replaced: its parent exists (made if needed), is a folder we
     can write, and `path` is not a file. Raises `OutputError`."""
+    path = Path(os.path.abspath(path))
     if path.exists() and not path.is_dir():
         raise OutputError(f"output folder {path} exists and is not a folder")
     try:
@@ -57,6 +65,15 @@ def check_writable_dir(path: Path) -> None:
         os.rmdir(probe)
     except OSError as exc:
         raise OutputError(f"output folder {path} is not writable: {exc.strerror} ({exc.filename})") from None
+
+
+def check_replaceable(path: Path, marker: str) -> None:
+    """`path` is absent, empty, or a previous output (holds `marker`). Raises `OutputError`."""
+    if path.is_dir() and any(path.iterdir()) and not (path / marker).is_file():
+        raise OutputError(
+            f"output folder {path} is not empty and holds no {marker}, so it is not a previous output "
+            "and is not replaced; choose a new or empty folder"
+        )
 
 
 def check_writable_file(path: Path) -> None:
@@ -89,7 +106,7 @@ class OutputLock:
     """An exclusive, non-blocking lock on an output folder (`OUT.lock` beside it)."""
 
     def __init__(self, out_dir: Path) -> None:
-        self.out_dir = out_dir
+        self.out_dir = Path(os.path.abspath(out_dir))  # "." has no name to put a lock beside
         self.path = out_dir.with_name(out_dir.name + ".lock")
         self._fd: int | None = None
 
@@ -127,10 +144,15 @@ class OutputLock:
 
 
 class StagedDir:
-    """A temporary sibling of `final` to write a complete output into, then `publish()`."""
+    """A temporary sibling of `final` to write a complete output into, then `publish()`.
 
-    def __init__(self, final: Path) -> None:
-        self.final = final
+    `owned`: glob patterns of the entries a run writes (default: all); the old folder's
+    other entries are carried over."""
+
+    def __init__(self, final: Path, owned: tuple[str, ...] = ("*",)) -> None:
+        self.final = Path(os.path.abspath(final))  # "." or "x/.." have no name to stage beside
+        self.owned = owned
+        self.final.parent.mkdir(parents=True, exist_ok=True)
         self.path = Path(tempfile.mkdtemp(prefix=_staging_prefix(final), dir=final.parent))
         self.published = False
 
@@ -148,6 +170,7 @@ class StagedDir:
 
         SIGINT/SIGTERM are held back for the swap and its bookkeeping, so an interrupt
         lands before it (old output stays) or after it (new output is in place)."""
+        self._carry_over()
         old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED)
         try:
             previous = self._swap()
@@ -156,6 +179,19 @@ class StagedDir:
             signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         if previous is not None:
             shutil.rmtree(previous, ignore_errors=True)
+
+    def _carry_over(self) -> None:
+        """Hard-link (copy where links fail) the old folder's entries the run does not own."""
+        if not self.final.is_dir():
+            return
+        for entry in self.final.iterdir():
+            target = self.path / entry.name
+            if target.exists() or any(fnmatch.fnmatch(entry.name, p) for p in self.owned):
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.copytree(entry, target, symlinks=True, copy_function=_link_or_copy)
+            else:
+                _link_or_copy(entry, target)
 
     def _swap(self) -> Path | None:
         """Move the staged folder to `final`; returns where the previous output now is."""
@@ -168,6 +204,13 @@ class StagedDir:
         os.rename(self.final, aside / "previous")
         os.rename(self.path, self.final)
         return aside
+
+
+def _link_or_copy(src: str | Path, dst: str | Path) -> None:
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError:
+        shutil.copy2(src, dst, follow_symlinks=False)
 
 
 def _exchange(a: Path, b: Path) -> bool:

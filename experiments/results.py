@@ -16,9 +16,12 @@ from experiments.workloads.generators import Workload
 
 #: CellConfig fields shared by every cell of a document, shown in the report's header
 SETTINGS = ("page_size", "executor", "device", "model", "token_budget", "max_running", "ordering", "protocol", "seed")
+#: what `write` puts in a report folder (glob patterns): replaced as a whole by the next run
+REPORT_ENTRIES = ("results.json", "report.md", "results.csv", "*.png")
 
 
 __all__ = [
+    "REPORT_ENTRIES",
     "code_version",
     "command_line",
     "document",

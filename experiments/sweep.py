@@ -29,7 +29,7 @@ from experiments.cell_pool import TasksFailed
 from experiments.cell_store import CellStore
 from experiments.output_dir import OutputLock, StagedDir, check_writable_dir
 from experiments.provenance import provenance
-from experiments.results import document, write
+from experiments.results import REPORT_ENTRIES, document, write
 from experiments.runner import CellConfig, bounds, build_workload, check_capacity
 
 DEFAULT_CAPACITIES = [25_000, 50_000, 100_000, 200_000]
@@ -116,7 +116,7 @@ def _sweep_locked(args, backends: list[str], knobs: dict[str, Any], out_dir: Pat
             None if args.no_bounds else bounds(wl, page, capacities),
         )
         sub = out_dir / f"{wname}-p{page}"
-        with StagedDir(sub) as stage:
+        with StagedDir(sub, owned=REPORT_ENTRIES) as stage:
             write(doc, stage.path)
             stage.publish()
         print(f"wrote {sub}/report.md")

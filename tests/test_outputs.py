@@ -20,6 +20,7 @@ import experiments.sweep as sweep_mod
 from experiments import provenance
 from experiments.__main__ import main
 from experiments.output_dir import StagedDir
+from experiments.results import REPORT_ENTRIES
 from experiments.runner import KILL_CELL_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,6 +58,30 @@ def test_staged_dir_replaces_the_whole_folder_or_nothing(tmp_path):
         (stage.path / "new.txt").write_text("new")
         stage.publish()
     assert [p.name for p in out.iterdir()] == ["new.txt"] and siblings(out) == []
+
+
+def test_staged_dir_carries_over_what_the_run_does_not_own(tmp_path):
+    out = tmp_path / "out"
+    (out / "notes").mkdir(parents=True)
+    for name in ("results.json", "stale_plot.png", "replay_apc.json", "notes/n.txt"):
+        (out / name).write_text("old")
+    with StagedDir(out, owned=REPORT_ENTRIES) as stage:
+        (stage.path / "results.json").write_text("new")
+        stage.publish()
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == [
+        "notes", "notes/n.txt", "replay_apc.json", "results.json"
+    ]  # fmt: skip
+    assert (out / "results.json").read_text() == "new" and (out / "replay_apc.json").read_text() == "old"
+
+
+def test_a_folder_that_is_not_a_previous_output_is_never_replaced(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cli_compare, "build_workload", lambda *a, **k: pytest.fail("work started"))
+    (tmp_path / "precious.txt").write_text("keep me")
+    monkeypatch.chdir(tmp_path)
+    for out in (".", str(tmp_path)):
+        assert main(["compare", *FAST, "--output-dir", out]) == 3
+        assert "is not a previous output" in capsys.readouterr().err
+    assert (tmp_path / "precious.txt").read_text() == "keep me"
 
 
 def test_staged_dir_without_the_exchange_falls_back_to_two_renames(tmp_path, monkeypatch):
