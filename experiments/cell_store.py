@@ -49,9 +49,6 @@ class CellStore:
         self.directory.mkdir(parents=True, exist_ok=True)
         write_file_atomically(self.path(cfg), json.dumps(result) + "\n")
 
-    def count(self) -> int:
-        return len(list(self.directory.glob("*.json"))) if self.directory.is_dir() else 0
-
     def discard(self) -> None:
         """Remove the whole folder (a compare's cells, once its report is in place)."""
         shutil.rmtree(self.directory, ignore_errors=True)

@@ -196,9 +196,10 @@ def _compare_locked(
     try:
         results, bound = execute(cells, args.jobs, store, not args.no_progress, side)
     except TasksFailed as exc:
+        kept = sum(store.load(c) is not None for c in cells)
         raise TasksFailed(
             exc.failures,
-            note=f"{out_dir} is unchanged; {store.count()} finished cell(s) are kept in {store.directory}, "
+            note=f"{out_dir} is unchanged; {kept} finished cell(s) of {len(cells)} are kept in {store.directory}, "
             "and rerunning the same command resumes from them",
         ) from None
     out = document(args.argv, workload, cells, results, backends, capacities, bound)
