@@ -12,6 +12,7 @@ of the same command resumes; it never writes a report that lacks cells.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -167,7 +168,7 @@ def cmd_compare(args: argparse.Namespace, *, single: bool = False) -> int:
         raise UsageError("run takes one --backend; use compare for several")
     workload_name = "mooncake" if args.trace else args.workload
     knobs = _knobs(args)
-    out_dir = Path(args.output_dir)
+    out_dir = Path(os.path.abspath(args.output_dir))  # "." has no name to put OUT.partial beside
     check_writable_dir(out_dir)  # before any work: an unwritable output fails in a second
     check_replaceable(out_dir, "results.json")
     with OutputLock(out_dir):

@@ -20,6 +20,7 @@ Cells run in local processes (`--jobs N`) or on Ray (`--ray local|ADDRESS`, see
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -61,7 +62,7 @@ def _check_knobs_used(workloads: list[str], knobs: dict[str, Any], per: dict[str
 def run_sweep(args, backends: list[str]) -> int:
     from experiments.cli_compare import _knobs as knobs_of
 
-    out_dir = Path(args.output_dir)
+    out_dir = Path(os.path.abspath(args.output_dir))
     knobs = knobs_of(args)
     check_writable_dir(out_dir)  # before any work
     with OutputLock(out_dir):
