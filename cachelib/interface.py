@@ -179,14 +179,16 @@ class PrefixCache(ABC):
         never pin a page that does not hold `seq`'s KV. A match made stale by the cache
         changing in between raises `StaleMatchError`.
         """
-        if match.__class__ is not Match or match.request_id != seq.request_id:
+        if match.__class__ is not Match:
+            raise InvalidRequestError(f"request {seq.request_id!r}: expected a Match, got {type(match).__name__}")
+        rid, n, pages, handle, _, owner = match  # one unpack: this runs on every admit
+        if rid != seq.request_id:
             raise InvalidRequestError(f"match does not belong to request {seq.request_id!r}")
-        if match.owner is not self.match_token:
+        if owner is not self.match_token:
             raise InvalidRequestError(f"request {seq.request_id!r}: the match was made by another cache (or forged)")
-        n, pages = match.num_tokens, match.pages
         if (
             n.__class__ is not int
-            or not 0 <= n < max(len(seq), 1)
+            or not 0 <= n < len(seq)
             or pages.__class__ is not tuple
             or len(pages) != -(-n // self.page_size)
         ):
@@ -194,7 +196,6 @@ class PrefixCache(ABC):
                 f"request {seq.request_id!r}: match of {n!r} tokens over {len(pages) if isinstance(pages, tuple) else pages!r} "
                 f"pages is not a match of this {len(seq)}-token sequence"
             )
-        handle = match.handle
         if n or (handle is not None and not (handle.__class__ is list and not handle)):
             # a hit, or a miss with a handle (radix's namespace root): neither may smuggle a
             # node or blocks of another cache, sequence or namespace into admit
