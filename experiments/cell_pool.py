@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from experiments.interrupts import SIGNALS, DeferredInterrupts
+
 _CONTEXT = multiprocessing.get_context("spawn")
 
 
@@ -69,7 +71,7 @@ class TasksFailed(Exception):
 def _child(conn: Connection, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
     """A child's body: run the task, send ("ok", result) or ("raised", exception)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent answers Ctrl-C and kills us
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # blocked since birth, see CellPool._start
     try:
         message: tuple[str, Any] = ("ok", fn(*args))
     except Exception as exc:  # noqa: BLE001 - every error goes back to the parent, named
@@ -107,8 +109,11 @@ class CellPool:
             while waiting or running:
                 while waiting and len(running) < self.jobs:
                     index, task = waiting.pop()
-                    run = self._start(index, task)
-                    running[run.conn] = run
+                    # an interrupt in the middle of start() would cut the child's start-up
+                    # data short (a traceback in the child) or leave it unregistered (not killed)
+                    with DeferredInterrupts():
+                        run = self._start(index, task)
+                        running[run.conn] = run
                 ready = wait([*running, *(r.process.sentinel for r in running.values())])
                 for run in [r for r in running.values() if r.conn in ready or r.process.sentinel in ready]:
                     outcome = self._collect(run)
@@ -128,13 +133,9 @@ class CellPool:
     def _start(self, index: int, task: Task) -> _Running:
         recv, send = _CONTEXT.Pipe(duplex=False)
         process = _CONTEXT.Process(target=_child, args=(send, task.fn, task.args), name=f"cell-{index}", daemon=True)
-        # the child inherits the blocked mask through spawn's exec, so it never sees a
-        # Ctrl-C before it has chosen to ignore it
-        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
-            process.start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        # called with SIGINT/SIGTERM blocked: the child inherits that mask through spawn's
+        # exec, so it never sees a Ctrl-C before it has chosen to ignore it
+        process.start()
         send.close()  # the child holds the only write end: EOF once it is gone
         return _Running(index, task, process, recv)
 

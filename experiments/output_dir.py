@@ -30,15 +30,14 @@ import fcntl
 import fnmatch
 import os
 import shutil
-import signal
 import tempfile
 from pathlib import Path
 from types import TracebackType
 
+from experiments.interrupts import DeferredInterrupts
+
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
-#: signals that must not split a swap from the bookkeeping that records it
-_DEFERRED = {signal.SIGINT, signal.SIGTERM}
 
 
 class OutputError(Exception):
@@ -171,12 +170,9 @@ class StagedDir:
         SIGINT/SIGTERM are held back for the swap and its bookkeeping, so an interrupt
         lands before it (old output stays) or after it (new output is in place)."""
         self._carry_over()
-        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED)
-        try:
+        with DeferredInterrupts():
             previous = self._swap()
             self.published = True
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         if previous is not None:
             shutil.rmtree(previous, ignore_errors=True)
 
