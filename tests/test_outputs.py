@@ -19,6 +19,7 @@ import experiments.cli_compare as cli_compare
 import experiments.sweep as sweep_mod
 from experiments import provenance
 from experiments.__main__ import main
+from experiments.interrupts import DeferredInterrupts
 from experiments.output_dir import StagedDir
 from experiments.results import REPORT_ENTRIES
 from experiments.runner import KILL_CELL_ENV
@@ -93,6 +94,16 @@ def test_staged_dir_without_the_exchange_falls_back_to_two_renames(tmp_path, mon
         (stage.path / "new.txt").write_text("new")
         stage.publish()
     assert [p.name for p in out.iterdir()] == ["new.txt"] and siblings(out) == []
+
+
+def test_an_interrupt_inside_a_critical_section_lands_after_it():
+    finished = False
+    with pytest.raises(KeyboardInterrupt), DeferredInterrupts():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # a signal not held back would interrupt here
+        finished = True
+    assert finished
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_a_second_run_into_a_locked_output_fails_at_once(tmp_path, capsys):
