@@ -43,7 +43,18 @@ PREFIXES = [
     [TOP, TOP - 1, TOP, TOP - 1],
     [],
 ]
-TOKENS = st.one_of(st.integers(0, 9), st.sampled_from([0, TOP, TOP - 1]))
+
+
+def pick(options) -> st.SearchStrategy:
+    """`st.sampled_from`, but labelled without hashing the options: sampled_from's label
+    hashes every element (by id for objects, by the per-process string hash for text), and
+    hypothesis steers its mutations by labels, so a derandomized run would still draw
+    differently from one process, or one run, to the next."""
+    options = tuple(options)
+    return st.integers(0, len(options) - 1).map(lambda i: options[i])
+
+
+TOKENS = st.one_of(st.integers(0, 9), pick([0, TOP, TOP - 1]))
 EXTRAS = [ExtraKeys(), ExtraKeys(), ExtraKeys(cache_salt="t1"), ExtraKeys(lora_id=2)]
 OTHER_EXTRAS = [ExtraKeys(cache_salt="t2"), ExtraKeys(lora_id=7), ExtraKeys(cache_salt="t1", lora_id=2)]
 #: the calls counted: the contract's operations (DESIGN §3) and paged's prefix declarations;
@@ -215,15 +226,16 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache._tally["refused misuse"] += 1
 
     def _pick_live(self, data) -> Sequence:
-        return data.draw(st.sampled_from(sorted(self.live.values(), key=lambda q: q.request_id)))
+        live = sorted(self.live.values(), key=lambda q: q.request_id)
+        return live[data.draw(st.integers(0, len(live) - 1))]
 
     # -- ordinary operations ----------------------------------------------------------
 
     @rule(
-        prefix=st.sampled_from(PREFIXES),
+        prefix=pick(PREFIXES),
         suffix=st.lists(TOKENS, max_size=8),
-        extra=st.sampled_from(EXTRAS),
-        chunk=st.sampled_from([0, 0, 1, 3, 5]),
+        extra=pick(EXTRAS),
+        chunk=pick([0, 0, 1, 3, 5]),
     )
     def admit(self, prefix, suffix, extra, chunk):
         """match, admit, commit; with `chunk`, a chunked prefill (grow + commit per chunk)."""
@@ -242,7 +254,7 @@ class CacheMachine(RuleBasedStateMachine):
             if not self._extend(s, n):
                 return
 
-    @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(TOKENS, max_size=8), extra=st.sampled_from(EXTRAS))
+    @rule(prefix=pick(PREFIXES), suffix=st.lists(TOKENS, max_size=8), extra=pick(EXTRAS))
     def match_for_later(self, prefix, suffix, extra):
         s = self._sequence(prefix, suffix, extra)
         self.pending.append((s, self.cache.match(s)))
@@ -308,15 +320,13 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def redeclare_prefix(self, data):
         """Unregister a declared prefix (its pending matches go stale) and declare it again."""
-        tokens = data.draw(st.sampled_from(sorted(self.prefixes)))
+        tokens = data.draw(pick(sorted(self.prefixes)))
         self.cache.unregister_prefix(self.prefixes.pop(tokens))
         self._declare(list(tokens))
 
     # -- misuse: each must raise a CacheError and change nothing ------------------------
 
-    @rule(
-        data=st.data(), kind=st.sampled_from(["impostor", "other_tokens", "foreign", "forged", "fork_extra", "types"])
-    )
+    @rule(data=st.data(), kind=pick(["impostor", "other_tokens", "foreign", "forged", "fork_extra", "types"]))
     def misuse(self, data, kind):
         """One misuse of the contract (one rule, so ordinary calls keep most of the steps)."""
         if kind in ("impostor", "fork_extra") and not self.live:
@@ -325,7 +335,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def _misuse_impostor(self, data):
         """A second Sequence object carrying a live request id."""
-        call = data.draw(st.sampled_from(["grow", "commit", "release", "fork"]))
+        call = data.draw(pick(["grow", "commit", "release", "fork"]))
         same = data.draw(st.booleans())
         s = self._pick_live(data)
         imp = Sequence(s.request_id, s.tokens.copy() if same else np.asarray([TOP] * len(s)), s.extra)
@@ -339,7 +349,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def _misuse_other_tokens(self, data):
         """Admit a match made for other tokens under the same request id."""
-        prefix = data.draw(st.sampled_from(PREFIXES))
+        prefix = data.draw(pick(PREFIXES))
         suffix = data.draw(st.lists(TOKENS, max_size=8))
         other = data.draw(st.lists(TOKENS, min_size=1, max_size=12))
         s = self._sequence(prefix, suffix, ExtraKeys())
@@ -358,9 +368,9 @@ class CacheMachine(RuleBasedStateMachine):
 
     def _misuse_foreign(self, data):
         """Admit a match made by another cache instance (with the same prefixes declared)."""
-        prefix = data.draw(st.sampled_from(PREFIXES))
+        prefix = data.draw(pick(PREFIXES))
         suffix = data.draw(st.lists(TOKENS, max_size=8))
-        extra = data.draw(st.sampled_from(EXTRAS))
+        extra = data.draw(pick(EXTRAS))
         s = self._sequence(prefix, suffix, extra)
         twin_pid = None
         if s.prefix_id is not None:  # paged: name the twin's registration of the same prefix
@@ -370,9 +380,9 @@ class CacheMachine(RuleBasedStateMachine):
 
     def _misuse_forged(self, data):
         """Admit a match altered after it was made."""
-        prefix = data.draw(st.sampled_from(PREFIXES))
+        prefix = data.draw(pick(PREFIXES))
         suffix = data.draw(st.lists(TOKENS, max_size=8))
-        how = data.draw(st.sampled_from(["longer", "page", "handle", "owner", "count"]))
+        how = data.draw(pick(["longer", "page", "handle", "owner", "count"]))
         ps = self.page_size
         s = self._sequence(prefix, list(suffix) + [0] * ps, ExtraKeys())  # longer than a page
         m = self.cache.match(s)
@@ -395,7 +405,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def _misuse_fork_extra(self, data):
         """Fork a live sequence into a child under other extra keys (salt, LoRA)."""
-        extra = data.draw(st.sampled_from(OTHER_EXTRAS))
+        extra = data.draw(pick(OTHER_EXTRAS))
         parent = self._pick_live(data)
         if extra == parent.extra:
             return
@@ -462,14 +472,28 @@ def _options(backend: str) -> dict:
 
 #: (page size, pages, prompt scale, examples, steps): small caches evict all the time, the
 #: larger one holds long prompts of several pages and many live sequences
-SHAPES = [(1, 12, 1, 50, 50), (4, 10, 1, 50, 50), (4, 48, 3, 60, 60)]
+SHAPES = [(1, 12, 1, 60, 50), (4, 10, 1, 60, 50), (4, 48, 3, 70, 60)]
 CASES = [(b, *shape) for b in available_backends() for shape in SHAPES]
+
+
+def _same_draws_in_every_session(monkeypatch) -> None:
+    """Hypothesis (>= 6.1xx) sometimes draws an integer from the literal constants of the
+    project modules imported so far, so even a derandomized run would draw differently
+    depending on which tests ran before it (and on any edit anywhere in the project). With
+    that off, the draws depend on the seed alone and the call count below is stable. (The
+    int32 extremes it would find are in TOKENS explicitly.)"""
+    from hypothesis.internal.conjecture import providers
+
+    provider = getattr(providers, "HypothesisProvider", None)
+    if provider is not None and hasattr(provider, "_maybe_draw_constant"):
+        monkeypatch.setattr(provider, "_maybe_draw_constant", lambda self, *args, **kwargs: None)
 
 
 @pytest.mark.parametrize(
     "backend, page_size, num_pages, scale, examples, steps", CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in CASES]
 )
-def test_random_operation_sequences(backend, page_size, num_pages, scale, examples, steps):
+def test_random_operation_sequences(backend, page_size, num_pages, scale, examples, steps, monkeypatch):
+    _same_draws_in_every_session(monkeypatch)
     case = f"{backend}-{page_size}-{num_pages}"
     TALLY.pop(case, None)
     machine = type(
@@ -506,7 +530,7 @@ def test_contract_call_count(request):
     per_backend = Counter()
     for case, t in TALLY.items():
         per_backend[case.rsplit("-", 2)[0]] += sum(n for name, n in t.items() if name in OPERATIONS)
-    assert per_method["refused misuse"] > 1000 and per_method["refused stale match"] > 100
+    assert per_method["refused misuse"] > 1000 and per_method["refused stale match"] > 50
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_line(
