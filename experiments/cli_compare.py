@@ -166,6 +166,7 @@ def cmd_compare(args: argparse.Namespace, *, single: bool = False) -> int:
     backends = _backends(args, default_all=not single)
     if single and len(backends) != 1:
         raise UsageError("run takes one --backend; use compare for several")
+    _check_model(args.model)
     workload_name = "mooncake" if args.trace else args.workload
     knobs = _knobs(args)
     out_dir = Path(os.path.abspath(args.output_dir))  # "." has no name to put OUT.partial beside
