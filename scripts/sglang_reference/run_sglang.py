@@ -1,0 +1,574 @@
+"""Ground truth from the real SGLang 0.5.23 radix cache, driven by this project's replay protocol.
+
+This script runs SGLang's own `RadixCache`, `TokenToKVPoolAllocator` /
+`PagedTokenToKVPoolAllocator`, `ReqToTokenPool`, `Req` and the scheduler's allocation and
+caching helpers, unmodified, on CPU, and records per-request hit tokens and evicted tokens.
+It does NOT import this project's backends: its output is the reference the `radix`
+backend is tested against (tests/fixtures/sglang_0_5_23/).
+
+Side venv (outside the repo; never a CUDA torch)
+------------------------------------------------
+    python3 -m venv /work/sglang-venv
+    V=/work/sglang-venv/bin/pip
+    $V install torch==2.13.0            # the CPU build (+cpu wheel; the local wheelhouse has it)
+    $V install --no-deps sglang==0.5.23 numpy
+    $V install --no-deps triton==3.9.0   # imported at module level by sglang.srt.utils; no kernel is launched
+    $V install --no-deps orjson psutil pybase64 requests urllib3 idna certifi packaging pillow \
+        starlette anyio msgspec pydantic pydantic_core typing_inspection annotated_types pyzmq \
+        tqdm IPython traitlets pygments aiohttp multidict attrs yarl propcache aiohappyeyeballs \
+        aiosignal frozenlist transformers==5.19.0 'huggingface_hub>=1.0' httpx2 httpcore2 \
+        truststore h11 regex pyyaml 'safetensors>=0.8.0' tokenizers typer 'apache-tvm-ffi==0.1.11' \
+        dill sentencepiece compressed_tensors loguru gguf openai==2.8.0 httpx sniffio distro \
+        partial_json_parser
+(`scripts/sglang_reference/setup_venv.sh` does exactly this.) Then
+
+    /work/sglang-venv/bin/python scripts/sglang_reference/run_sglang.py \
+        --trace mooncake:experiments/data/mooncake_conversation_2000.jsonl --capacity 200000 \
+        --out tests/fixtures/sglang_0_5_23/mooncake_conversation_2000.json.gz
+
+What is stubbed or patched (nothing in the cache / allocator / eviction code)
+--------------------------------------------------------------------------------
+- `torchvision` is replaced by an empty auto-attribute stub module (a `sys.meta_path`
+  finder): the PyPI torchvision wheel is a CUDA build whose C ops do not load against a CPU
+  torch, and only model/multimodal config modules that `sglang.srt.configs` imports at
+  package level use it. Before the stub is installed, transformers' cached
+  `is_torchvision_available()` is evaluated (False), so transformers never takes the stub for
+  the real package.
+- Clock: `sglang.srt.mem_cache.radix_cache.time` (that module's reference to the `time`
+  module, used for `TreeNode.last_access_time`, `TreeNode.creation_time` and the access stamps
+  in `_match_prefix_helper` / `_insert_helper`) is replaced by a namespace whose `monotonic()`
+  returns a logical counter that increases by 1 on every call (`perf_counter` stays real; it
+  only times eviction for metrics). Real SGLang reads `time.monotonic()`, which on a fast
+  machine can return equal values; the counter is the same order with no ties. Ties cannot
+  change a decision: every `monotonic()` call gets a distinct value, a match/insert walk
+  stamps one value on nodes of a single root path (no two of which are evictable leaves at
+  once), and every `TreeNode` (also one made by `_split_node`) gets its own creation time, so
+  the eviction heap never compares two equal keys (it would fall back to `TreeNode.__lt__`).
+- The runtime config context is published from a default `ServerArgs(model_path="dummy",
+  device="cpu")` (`get_context().set_server_args`), which `release_kv_cache` reads
+  (`get_spec().speculative_algorithm` None, `get_serving().strip_thinking_cache` False).
+- `RadixCache.evict` is wrapped on the instance by a counter that calls the original and adds
+  `EvictResult.num_tokens_evicted` (observation only).
+
+Replay protocol -> SGLang 0.5.23 calls (sglang/srt/...)
+------------------------------------------------------
+Requests in trace order, at most C in flight, the oldest finishing first
+(experiments/engine.py `replay`). Per request:
+
+0. `while len(inflight) >= C: finish(oldest)`.
+1. Match: a real `managers/schedule_batch.py` `Req` (sampling `max_new_tokens=output_len`,
+   no logprobs) and `Req.init_next_round_input(tree_cache)` -> `mem_cache/common.py`
+   `match_kv_cache` -> `RadixCache.match_prefix(RadixKey(ids, limit=len-1))`: at most
+   `len-1` tokens (`Req._compute_max_prefix_len`), page-aligned down
+   (`RadixKey.page_aligned`); sets `req.prefix_len`, `req.last_node`,
+   `req.kv.cache_protected_len = prefix_len`.
+2. Admission check, like `managers/schedule_policy.py` `PrefillAdder.add_one_req`: under a
+   temporary `tree_cache.lock(req.last_node)` (`_lock_node`), the prompt fits iff
+   `allocator.available_size() + tree_cache.evictable_size() >= new_pages * page_size`
+   (new_pages = ceil(prompt_len/ps) - prefix_len/ps). This is the protocol's rule (no
+   max_new_tokens reservation, no chunked prefill); SGLang's own budget also reserves decode
+   tokens. If it does not fit: unlock; with something in flight finish the oldest and go back
+   to 1 (match again); with nothing in flight the request is unschedulable (hit -1).
+3. Admit: `req.lock = tree_cache.lock(req.last_node)` (`PrefillAdder._commit_prefill_admission`),
+   `req.extend_end = prompt_len`; `mem_cache/allocation.py` `alloc_req_slots`, then as
+   `alloc_for_extend` does: `alloc_token_slots(tree_cache, extend)` at page size 1, else
+   `alloc_paged_token_slots_extend(...)` (both evict through `common.evict_from_tree_cache` ->
+   `BaseTokenToKVPoolAllocator.evict_to_free_tokens`); the row is written as
+   `write_cache_indices` does (prefix from `tree_cache.prefix_device_indices(req)`), and
+   `kv_allocated_len = kv_committed_len = prompt_len`.
+4. After prefill: the first output token is appended to `req.output_ids`, then
+   `common.checkpoint_kv_cache(req, tree_cache)` -> `RadixCache.checkpoint(req, up_to=prompt_len)`
+   (what `cache_unfinished_req` was). This is done even when output_len is 1 (the protocol
+   commits the prompt before decoding; SGLang would release such a request at once).
+5. Decode output_len - 1 steps, each as the scheduler does one step for this request:
+   `ScheduleBatch.check_decode_mem` -> `allocator.check_decode_capacity(num_tokens=
+   new_tokens_required_next_decode)` (ps if `kv_committed_len % ps == 0` else 0), then
+   `alloc_for_decode_default`: `alloc_token_slots(tree_cache, 1)` at page size 1, else
+   `alloc_paged_token_slots_decode(...)` (evicts the shortfall of `1 * page_size`), row write,
+   `kv_allocated_len += 1`, `kv_committed_len += 1`, the next generated id appended to
+   `output_ids`. Before the first step the whole decode is checked as the engine's single
+   `grow` is: if `available + evictable` cannot cover its new pages, the oldest in flight
+   finishes and the check repeats; alone, the request decodes nothing ("truncated").
+   Generated ids are `2_000_000_000 + a global counter`, `output_len` ids per request taken
+   when its decode starts (the engine's rule), so no prompt ever matches them.
+6. The request joins the in-flight queue. Finishing it: `req.finished_reason =
+   FINISH_LENGTH(output_len)` and `common.release_kv_cache(req, tree_cache, checkpoint=True)`
+   -> `RadixCache.checkpoint(req, up_to=owned_kv_len)` (inserts prompt + output - 1 tokens,
+   page-aligned, with `inserted_len = cache_inserted_len`; frees the duplicates; the
+   `split_prompt` re-insert; re-match; re-lock), `free_kv_row` of the unaligned tail,
+   `unlock`, `req_to_token_pool.free`. At the end of the trace all in-flight requests finish,
+   oldest first.
+
+Output: one gzip'd JSON per trace, see tests/fixtures/sglang_0_5_23/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import importlib.abc
+import importlib.machinery
+import itertools
+import json
+import sys
+import time
+import types
+import warnings
+from array import array
+from collections import deque
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+GENERATED_TOKEN_BASE = 2_000_000_000
+POLICIES = ("lru", "lfu", "fifo", "mru", "filo")
+
+
+# --------------------------------------------------------------------------------------
+# Importing SGLang on CPU
+# --------------------------------------------------------------------------------------
+
+
+class _StubModule(types.ModuleType):
+    """Any attribute is another stub (and a stub can be called or subclassed)."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        full = f"{self.__name__}.{name}"
+        mod = sys.modules.get(full)
+        if mod is None:
+            mod = _StubModule(full)
+            sys.modules[full] = mod
+        return mod
+
+    def __call__(self, *args, **kwargs):
+        return _StubModule(self.__name__ + "()")
+
+    def __mro_entries__(self, bases):
+        return (object,)
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, roots: set[str]) -> None:
+        self.roots = roots
+
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in self.roots:
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        mod = _StubModule(spec.name)
+        mod.__path__ = []
+        return mod
+
+    def exec_module(self, module):
+        pass
+
+
+STUBBED_MODULES = ("torchvision",)
+SG = types.SimpleNamespace()  # the imported SGLang names
+
+
+def bootstrap_sglang() -> None:
+    """Import the SGLang pieces (see the module docstring for what is stubbed)."""
+    if getattr(SG, "ready", False):
+        return
+    warnings.filterwarnings("ignore")
+    from transformers.utils import import_utils as _tf_import_utils
+
+    assert _tf_import_utils.is_torchvision_available() is False  # cached before the stub
+    sys.meta_path.insert(0, _StubFinder(set(STUBBED_MODULES)))
+
+    import sglang
+    import torch
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
+    from sglang.srt.mem_cache import radix_cache
+    from sglang.srt.mem_cache.allocation import (
+        alloc_paged_token_slots_decode,
+        alloc_paged_token_slots_extend,
+        alloc_req_slots,
+        alloc_token_slots,
+    )
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+    from sglang.srt.runtime_context import get_context
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.srt.server_args import ServerArgs
+
+    get_context().set_server_args(ServerArgs(model_path="dummy", device="cpu"))
+    SG.__dict__.update(
+        torch=torch,
+        version=sglang.__version__,
+        Req=Req,
+        FINISH_LENGTH=FINISH_LENGTH,
+        radix_cache=radix_cache,
+        RadixCache=radix_cache.RadixCache,
+        UnifiedRadixCache=UnifiedRadixCache,
+        ComponentType=ComponentType,
+        alloc_token_slots=alloc_token_slots,
+        alloc_paged_token_slots_extend=alloc_paged_token_slots_extend,
+        alloc_paged_token_slots_decode=alloc_paged_token_slots_decode,
+        alloc_req_slots=alloc_req_slots,
+        TokenToKVPoolAllocator=TokenToKVPoolAllocator,
+        PagedTokenToKVPoolAllocator=PagedTokenToKVPoolAllocator,
+        CacheInitParams=CacheInitParams,
+        checkpoint_kv_cache=checkpoint_kv_cache,
+        release_kv_cache=release_kv_cache,
+        ReqToTokenPool=ReqToTokenPool,
+        SamplingParams=SamplingParams,
+        ready=True,
+    )
+
+
+class LogicalClock:
+    """Replaces `time` inside radix_cache: `monotonic()` is a counter, +1 per call."""
+
+    def __init__(self) -> None:
+        self._count = itertools.count(1)
+        self.perf_counter = time.perf_counter
+        self.time = time.time
+
+    def monotonic(self) -> int:
+        return next(self._count)
+
+
+# --------------------------------------------------------------------------------------
+# Traces
+# --------------------------------------------------------------------------------------
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def load_trace(spec: str) -> tuple[str, Path, list[tuple[array, int]]]:
+    """`mooncake:PATH` (expanded by the project's loader) or `jsonl:PATH` (the project's
+    token-id JSONL, optionally .gz; only `prompt`, `output_len`, `id`, `arrival` are used and
+    salts, LoRA ids and declared prefixes are refused). Returns (kind, path, [(prompt ids,
+    output_len)])."""
+    kind, _, path = spec.partition(":")
+    path = Path(path)
+    if kind == "mooncake":
+        sys.path.insert(0, str(REPO))
+        from experiments.workloads.mooncake import load_mooncake
+
+        reqs = []
+        for r in load_mooncake(path):
+            assert r.n == 1 and r.beam_width == 1
+            reqs.append((array("q", r.prompt.astype("int64").tobytes()), int(r.output_len)))
+        return kind, path, reqs
+    if kind == "jsonl":
+        opener = gzip.open if path.suffix == ".gz" else open
+        reqs = []
+        with opener(path, "rt") as fh:
+            for line in fh:
+                if not line.strip():
+                    continue
+                obj = json.loads(line)
+                bad = set(obj) - {"prompt", "output_len", "id", "arrival"}
+                if bad:
+                    raise ValueError(f"{path}: unsupported fields {sorted(bad)}")
+                reqs.append((array("q", obj["prompt"]), int(obj["output_len"])))
+        return kind, path, reqs
+    raise ValueError(f"trace must be mooncake:PATH or jsonl:PATH, got {spec!r}")
+
+
+# --------------------------------------------------------------------------------------
+# The replay
+# --------------------------------------------------------------------------------------
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Replay:
+    """One configuration: real SGLang objects and the protocol of the module docstring."""
+
+    def __init__(
+        self, policy: str, page_size: int, capacity_tokens: int, concurrency: int, max_len: int, cache: str = "radix"
+    ) -> None:
+        torch = SG.torch
+        self.ps = page_size
+        self.concurrency = concurrency
+        self.clock = LogicalClock()
+        SG.radix_cache.time = self.clock  # the only patch (see docstring)
+        if page_size == 1:
+            self.allocator = SG.TokenToKVPoolAllocator(
+                size=capacity_tokens, dtype=torch.int8, device="cpu", kvcache=None, need_sort=False
+            )
+        else:
+            assert capacity_tokens % page_size == 0
+            self.allocator = SG.PagedTokenToKVPoolAllocator(
+                size=capacity_tokens, page_size=page_size, dtype=torch.int8, device="cpu", kvcache=None, need_sort=False
+            )
+            assert not self.allocator.use_triton_kernels  # CPU: alloc_extend_naive / alloc_decode_naive
+        self.req_to_token_pool = SG.ReqToTokenPool(
+            size=concurrency + 1, max_context_len=max_len + 2 * page_size, device="cpu", enable_memory_saver=False
+        )
+        common = dict(
+            disable=False,
+            req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool_allocator=self.allocator,
+            page_size=page_size,
+            eviction_policy=policy,
+        )
+        self.evicted = 0
+        if cache == "radix":
+            self.tree = SG.RadixCache(SG.CacheInitParams(**common))
+            assert type(self.tree.eviction_strategy).__name__.lower().startswith(policy)
+            wrap = ("evict",)  # evict_for_alloc (base class) calls self.evict
+        else:  # cross-check only: the tree the 0.5.23 server builds by default (registry.py)
+            backend = cache.split(":")[1]  # unified:python | unified:rust
+            self.tree = SG.UnifiedRadixCache(
+                SG.CacheInitParams(**common, tree_components=(SG.ComponentType.FULL,), tree_core_backend=backend)
+            )
+            wrap = ("evict", "evict_for_alloc")  # both call _evict
+        for name in wrap:
+            real = getattr(self.tree, name)
+
+            def counting(params, _real=real, **kwargs):
+                result = _real(params, **kwargs)
+                self.evicted += result.num_tokens_evicted
+                return result
+
+            setattr(self.tree, name, counting)
+        self.inflight: deque = deque()
+        self.next_token = GENERATED_TOKEN_BASE
+        self.counts = dict(admission_finishes=0, decode_finishes=0, unschedulable=0, truncated=0)
+
+    # -- helpers --------------------------------------------------------------------
+
+    def fits(self, tokens: int) -> bool:
+        return self.allocator.available_size() + self.tree.evictable_size() >= tokens
+
+    def finish_oldest(self) -> None:
+        self.finish(self.inflight.popleft())
+
+    def finish(self, req) -> None:
+        req.finished_reason = SG.FINISH_LENGTH(length=len(req.output_ids))
+        SG.release_kv_cache(req, self.tree, checkpoint=True)
+
+    # -- one request ----------------------------------------------------------------
+
+    def request(self, idx: int, prompt: list[int], output_len: int) -> int:
+        torch = SG.torch
+        ps = self.ps
+        tree = self.tree
+        while len(self.inflight) >= self.concurrency:
+            self.finish_oldest()
+        prompt_len = len(prompt)
+        req = SG.Req(
+            rid=f"r{idx}",
+            origin_input_text="",
+            origin_input_ids=array("q", prompt),  # a copy: the Req appends to its own arrays
+            sampling_params=SG.SamplingParams(max_new_tokens=max(output_len, 1), ignore_eos=True),
+        )
+        while True:
+            req.init_next_round_input(tree)  # match_kv_cache: len-1 cap, page-aligned
+            new_tokens = ceil_div(prompt_len, ps) * ps - req.prefix_len
+            lock = tree.lock(req.last_node)  # PrefillAdder._lock_node: the pin during the check
+            ok = self.fits(new_tokens)
+            tree.unlock(lock)
+            if ok or not self.inflight:
+                break
+            self.counts["admission_finishes"] += 1
+            self.finish_oldest()
+        if not ok:
+            self.counts["unschedulable"] += 1
+            return -1
+        hit = req.prefix_len
+        # PrefillAdder._commit_prefill_admission
+        req.extend_end = prompt_len
+        req.lock = tree.lock(req.last_node)
+        # ScheduleBatch.prepare_for_extend -> alloc_for_extend
+        SG.alloc_req_slots(self.req_to_token_pool, [req], tree)
+        row = req.kv.req_pool_idx
+        prefix = tree.prefix_device_indices(req) if hit else torch.empty((0,), dtype=torch.int64)
+        extend = prompt_len - hit
+        if ps == 1:
+            out = SG.alloc_token_slots(tree, extend)
+        else:
+            last_loc = prefix[-1:] if hit else torch.full((1,), -1, dtype=torch.int64)
+            prefix_lens = torch.tensor([hit], dtype=torch.int64)
+            seq_lens = torch.tensor([prompt_len], dtype=torch.int64)
+            out = SG.alloc_paged_token_slots_extend(
+                tree_cache=tree,
+                prefix_lens=prefix_lens,
+                prefix_lens_cpu=prefix_lens,
+                seq_lens=seq_lens,
+                seq_lens_cpu=seq_lens,
+                last_loc=last_loc.to(torch.int64),
+                extend_num_tokens=extend,
+            )
+        self.req_to_token_pool.write((row, slice(0, hit)), prefix)
+        self.req_to_token_pool.write((row, slice(hit, prompt_len)), out)
+        req.kv.kv_allocated_len = prompt_len
+        req.kv.kv_committed_len = prompt_len
+        # the prefill forward samples the first output token; the request goes on decoding
+        first = self.next_token
+        self.next_token += output_len
+        if output_len > 0:
+            req.output_ids.append(first)
+        SG.checkpoint_kv_cache(req, tree)  # cache_unfinished_req: insert the prompt
+        # decode: output_len - 1 steps, each giving KV to the token fed back
+        steps = max(output_len - 1, 0)
+        if steps:
+            need = (ceil_div(prompt_len + steps, ps) - ceil_div(prompt_len, ps)) * ps
+            while not self.fits(need) and self.inflight:
+                self.counts["decode_finishes"] += 1
+                self.finish_oldest()
+            if not self.fits(need):
+                self.counts["truncated"] += 1
+                steps = 0
+        for k in range(1, steps + 1):
+            self.decode_step(req, row)
+            req.output_ids.append(first + k)
+        self.inflight.append(req)
+        return hit
+
+    def decode_step(self, req, row: int) -> None:
+        torch = SG.torch
+        ps = self.ps
+        tree = self.tree
+        seq_len = req.kv.kv_committed_len  # the token fed back is written at this position
+        # ScheduleBatch.check_decode_mem (update_running_batch) -> check_decode_capacity
+        new_tokens = ps if seq_len % ps == 0 else 0
+        ok = self.allocator.check_decode_capacity(num_tokens=new_tokens, tree_cache=tree)
+        assert ok, "the whole-decode check above guarantees every step"
+        # ScheduleBatch.prepare_for_decode -> alloc_for_decode_default
+        if ps == 1:
+            out = SG.alloc_token_slots(tree, 1)
+        else:
+            last_loc = self.req_to_token_pool.req_to_token[row, seq_len - 1 : seq_len].to(torch.int64)
+            nxt = torch.tensor([seq_len + 1], dtype=torch.int64)
+            out = SG.alloc_paged_token_slots_decode(
+                tree_cache=tree, seq_lens=nxt, seq_lens_cpu=nxt, last_loc=last_loc, token_per_req=1
+            )
+        self.req_to_token_pool.write((row, slice(seq_len, seq_len + 1)), out.to(torch.int32))
+        req.kv.kv_allocated_len += 1
+        req.kv.kv_committed_len += 1
+
+    def run(self, requests: list[tuple[list[int], int]]) -> dict:
+        hits, evicted_after = [], []
+        for i, (prompt, out_len) in enumerate(requests):
+            hits.append(self.request(i, prompt, out_len))
+            evicted_after.append(self.evicted)
+        while self.inflight:
+            self.finish_oldest()
+        assert self.tree.protected_size() == 0
+        assert self.allocator.available_size() + self.tree.evictable_size() == self.allocator.size
+        scheduled = [h for h in hits if h >= 0]
+        return {
+            "per_request_hits": hits,
+            "total_hit_tokens": sum(scheduled),
+            "evicted_tokens": self.evicted,
+            "evicted_tokens_after_request": evicted_after,
+            "prompt_tokens_scheduled": sum(len(p) for (p, _), h in zip(requests, hits, strict=True) if h >= 0),
+            **self.counts,
+            "tree_tokens_end": self.tree.evictable_size(),
+            "free_tokens_end": self.allocator.available_size(),
+        }
+
+
+# --------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", required=True, help="mooncake:PATH or jsonl:PATH[.gz]")
+    ap.add_argument("--name", help="trace name in the output (default: the file's stem)")
+    ap.add_argument("--capacity", type=int, required=True, help="KV pool size in tokens")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--page-sizes", default="1,16")
+    ap.add_argument("--concurrency", default="1,4")
+    ap.add_argument("--limit", type=int, help="only the first N requests")
+    ap.add_argument(
+        "--cache",
+        default="radix",
+        help="radix (RadixCache, the goldens) or unified:python / unified:rust (UnifiedRadixCache, cross-check)",
+    )
+    ap.add_argument("--out", required=True, help="output .json.gz")
+    ap.add_argument("--trace-meta", help="JSON object merged into the output's trace metadata")
+    args = ap.parse_args(argv)
+
+    bootstrap_sglang()
+    kind, path, requests = load_trace(args.trace)
+    if args.limit:
+        requests = requests[: args.limit]
+    max_len = max(len(p) + o for p, o in requests)
+    name = args.name or path.name.split(".")[0]
+    configs = []
+    for policy in args.policies.split(","):
+        for ps in (int(x) for x in args.page_sizes.split(",")):
+            for c in (int(x) for x in args.concurrency.split(",")):
+                t0 = time.perf_counter()
+                result = Replay(policy, ps, args.capacity, c, max_len, args.cache).run(requests)
+                dt = time.perf_counter() - t0
+                cfg = {"policy": policy, "page_size": ps, "concurrency": c, "capacity_tokens": args.capacity}
+                if args.cache != "radix":
+                    cfg["cache"] = args.cache
+                print(
+                    f"{name} {policy:4s} ps={ps:2d} C={c}: hits={result['total_hit_tokens']:,} "
+                    f"evicted={result['evicted_tokens']:,} unsched={result['unschedulable']} "
+                    f"adm_fin={result['admission_finishes']} dec_fin={result['decode_finishes']} "
+                    f"trunc={result['truncated']} ({dt:.1f}s)",
+                    flush=True,
+                )
+                configs.append({**cfg, **result})
+    try:
+        rel = str(path.resolve().relative_to(REPO))
+    except ValueError:
+        rel = str(path)
+    trace_meta = {
+        "name": name,
+        "kind": kind,
+        "path": rel,
+        "sha256": sha256_of(path),
+        **({"sha256_uncompressed": hashlib.sha256(gzip.open(path).read()).hexdigest()} if path.suffix == ".gz" else {}),
+        "requests": len(requests),
+        "prompt_tokens": sum(len(p) for p, _ in requests),
+        "output_tokens": sum(o for _, o in requests),
+    }
+    if args.trace_meta:
+        trace_meta.update(json.loads(args.trace_meta))
+    doc = {
+        "sglang_version": SG.version,
+        "generator": "scripts/sglang_reference/run_sglang.py",
+        "command": "run_sglang.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "trace": trace_meta,
+        "protocol": {
+            "generated_token_base": GENERATED_TOKEN_BASE,
+            "generated_ids": "fresh: 2_000_000_000 + a global counter, output_len ids per request "
+            "taken when its decode starts; the last generated token gets no KV",
+            "admission_fit": "available + evictable (after pinning the match) >= new pages * page_size",
+            "decode_fit": "available + evictable >= the whole decode's new pages * page_size, "
+            "checked once before the first step (the engine's single grow)",
+            "clock": "logical counter for time.monotonic in radix_cache",
+            "chunked_prefill": False,
+        },
+        "configs": configs,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(out, "wt", compresslevel=9) as fh:
+        # mtime-free gzip is not needed for correctness; json is compact
+        json.dump(doc, fh, separators=(",", ":"))
+    print(f"wrote {out} ({out.stat().st_size:,} bytes)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
