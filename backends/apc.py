@@ -33,12 +33,12 @@ from itertools import islice
 
 import numpy as np
 
-from cachelib.errors import InvalidRequestError, StaleMatchError
+from cachelib.errors import InvalidRequestError
 from cachelib.free_queue import FreeBlockQueue, KVBlock
 from cachelib.hashing import BlockHash, BlockHasher, HashFn
-from cachelib.interface import PrefixCache
+from cachelib.interface import LiveState, Occupancy, PagePartition, PrefixCache
 from cachelib.registry import register_backend
-from cachelib.types import CacheStats, CopyOp, Match, Sequence
+from cachelib.types import CopyOp, Match, Sequence
 
 # Modelled bytes of index metadata, as a compact native implementation would keep it:
 # per block a ref count (4), links (2 x 4) and a hash (16); per table entry key + block id.
@@ -46,10 +46,10 @@ _BLOCK_BYTES = 28
 _ENTRY_BYTES = 20
 
 
-class _Held:
+class _Held(LiveState):
     """An admitted sequence: its blocks, and how many leading ones are hashed (published)."""
 
-    __slots__ = ("seq", "blocks", "num_cached")
+    __slots__ = ("blocks", "num_cached")
 
     def __init__(self, seq: Sequence, blocks: list[KVBlock], num_cached: int) -> None:
         self.seq = seq
@@ -62,6 +62,7 @@ class APCCache(PrefixCache):
     """vLLM V1 automatic prefix caching over `num_pages` blocks of `page_size` tokens."""
 
     decode_steps_are_noops = True  # full blocks are published only when they fill
+    reuses_kv = True
 
     def __init__(
         self,
@@ -81,14 +82,9 @@ class APCCache(PrefixCache):
         self.free_queue = FreeBlockQueue(self.blocks)
         # hash -> the cached block, or {block_id: block} once duplicates exist (oldest first)
         self._table: dict[BlockHash, KVBlock | dict[int, KVBlock]] = {}
-        self._live: dict[str, _Held] = {}
         self._num_cached_free = 0  # hashed blocks with ref 0 (in the free queue)
         self._num_hashed = 0  # hashed blocks = table entries (each hashed block is one entry)
-        self._epoch = 0  # bumped by every eviction: a Match from before is stale
         self._memo_key = object()
-        self._counters = dict(
-            lookups=0, lookup_tokens=0, admitted=0, admitted_tokens=0, hit_tokens=0, evicted_pages=0, copied_pages=0
-        )
         if verify_tokens:
             # what each cached block was computed from: tokens, extra keys, parent instance
             self._tokens = np.zeros((num_pages, page_size), dtype=np.int32)
@@ -114,11 +110,9 @@ class APCCache(PrefixCache):
             hashes.extend(self.hasher.hash_blocks(seq.tokens, seq.extra, have, num_blocks, parent))
         return hashes
 
-    # -- the contract ---------------------------------------------------------------
+    # -- the contract: the hooks the base class calls after its checks -----------------
 
-    def match(self, seq: Sequence) -> Match:
-        if not isinstance(seq, Sequence):
-            raise InvalidRequestError(f"expected a Sequence, got {type(seq).__name__}")
+    def _match(self, seq: Sequence) -> tuple[int, tuple[int, ...], list[KVBlock]]:
         max_blocks = (len(seq) - 1) // self.page_size
         hashes = self._block_hashes(seq, max_blocks)
         table = self._table
@@ -134,10 +128,7 @@ class APCCache(PrefixCache):
                 if block.__class__ is not KVBlock:
                     block = next(iter(block.values()))
                 append(block)
-        self._counters["lookups"] += 1
-        self._counters["lookup_tokens"] += len(seq)
-        pages = tuple([b.block_id for b in hit])
-        return Match(seq.request_id, len(hit) * self.page_size, pages, hit, self._epoch, self.match_token)
+        return len(hit) * self.page_size, tuple([b.block_id for b in hit]), hit
 
     def _verified_walk(
         self, seq: Sequence, hashes: list[BlockHash], chosen: list[KVBlock] | None = None
@@ -174,7 +165,7 @@ class APCCache(PrefixCache):
         return hit
 
     def _verify_match(self, seq: Sequence, match: Match) -> None:
-        """The hit must be this cache's blocks, not evicted since, holding `seq`'s first
+        """The hit must be this cache's blocks (not evicted since: the epoch says so), holding `seq`'s first
         blocks: their hashes equal the sequence's chained hashes (and, with
         `verify_tokens`, their recorded tokens, extra keys and parents equal its own)."""
         hit = match.handle
@@ -198,19 +189,12 @@ class APCCache(PrefixCache):
             raise InvalidRequestError(
                 f"request {seq.request_id!r}: the match's blocks are not this cache's (another cache's match, or forged)"
             )
-        if match.epoch != self._epoch:
-            raise StaleMatchError(f"request {seq.request_id!r}: the cache evicted since this match; match again")
         if other_tokens or (self.verify_tokens and len(self._verified_walk(seq, hashes[:n], hit)) != n):
             raise InvalidRequestError(
                 f"request {seq.request_id!r}: the match's blocks hold other tokens (a match made for another sequence)"
             )
 
-    def admit(self, seq: Sequence, match: Match, num_tokens: int) -> list[CopyOp] | None:
-        self._check_new(seq, self._live)
-        self._check_match(seq, match)  # proves a hit through `_verify_match`
-        if match.epoch != self._epoch:
-            raise StaleMatchError(f"request {seq.request_id!r}: the cache evicted since this match; match again")
-        self._check_num_tokens(seq, num_tokens, max(match.num_tokens, 1))
+    def _admit(self, seq: Sequence, match: Match, num_tokens: int) -> tuple[_Held, list[CopyOp]] | None:
         hit: list[KVBlock] = match.handle if match.num_tokens else []
         num_new = self.pages_for(num_tokens) - len(hit)
         # Hit blocks still in the free queue are about to leave it: they are not free for us.
@@ -224,14 +208,9 @@ class APCCache(PrefixCache):
                 self._num_cached_free -= 1
             block.ref_cnt += 1
         blocks = hit + self._take_new(num_new)
-        self._live[seq.request_id] = _Held(seq, blocks, len(hit))
         seq.page_table = [b.block_id for b in blocks]
         seq.num_computed = match.num_tokens
-        c = self._counters
-        c["admitted"] += 1
-        c["admitted_tokens"] += len(seq)
-        c["hit_tokens"] += match.num_tokens
-        return []
+        return _Held(seq, blocks, len(hit)), []
 
     def _take_new(self, n: int) -> list[KVBlock]:
         """Pop `n` blocks from the queue head, evicting those that still hold a cached block."""
@@ -240,7 +219,7 @@ class APCCache(PrefixCache):
         evicted = 0
         for block in new:
             h = block.block_hash
-            if h is not None:
+            if h is not None:  # lazy eviction: the block leaves the table only now
                 entry = table.pop(h)
                 if entry is not block:
                     self._keep_other_duplicates(h, entry, block)
@@ -268,9 +247,7 @@ class APCCache(PrefixCache):
             self._parent[block.block_id] = None
             self._parent_hash[block.block_id] = None
 
-    def grow(self, seq: Sequence, num_tokens: int) -> list[CopyOp] | None:
-        held = self._check_live(seq, self._live)
-        self._check_num_tokens(seq, num_tokens, 0)
+    def _grow(self, seq: Sequence, held: _Held, num_tokens: int) -> list[CopyOp] | None:
         num_new = self.pages_for(num_tokens) - len(held.blocks)
         if num_new <= 0:
             return []
@@ -281,13 +258,7 @@ class APCCache(PrefixCache):
         seq.page_table.extend([b.block_id for b in new])
         return []
 
-    def commit(self, seq: Sequence, num_computed: int) -> None:
-        held = self._check_live(seq, self._live)
-        self._check_num_tokens(seq, num_computed, seq.num_computed)
-        if num_computed > len(held.blocks) * self.page_size:
-            raise InvalidRequestError(
-                f"request {seq.request_id!r}: {num_computed} tokens computed but pages cover {len(held.blocks) * self.page_size}"
-            )
+    def _commit(self, seq: Sequence, held: _Held, num_computed: int) -> None:
         seq.num_computed = num_computed
         full = num_computed // self.page_size
         if full <= held.num_cached:
@@ -296,6 +267,8 @@ class APCCache(PrefixCache):
         table = self._table
         setdefault = table.setdefault
         for block, h in zip(held.blocks[held.num_cached : full], hashes[held.num_cached : full], strict=True):
+            # write-once: a block's hash is set when it fills and cleared only on eviction
+            assert block.block_hash is None, f"apc: block {block.block_id} is hashed already"
             block.block_hash = h
             entry = setdefault(h, block)
             if entry is not block:  # an equal block is cached already: keep both (append-only tables)
@@ -319,10 +292,7 @@ class APCCache(PrefixCache):
             self._parent[bid] = None if prev is None else (prev, self._generation[prev])
             self._parent_hash[bid] = None if prev is None else blocks[i - 1].block_hash
 
-    def fork(self, parent: Sequence, child: Sequence) -> list[CopyOp] | None:
-        held = self._check_live(parent, self._live)
-        self._check_new(child, self._live)
-        self._check_fork(parent, child)
+    def _fork(self, parent: Sequence, held: _Held, child: Sequence) -> tuple[_Held, list[CopyOp]] | None:
         computed = parent.num_computed
         full = computed // self.page_size
         partial = computed % self.page_size != 0
@@ -337,17 +307,13 @@ class APCCache(PrefixCache):
             (copy,) = self._take_new(1)
             ops.append(CopyOp(held.blocks[full].block_id, copy.block_id))
             blocks.append(copy)
-            self._counters["copied_pages"] += 1
-        self._live[child.request_id] = _Held(child, blocks, full)
         child.page_table = [b.block_id for b in blocks]
         child.num_computed = computed
         if parent.cache_memo is not None and parent.cache_memo[0] is self._memo_key:
             child.cache_memo = (self._memo_key, parent.cache_memo[1][:full])
-        return ops
+        return _Held(child, blocks, full), ops
 
-    def release(self, seq: Sequence) -> None:
-        held = self._check_live(seq, self._live)
-        del self._live[seq.request_id]
+    def _release(self, seq: Sequence, held: _Held) -> None:
         queue = self.free_queue
         to_tail: list[KVBlock] = []
         for block in reversed(held.blocks):
@@ -361,16 +327,13 @@ class APCCache(PrefixCache):
         queue.append_n(to_tail)
         self._num_cached_free += len(to_tail)
 
-    def evict(self, num_pages: int) -> int:
-        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
-            raise InvalidRequestError(f"evict: num_pages must be a non-negative int, got {num_pages!r}")
+    def _evict(self, num_pages: int) -> int:
         victims = []
-        if num_pages:
-            for block in self.free_queue:
-                if block.block_hash is not None:
-                    victims.append(block)
-                    if len(victims) == num_pages:
-                        break
+        for block in self.free_queue:
+            if block.block_hash is not None:
+                victims.append(block)
+                if len(victims) == num_pages:
+                    break
         for block in reversed(victims):
             entry = self._table.pop(block.block_hash)
             if entry is not block:
@@ -384,25 +347,30 @@ class APCCache(PrefixCache):
 
     # -- observation ----------------------------------------------------------------
 
-    def stats(self) -> CacheStats:
-        pinned = self.num_pages - self.free_queue.num_free
-        return CacheStats(
-            backend=self.name,
-            num_pages=self.num_pages,
-            page_size=self.page_size,
+    def _occupancy(self) -> Occupancy:
+        return Occupancy(
             pages_free=self.free_queue.num_free - self._num_cached_free,
             pages_cached=self._num_cached_free,
-            pages_pinned=pinned,
             metadata_bytes=self.num_pages * _BLOCK_BYTES + self._num_hashed * _ENTRY_BYTES,
             extra={"table_entries": self._num_hashed},
-            **self._counters,
+        )
+
+    def pages_pinned(self) -> int:
+        return self.num_pages - self.free_queue.num_free  # O(1), no stats dict
+
+    def _page_partition(self) -> PagePartition:
+        queued = list(self.free_queue)
+        return PagePartition(
+            free=[b.block_id for b in queued if b.block_hash is None],
+            cached=[b.block_id for b in queued if b.block_hash is not None],
+            pinned=[b.block_id for b in self.blocks if b.ref_cnt > 0],
         )
 
     def cached_blocks_in_lru_order(self) -> list[int]:
         """Ids of cached blocks with no user, next evicted first."""
         return [b.block_id for b in self.free_queue if b.block_hash is not None]
 
-    def check_invariants(self) -> None:
+    def _check_invariants(self) -> None:
         from backends.apc_invariants import check_apc
 
         check_apc(self)

@@ -38,11 +38,11 @@ from itertools import count
 
 import numpy as np
 
-from cachelib.errors import InvalidRequestError, StaleMatchError
-from cachelib.interface import PrefixCache
+from cachelib.errors import InvalidRequestError
+from cachelib.interface import LiveState, Occupancy, PagePartition, PrefixCache
 from cachelib.page_pool import FifoPagePool
 from cachelib.registry import register_backend
-from cachelib.types import NO_EXTRA, CacheStats, CopyOp, ExtraKeys, Match, Sequence, as_token_ids
+from cachelib.types import NO_EXTRA, CopyOp, ExtraKeys, Match, Sequence, as_token_ids
 
 # Modelled metadata bytes: a 4-byte ref count per block, a 4-byte id per table entry, and
 # the token ids of each declared prefix (kept to verify requests that name it).
@@ -50,10 +50,10 @@ _REF_BYTES = 4
 _ENTRY_BYTES = 4
 
 
-class _Table:
+class _Table(LiveState):
     """A sequence's block table and `granted`: the executor may write tokens up to there."""
 
-    __slots__ = ("seq", "blocks", "granted", "prefix_id")
+    __slots__ = ("blocks", "granted", "prefix_id")
 
     def __init__(self, seq: Sequence, blocks: list[int], granted: int, prefix_id: int | None) -> None:
         self.seq = seq
@@ -82,15 +82,15 @@ class _Prefix:
 class PagedCache(PrefixCache):
     """PagedAttention block manager: explicit sharing by fork and declared prefixes, CoW."""
 
+    reuses_kv = True  # a declared prefix's blocks
+    declares_prefixes = True
+
     def __init__(self, num_pages: int, page_size: int) -> None:
         super().__init__(num_pages, page_size)
         self._ref = [0] * num_pages
         self._free = FifoPagePool(num_pages)
-        self._live: dict[str, _Table] = {}
         self._prefixes: dict[int, _Prefix] = {}
         self._prefix_ids = count(1)  # from 1, so a prefix id is never falsy
-        self._epoch = 0  # bumped by unregister_prefix: a Match made before is stale
-        self._counters = dict(lookups=0, lookup_tokens=0, admitted=0, admitted_tokens=0, hit_tokens=0, copied_pages=0)
 
     # -- declared prefixes ------------------------------------------------------------
 
@@ -126,7 +126,7 @@ class PagedCache(PrefixCache):
         prefix = self._prefix(prefix_id)
         del self._prefixes[prefix_id]
         self._drop(prefix.table.blocks)
-        self._epoch += 1
+        self._epoch += 1  # a Match naming it, made before, is stale
 
     def _prefix(self, prefix_id: object) -> _Prefix:
         prefix = self._prefixes.get(prefix_id) if prefix_id.__class__ is int else None  # not True
@@ -153,12 +153,10 @@ class PagedCache(PrefixCache):
         if tuple(s for s in e.mm if s.offset < p) != pe.mm:
             raise InvalidRequestError(f"request {rid!r}: multimodal inputs inside prefix {prefix.prefix_id} differ")
 
-    # -- the contract ---------------------------------------------------------------
+    # -- the contract: the hooks the base class calls after its checks -----------------
 
-    def match(self, seq: Sequence) -> Match:
+    def _match(self, seq: Sequence) -> tuple[int, tuple[int, ...], int | None]:
         """The declared prefix's blocks if `seq.prefix_id` names one; never anything else."""
-        if not isinstance(seq, Sequence):
-            raise InvalidRequestError(f"expected a Sequence, got {type(seq).__name__}")
         hit, pages = 0, ()
         if seq.prefix_id is not None:
             prefix = self._prefix(seq.prefix_id)
@@ -166,17 +164,12 @@ class PagedCache(PrefixCache):
             if prefix.computed:
                 hit = min(prefix.tokens.size, len(seq) - 1)
                 pages = tuple(prefix.table.blocks[: self.pages_for(hit)])
-        self._counters["lookups"] += 1
-        self._counters["lookup_tokens"] += len(seq)
-        return Match(seq.request_id, hit, pages, seq.prefix_id if hit else None, self._epoch, self.match_token)
+        return hit, pages, seq.prefix_id if hit else None
 
     def _verify_match(self, seq: Sequence, match: Match) -> None:
         """A hit is the first blocks of the fully computed prefix `seq` names and really
-        starts with; anything else (another prefix, another cache's, forged pages) is refused."""
-        if match.epoch != self._epoch:
-            raise StaleMatchError(
-                f"request {seq.request_id!r}: a prefix was unregistered since this match; match again"
-            )
+        starts with; anything else (another prefix, another cache's, forged pages) is refused.
+        (A prefix unregistered since moved the epoch: the base refused the match as stale.)"""
         prefix = self._prefixes.get(match.handle) if match.handle.__class__ is int else None
         if prefix is None or match.handle != seq.prefix_id or not match.num_tokens:
             raise InvalidRequestError(
@@ -193,10 +186,7 @@ class PagedCache(PrefixCache):
                 f"request {seq.request_id!r}: the match's pages are not prefix {prefix.prefix_id}'s (forged?)"
             )
 
-    def admit(self, seq: Sequence, match: Match, num_tokens: int) -> list[CopyOp] | None:
-        self._check_new(seq, self._live)
-        self._check_match(seq, match)  # proves a hit through `_verify_match`
-        self._check_num_tokens(seq, num_tokens, max(match.num_tokens, 1))
+    def _admit(self, seq: Sequence, match: Match, num_tokens: int) -> tuple[_Table, list[CopyOp]] | None:
         hit = list(match.pages)
         num_new = self.pages_for(num_tokens) - len(hit)
         # a hit block always has ref >= 1 (the registration), so with us it is shared
@@ -213,16 +203,9 @@ class PagedCache(PrefixCache):
         table.blocks.extend(new)
         seq.page_table.extend(new)
         table.granted = num_tokens
-        self._live[seq.request_id] = table
-        c = self._counters
-        c["admitted"] += 1
-        c["admitted_tokens"] += len(seq)
-        c["hit_tokens"] += match.num_tokens
-        return ops
+        return table, ops
 
-    def grow(self, seq: Sequence, num_tokens: int) -> list[CopyOp] | None:
-        table = self._check_live(seq, self._live)
-        self._check_num_tokens(seq, num_tokens, 0)
+    def _grow(self, seq: Sequence, table: _Table, num_tokens: int) -> list[CopyOp] | None:
         num_new = max(0, self.pages_for(num_tokens) - len(table.blocks))
         cow = self._shared_in(table.blocks, seq.num_computed, num_tokens)
         if num_new + len(cow) > len(self._free):
@@ -235,14 +218,7 @@ class PagedCache(PrefixCache):
         table.granted = max(table.granted, num_tokens)
         return ops
 
-    def commit(self, seq: Sequence, num_computed: int) -> None:
-        table = self._table_of(seq)
-        self._check_num_tokens(seq, num_computed, seq.num_computed)
-        covered = len(table.blocks) * self.page_size
-        if num_computed > covered:
-            raise InvalidRequestError(
-                f"request {seq.request_id!r}: {num_computed} tokens computed but pages cover {covered}"
-            )
+    def _commit(self, seq: Sequence, table: _Table, num_computed: int) -> None:
         unguarded = self._shared_in(table.blocks, max(seq.num_computed, table.granted), num_computed)
         if unguarded:
             raise InvalidRequestError(
@@ -252,10 +228,7 @@ class PagedCache(PrefixCache):
         seq.num_computed = num_computed
         table.granted = max(table.granted, num_computed)
 
-    def fork(self, parent: Sequence, child: Sequence) -> list[CopyOp] | None:
-        held = self._check_live(parent, self._live)
-        self._check_new(child, self._live)
-        self._check_fork(parent, child)
+    def _fork(self, parent: Sequence, held: _Table, child: Sequence) -> tuple[_Table, list[CopyOp]] | None:
         computed = parent.num_computed
         blocks = held.blocks[: self.pages_for(computed)]
         ops: list[CopyOp] = []
@@ -268,25 +241,17 @@ class PagedCache(PrefixCache):
             (dst,) = self._take(1)
             ops.append(CopyOp(blocks[-1], dst))
             blocks = blocks[:-1] + [dst]
-            self._counters["copied_pages"] += 1
         for b in blocks[: len(blocks) - len(ops)]:
             self._ref[b] += 1
-        self._live[child.request_id] = _Table(child, blocks, computed, held.prefix_id)
         child.page_table = list(blocks)
         child.num_computed = computed
-        return ops
+        return _Table(child, blocks, computed, held.prefix_id), ops
 
-    def release(self, seq: Sequence) -> None:
-        if self._is_prefix_seq(seq):
-            raise InvalidRequestError(f"{seq.request_id} is a declared prefix: use unregister_prefix")
-        table = self._check_live(seq, self._live)
-        del self._live[seq.request_id]
+    def _release(self, seq: Sequence, table: _Table) -> None:
         self._drop(table.blocks)
 
-    def evict(self, num_pages: int) -> int:
+    def _evict(self, num_pages: int) -> int:
         """Nothing is ever cached-unpinned here (prefix blocks are pinned), so this frees 0."""
-        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
-            raise InvalidRequestError(f"evict: num_pages must be a non-negative int, got {num_pages!r}")
         return 0
 
     # -- block bookkeeping ------------------------------------------------------------
@@ -326,33 +291,30 @@ class PagedCache(PrefixCache):
             table.blocks[i] = dst
             table.seq.page_table[i] = dst
             ops.append(CopyOp(src, dst))
-        self._counters["copied_pages"] += len(ops)
         return ops
 
-    def _is_prefix_seq(self, seq: Sequence) -> bool:
-        return any(p.table.seq is seq for p in self._prefixes.values())
-
-    def _table_of(self, seq: Sequence) -> _Table:
+    def _commit_state(self, seq: Sequence) -> _Table:
         """A live sequence's table, or a declared prefix's (so the engine can commit it)."""
         for prefix in self._prefixes.values():
             if prefix.table.seq is seq:
                 return prefix.table
-        return self._check_live(seq, self._live)
+        return self._check_live(seq)
+
+    def _refuse_live(self, seq: object) -> None:
+        if any(p.table.seq is seq for p in self._prefixes.values()):
+            raise InvalidRequestError(f"{seq.request_id} is a declared prefix: use unregister_prefix")
+        super()._refuse_live(seq)
 
     # -- observation ----------------------------------------------------------------
 
-    def stats(self) -> CacheStats:
+    def _occupancy(self) -> Occupancy:
         ref = self._ref
         prefix_pages = sum(len(p.table.blocks) for p in self._prefixes.values())
         idle = sum(1 for p in self._prefixes.values() for b in p.table.blocks if ref[b] == 1)
         entries = sum(len(t.blocks) for t in self._live.values()) + prefix_pages
-        return CacheStats(
-            backend=self.name,
-            num_pages=self.num_pages,
-            page_size=self.page_size,
+        return Occupancy(
             pages_free=len(self._free),
             pages_cached=0,
-            pages_pinned=self.num_pages - len(self._free),
             metadata_bytes=self.num_pages * _REF_BYTES
             + entries * _ENTRY_BYTES
             + 4 * sum(p.tokens.size for p in self._prefixes.values()),
@@ -363,7 +325,6 @@ class PagedCache(PrefixCache):
                 "shared_pages": sum(1 for r in ref if r > 1),
                 "table_entries": entries,
             },
-            **self._counters,
         )
 
     def pages_pinned(self) -> int:
@@ -376,7 +337,13 @@ class PagedCache(PrefixCache):
         """How many tables and prefix registrations hold `page` (0 = free)."""
         return self._ref[page]
 
-    def check_invariants(self) -> None:
+    def _page_partition(self) -> PagePartition:
+        return PagePartition(free=list(self._free), cached=[], pinned=[b for b, r in enumerate(self._ref) if r > 0])
+
+    def _registered_pages(self) -> list[int]:
+        return [b for p in self._prefixes.values() for b in p.table.blocks]
+
+    def _check_invariants(self) -> None:
         from backends.paged_invariants import check_paged
 
         check_paged(self)

@@ -68,10 +68,10 @@ import numpy as np
 
 from backends.radix_match import verify_radix_match
 from backends.radix_tree import EVICTION_POLICIES, RadixNode, RadixTree
-from cachelib.errors import InvalidRequestError, StaleMatchError
-from cachelib.interface import PrefixCache
+from cachelib.errors import InvalidRequestError
+from cachelib.interface import LiveState, Occupancy, PagePartition, PrefixCache
 from cachelib.registry import register_backend
-from cachelib.types import CacheStats, CopyOp, Match, Sequence
+from cachelib.types import CopyOp, Match, Sequence
 
 #: how admission (and a further prefill chunk) evicts when free pages are short:
 #: `shortfall` = SGLang 0.5.23's `evict_to_free_tokens` (the demand minus what is free),
@@ -86,13 +86,13 @@ _TOKEN_BYTES = 4
 _PAGE_ID_BYTES = 4
 
 
-class _Held:
+class _Held(LiveState):
     """An admitted sequence: the node its lock hangs on, how many leading tokens that path
     covers (SGLang's `last_node` and `cache_protected_len`), how many it has inserted so far
     (`cache_inserted_len`: LFU counts a node once per request) and how many tokens its
     allocations have covered (SGLang allocates decode slots one step at a time)."""
 
-    __slots__ = ("seq", "node", "protected", "inserted", "covered")
+    __slots__ = ("node", "protected", "inserted", "covered")
 
     def __init__(self, seq: Sequence, node: RadixNode, protected: int, inserted: int, covered: int) -> None:
         self.seq = seq
@@ -115,6 +115,7 @@ class RadixCache(PrefixCache):
     """
 
     decode_steps_are_noops = True  # decode tokens enter the tree at release, as in SGLang
+    reuses_kv = True
 
     def __init__(
         self,
@@ -153,10 +154,6 @@ class RadixCache(PrefixCache):
         self._free_runs: list[list[int]] = []
         self._fresh = 0
         self._num_free = num_pages
-        self._live: dict[str, _Held] = {}
-        self._counters = dict(
-            lookups=0, lookup_tokens=0, admitted=0, admitted_tokens=0, hit_tokens=0, evicted_pages=0, copied_pages=0
-        )
         self._contents = np.full(num_pages * page_size, -1, dtype=np.int64) if track_contents else None
 
     # -- pages ------------------------------------------------------------------------
@@ -220,32 +217,22 @@ class RadixCache(PrefixCache):
     def _namespace(self, seq: Sequence) -> tuple:
         return seq.extra.namespace
 
-    # -- the contract -----------------------------------------------------------------
+    # -- the contract: the hooks the base class calls after its checks -----------------
 
-    def match(self, seq: Sequence) -> Match:
-        if not isinstance(seq, Sequence):
-            raise InvalidRequestError(f"expected a Sequence, got {type(seq).__name__}")
+    def _match(self, seq: Sequence) -> tuple[int, tuple[int, ...], RadixNode | None]:
         ps = self.page_size
         limit = (len(seq) - 1) // ps * ps
-        c = self._counters
-        c["lookups"] += 1
-        c["lookup_tokens"] += len(seq)
         if limit <= 0:
-            return Match(seq.request_id, 0, (), None, 0, self.match_token)
+            return 0, (), None
         node, hit, runs = self.tree.match(self._namespace(seq), seq.tokens, limit)
         if len(runs) == 1:
             pages = tuple(runs[0])
         else:
             pages = tuple(p for run in runs for p in run)
-        return Match(seq.request_id, hit, pages, node, 0, self.match_token)
+        return hit, pages, node
 
-    def admit(self, seq: Sequence, match: Match, num_tokens: int) -> list[CopyOp] | None:
-        self._check_new(seq, self._live)
-        self._check_match(seq, match)
-        node: RadixNode | None = match.handle
-        if node is not None and node.pages is None:
-            raise StaleMatchError(f"request {seq.request_id!r}: the matched prefix was evicted since; match again")
-        self._check_num_tokens(seq, num_tokens, max(match.num_tokens, 1))
+    def _admit(self, seq: Sequence, match: Match, num_tokens: int) -> tuple[_Held, list[CopyOp]] | None:
+        node: RadixNode | None = match.handle  # proven live and on seq's path by _verify_match
         tree = self.tree
         hit_pages = match.num_tokens // self.page_size
         need = self.pages_for(num_tokens) - hit_pages
@@ -262,16 +249,9 @@ class RadixCache(PrefixCache):
         table[0:0] = match.pages  # one list: hit pages, then the new ones
         seq.page_table = table
         seq.num_computed = match.num_tokens
-        self._live[seq.request_id] = _Held(seq, node, match.num_tokens, 0, num_tokens)
-        c = self._counters
-        c["admitted"] += 1
-        c["admitted_tokens"] += len(seq)
-        c["hit_tokens"] += match.num_tokens
-        return []
+        return _Held(seq, node, match.num_tokens, 0, num_tokens), []
 
-    def grow(self, seq: Sequence, num_tokens: int) -> list[CopyOp] | None:
-        held = self._check_live(seq, self._live)
-        self._check_num_tokens(seq, num_tokens, 0)
+    def _grow(self, seq: Sequence, held: _Held, num_tokens: int) -> list[CopyOp] | None:
         table = seq.page_table
         need = self.pages_for(num_tokens) - len(table)
         if need > self._num_free and self._num_free + self._evictable_pages() < need:
@@ -332,15 +312,8 @@ class RadixCache(PrefixCache):
             table.extend(self._take(k))
             pos = first + (k - 1) * ps + 1
 
-    def commit(self, seq: Sequence, num_computed: int) -> None:
-        held = self._check_live(seq, self._live)
-        self._check_num_tokens(seq, num_computed, seq.num_computed)
+    def _commit(self, seq: Sequence, held: _Held, num_computed: int) -> None:
         ps = self.page_size
-        table = seq.page_table
-        if num_computed > len(table) * ps:
-            raise InvalidRequestError(
-                f"request {seq.request_id!r}: {num_computed} tokens computed but pages cover {len(table) * ps}"
-            )
         if self._contents is not None and num_computed > seq.num_computed:
             self._record_contents(seq, seq.num_computed, num_computed)
         seq.num_computed = num_computed
@@ -370,16 +343,8 @@ class RadixCache(PrefixCache):
             held.node = new
         held.protected = end
 
-    def fork(self, parent: Sequence, child: Sequence) -> list[CopyOp] | None:
-        held = self._check_live(parent, self._live)
-        self._check_new(child, self._live)
+    def _fork(self, parent: Sequence, held: _Held, child: Sequence) -> tuple[_Held, list[CopyOp]] | None:
         computed = parent.num_computed
-        if len(child) < computed or not np.array_equal(child.tokens[:computed], parent.tokens[:computed]):
-            raise InvalidRequestError(
-                f"fork: {child.request_id!r} does not hold {parent.request_id!r}'s computed tokens"
-            )
-        if child.extra.namespace != parent.extra.namespace:
-            raise InvalidRequestError(f"fork: {child.request_id!r} has other extra keys than {parent.request_id!r}")
         ps = self.page_size
         full = computed // ps
         partial = computed % ps != 0
@@ -395,7 +360,6 @@ class RadixCache(PrefixCache):
             (copy,) = self._take(1)
             ops.append(CopyOp(parent.page_table[full], copy))
             pages.append(copy)
-            self._counters["copied_pages"] += 1
             if self._contents is not None:
                 self._contents[copy * ps : (copy + 1) * ps] = self._contents[
                     parent.page_table[full] * ps : (parent.page_table[full] + 1) * ps
@@ -403,23 +367,16 @@ class RadixCache(PrefixCache):
         child.page_table = pages
         child.num_computed = computed
         # The child counts its own LFU hits once, as a separate SGLang request would.
-        self._live[child.request_id] = _Held(child, held.node, full * ps, 0, computed)
-        return ops
+        return _Held(child, held.node, full * ps, 0, computed), ops
 
-    def release(self, seq: Sequence) -> None:
-        held = self._check_live(seq, self._live)
+    def _release(self, seq: Sequence, held: _Held) -> None:
         # SGLang's release_kv_cache -> checkpoint: what has KV goes into the tree when the
         # request ends, always (a walk that refreshes recency even when no page is new)
         self._insert(held, max(seq.num_computed // self.page_size * self.page_size, held.protected))
-        del self._live[seq.request_id]
         self.tree.unlock(held.node)
         self._give(seq.page_table[held.protected // self.page_size :])
 
-    def evict(self, num_pages: int) -> int:
-        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
-            raise InvalidRequestError(f"evict: num_pages must be a non-negative int, got {num_pages!r}")
-        if num_pages == 0:
-            return 0
+    def _evict(self, num_pages: int) -> int:
         return self._evict_tokens(num_pages * self.page_size)
 
     # -- observation ------------------------------------------------------------------
@@ -433,19 +390,13 @@ class RadixCache(PrefixCache):
     def on_evict(self, fn) -> None:
         self.tree.on_evict = fn
 
-    def stats(self) -> CacheStats:
+    def _occupancy(self) -> Occupancy:
         tree = self.tree
         ps = self.page_size
-        cached = tree.evictable_tokens // ps
-        free = self._num_free
         tree_tokens = tree.evictable_tokens + tree.protected_tokens
-        return CacheStats(
-            backend=self.name,
-            num_pages=self.num_pages,
-            page_size=ps,
-            pages_free=free,
-            pages_cached=cached,
-            pages_pinned=self.num_pages - free - cached,
+        return Occupancy(
+            pages_free=self._num_free,
+            pages_cached=tree.evictable_tokens // ps,
             metadata_bytes=tree.num_nodes * _NODE_BYTES
             + tree_tokens * _TOKEN_BYTES
             + (tree_tokens // ps) * _PAGE_ID_BYTES,
@@ -456,8 +407,19 @@ class RadixCache(PrefixCache):
                 "tree_nodes": tree.num_nodes,
                 "namespaces": len(tree.roots),
             },
-            **self._counters,
         )
+
+    def pages_pinned(self) -> int:
+        return self.num_pages - self._num_free - self.tree.evictable_tokens // self.page_size  # O(1)
+
+    def _page_partition(self) -> PagePartition:
+        cached: list[int] = []
+        pinned: list[int] = []
+        for node in self.tree.nodes():
+            (pinned if node.lock_ref else cached).extend(node.pages)
+        for held in self._live.values():  # private pages: past the tree's part of the table
+            pinned += held.seq.page_table[held.protected // self.page_size :]
+        return PagePartition(free=self._free_pages(), cached=cached, pinned=pinned)
 
     def _record_contents(self, seq: Sequence, lo: int, hi: int) -> None:
         ps = self.page_size
@@ -465,7 +427,7 @@ class RadixCache(PrefixCache):
         pages = np.asarray(seq.page_table, dtype=np.int64)[t // ps]
         self._contents[pages * ps + t % ps] = seq.tokens[lo:hi]
 
-    def check_invariants(self) -> None:
+    def _check_invariants(self) -> None:
         from backends.radix_invariants import check_radix
 
         check_radix(self)

@@ -12,17 +12,52 @@ Every call either succeeds or leaves the cache exactly as it was (an error, or `
     cache.commit(seq, k)              # KV of the first k tokens is written: publish it
     cache.grow(seq, n2); cache.commit(seq, k2) ...   # decode / next prefill chunk
     cache.release(seq)                # finished or preempted
+
+The public calls are template methods: this class validates the arguments, finds the
+sequence's live state (the exact `Sequence` object admitted), refuses a stale, foreign or
+forged `Match`, keeps the counters every backend keeps alike, and only then calls the
+backend's hook (`_match`, `_admit`, `_grow`, `_commit`, `_fork`, `_release`, `_evict`,
+`_occupancy`, `_check_invariants`). A hook gets arguments that are already proven sane.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
-from cachelib.errors import InvalidRequestError, UnknownSequenceError
+from cachelib.errors import InvalidRequestError, StaleMatchError, UnknownSequenceError
 from cachelib.types import CacheStats, CopyOp, Match, Sequence
+
+
+class LiveState:
+    """What a backend keeps per admitted sequence. `seq` is the very object admitted (or
+    forked): calls find the state by request id, then insist on that object."""
+
+    __slots__ = ("seq",)
+
+    def __init__(self, seq: Sequence) -> None:
+        self.seq = seq
+
+
+class Occupancy(NamedTuple):
+    """A backend's answer to `_occupancy`: pages free and cached-unpinned (the rest are
+    pinned), modelled index bytes, and backend-specific figures for `CacheStats.extra`."""
+
+    pages_free: int
+    pages_cached: int
+    metadata_bytes: int
+    extra: dict[str, Any]
+
+
+class PagePartition(NamedTuple):
+    """Every page id by state, gathered from a backend's own structures (free lists, index,
+    tables), never from its counters: what the shared invariant check compares them with."""
+
+    free: list[int]
+    cached: list[int]
+    pinned: list[int]
 
 
 class PrefixCache(ABC):
@@ -35,6 +70,11 @@ class PrefixCache(ABC):
     #: then batch those decode steps: it calls `commit` before the next `grow`, `fork` or
     #: `release` of the sequence. False (the safe default) = call both every step.
     decode_steps_are_noops: ClassVar[bool] = False
+    #: True when `match` can return a hit: the backend then overrides `_verify_match`
+    reuses_kv: ClassVar[bool] = False
+    #: True when the backend takes declared prefixes (`register_prefix`, `prefix_sequence`,
+    #: `unregister_prefix`, and `Sequence.prefix_id`): paged
+    declares_prefixes: ClassVar[bool] = False
 
     def __init__(self, num_pages: int, page_size: int) -> None:
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
@@ -46,10 +86,17 @@ class PrefixCache(ABC):
         #: stamped on every `Match` this cache makes (`Match.owner`): one `is` tells a match
         #: from another cache instance apart before anything else is looked at
         self.match_token = object()
+        #: request id -> the backend's `LiveState` of each admitted sequence
+        self._live: dict[str, Any] = {}
+        #: a backend bumps this when a change may invalidate matches made before (an
+        #: eviction, an unregistered prefix); a match from an older epoch is stale
+        self._epoch = 0
+        self._counters = dict(
+            lookups=0, lookup_tokens=0, admitted=0, admitted_tokens=0, hit_tokens=0, evicted_pages=0, copied_pages=0
+        )
 
     # -- the contract ---------------------------------------------------------------
 
-    @abstractmethod
     def match(self, seq: Sequence) -> Match:
         """Longest cached prefix of `seq` that can be reused. Pins nothing.
 
@@ -57,8 +104,14 @@ class PrefixCache(ABC):
         A backend may reorganise its index (split a node, refresh recency); it never
         changes which pages are free, cached or pinned.
         """
+        if seq.__class__ is not Sequence and not isinstance(seq, Sequence):
+            raise InvalidRequestError(f"expected a Sequence, got {type(seq).__name__}")
+        num_tokens, pages, handle = self._match(seq)
+        c = self._counters
+        c["lookups"] += 1
+        c["lookup_tokens"] += len(seq)
+        return Match(seq.request_id, num_tokens, pages, handle, self._epoch, self.match_token)
 
-    @abstractmethod
     def admit(self, seq: Sequence, match: Match, num_tokens: int) -> list[CopyOp] | None:
         """Pin `match`'s pages and allocate pages so the table covers `num_tokens` tokens.
 
@@ -66,83 +119,207 @@ class PrefixCache(ABC):
         must do first, or `None` (and changes nothing) when the pages do not fit.
         Raises `StaleMatchError` if the cache evicted since `match` was made.
         """
+        self._check_new(seq)
+        self._check_match(seq, match)
+        hit = match.num_tokens
+        self._check_num_tokens(seq, num_tokens, hit or 1)
+        admitted = self._admit(seq, match, num_tokens)
+        if admitted is None:
+            return None
+        state, ops = admitted
+        self._live[seq.request_id] = state
+        c = self._counters
+        c["admitted"] += 1
+        c["admitted_tokens"] += len(seq)
+        c["hit_tokens"] += hit
+        if ops:
+            c["copied_pages"] += len(ops)
+        return ops
 
-    @abstractmethod
     def grow(self, seq: Sequence, num_tokens: int) -> list[CopyOp] | None:
         """Extend an admitted sequence's table to cover `num_tokens` tokens; `None` if no room."""
+        state = self._check_live(seq)
+        self._check_num_tokens(seq, num_tokens, 0)
+        ops = self._grow(seq, state, num_tokens)
+        if ops:
+            self._counters["copied_pages"] += len(ops)
+        return ops
 
-    @abstractmethod
     def commit(self, seq: Sequence, num_computed: int) -> None:
-        """The KV of the first `num_computed` tokens is written; publish what the design publishes."""
+        """The KV of the first `num_computed` tokens is written; publish what the design publishes.
 
-    @abstractmethod
+        The count never goes back and never passes the pages the table covers."""
+        state = self._commit_state(seq)
+        self._check_num_tokens(seq, num_computed, seq.num_computed)
+        if num_computed > len(seq.page_table) * self.page_size:
+            raise InvalidRequestError(
+                f"request {seq.request_id!r}: {num_computed} tokens computed but pages cover "
+                f"{len(seq.page_table) * self.page_size}"
+            )
+        self._commit(seq, state, num_computed)
+
     def fork(self, parent: Sequence, child: Sequence) -> list[CopyOp] | None:
         """Let `child` continue from `parent`'s computed tokens and KV (sampling, beam search).
 
-        `child` must hold the parent's tokens and must not be admitted. Returns the copies
-        to do, or `None` when the pages for them do not fit.
+        `child` must hold the parent's computed tokens under the same extra keys and must
+        not be admitted. Returns the copies to do, or `None` when the pages for them do not fit.
         """
+        state = self._check_live(parent)
+        self._check_new(child)
+        self._check_fork(parent, child)
+        forked = self._fork(parent, state, child)
+        if forked is None:
+            return None
+        child_state, ops = forked
+        self._live[child.request_id] = child_state
+        if ops:
+            self._counters["copied_pages"] += len(ops)
+        return ops
 
-    @abstractmethod
     def release(self, seq: Sequence) -> None:
         """The sequence finished or was preempted: unpin its pages. Releasing twice raises."""
+        state = self._check_live(seq)
+        self._release(seq, state)
+        del self._live[seq.request_id]
 
-    @abstractmethod
     def evict(self, num_pages: int) -> int:
         """Free at least `num_pages` unpinned cached pages if there are that many; returns
         how many were freed. `evict(0)` is always safe and frees nothing."""
+        if num_pages.__class__ is not int or num_pages < 0:
+            raise InvalidRequestError(f"evict: num_pages must be a non-negative int, got {num_pages!r}")
+        return self._evict(num_pages) if num_pages else 0
 
-    @abstractmethod
     def stats(self) -> CacheStats:
         """Counters and occupancy. Read-only."""
+        occ = self._occupancy()
+        return CacheStats(
+            backend=self.name,
+            num_pages=self.num_pages,
+            page_size=self.page_size,
+            pages_free=occ.pages_free,
+            pages_cached=occ.pages_cached,
+            pages_pinned=self.num_pages - occ.pages_free - occ.pages_cached,
+            metadata_bytes=occ.metadata_bytes,
+            extra=occ.extra,
+            **self._counters,
+        )
 
-    @abstractmethod
     def check_invariants(self) -> None:
-        """Raise `InvariantViolation` on any broken invariant. Read-only, O(size of cache)."""
+        """Raise `InvariantViolation` on any broken invariant. Read-only, O(size of cache).
+
+        The shared part (`cachelib.invariants`: every page exactly one of free / cached /
+        pinned, the counts `stats()` reports, pinned pages exactly those of live tables and
+        registrations) runs first, then the backend's own `_check_invariants`."""
+        from cachelib.invariants import check_shared
+
+        check_shared(self)
+        self._check_invariants()
 
     def pages_pinned(self) -> int:
         """Pages held by live sequences (or pinned registrations): `stats().pages_pinned`.
-        Engines ask this every step; a backend whose `stats()` is not O(1) overrides it."""
-        return self.stats().pages_pinned
+        Engines ask this every step; a backend whose `_occupancy()` is not O(1) overrides it."""
+        occ = self._occupancy()
+        return self.num_pages - occ.pages_free - occ.pages_cached
 
     def pages_reclaimable(self) -> int:
         """Pages an allocation can get without touching a live sequence: free + cached."""
-        st = self.stats()
-        return st.pages_free + st.pages_cached
-
-    # -- helpers for backends ---------------------------------------------------------
+        occ = self._occupancy()
+        return occ.pages_free + occ.pages_cached
 
     def pages_for(self, num_tokens: int) -> int:
         """Pages needed to hold `num_tokens` tokens."""
         return -(-num_tokens // self.page_size)
 
-    # Every backend keeps its admitted sequences in a dict `request id -> state`, where the
-    # state's `seq` is the exact `Sequence` object admit (or fork) was given. Calls find the
-    # state by id and then insist on that object: a second `Sequence` carrying a live id
-    # (another request, a re-created one) would otherwise grow, publish or free pages
-    # through a table that is not its own.
+    # -- what a backend implements ------------------------------------------------------
 
-    def _check_new(self, seq: Sequence, live: dict) -> None:
+    @abstractmethod
+    def _match(self, seq: Sequence) -> tuple[int, tuple[int, ...], Any]:
+        """(hit tokens, their pages, the backend's handle) for `seq`; the base stamps the
+        request id, the epoch and this cache's `match_token` on the `Match`."""
+
+    @abstractmethod
+    def _admit(self, seq: Sequence, match: Match, num_tokens: int) -> tuple[LiveState, list[CopyOp]] | None:
+        """Pin the proven `match`, set `seq.page_table` over `num_tokens` tokens and
+        `seq.num_computed`; return (the new live state, copies), or `None` changing nothing."""
+
+    @abstractmethod
+    def _grow(self, seq: Sequence, state: LiveState, num_tokens: int) -> list[CopyOp] | None:
+        """Extend the table of the live `seq` to `num_tokens` (already in range)."""
+
+    @abstractmethod
+    def _commit(self, seq: Sequence, state: LiveState, num_computed: int) -> None:
+        """Set `seq.num_computed` (checked: not backwards, within the table) and publish."""
+
+    @abstractmethod
+    def _fork(self, parent: Sequence, state: LiveState, child: Sequence) -> tuple[LiveState, list[CopyOp]] | None:
+        """Map the checked `child` onto `parent`'s KV; (the child's live state, copies) or `None`."""
+
+    @abstractmethod
+    def _release(self, seq: Sequence, state: LiveState) -> None:
+        """Unpin the live `seq`'s pages (the base then forgets its state)."""
+
+    @abstractmethod
+    def _evict(self, num_pages: int) -> int:
+        """Free at least `num_pages` (> 0) cached pages if there are that many; how many freed."""
+
+    @abstractmethod
+    def _occupancy(self) -> Occupancy:
+        """Pages free and cached, index bytes, extra figures (for `stats`). Read-only."""
+
+    @abstractmethod
+    def _page_partition(self) -> PagePartition:
+        """Every page by state, from the backend's structures (for `check_invariants`)."""
+
+    @abstractmethod
+    def _check_invariants(self) -> None:
+        """The backend's own invariants (the shared ones are checked already)."""
+
+    def _registered_pages(self) -> list[int]:
+        """Pages pinned without a live sequence (paged's declared prefixes). Default none."""
+        return []
+
+    def _verify_match(self, seq: Sequence, match: Match) -> None:
+        """Prove a match against the index (backends with `reuses_kv` override this).
+
+        Called for a hit (`num_tokens > 0`) and for a miss that carries a handle (None and
+        an empty list are no handle). The default is for backends that never return either:
+        such a match is another cache's, or forged."""
+        raise InvalidRequestError(
+            f"request {seq.request_id!r}: a {self.name} cache never reuses KV, but the match claims "
+            f"{match.num_tokens} cached tokens / handle {match.handle!r:.40} (made by another cache, or forged)"
+        )
+
+    # -- the checks, once for every backend ---------------------------------------------
+
+    def _check_new(self, seq: Sequence) -> None:
         if not isinstance(seq, Sequence) or not isinstance(seq.request_id, str):
             raise InvalidRequestError(f"expected a Sequence with a str request id, got {seq!r}")
-        if seq.request_id in live:
+        if seq.request_id in self._live:
             raise InvalidRequestError(f"request {seq.request_id!r} is already admitted")
 
-    def _check_live(self, seq: Sequence, live: dict):
-        """The live state of `seq`; raises unless `seq` is the very object admitted."""
+    def _check_live(self, seq: Sequence) -> Any:
+        """The live state of `seq`; raises unless `seq` is the very object admitted.
+
+        A second `Sequence` carrying a live id (another request, a re-created one) would
+        otherwise grow, publish or free pages through a table that is not its own."""
         try:
-            state = live[seq.request_id]
+            state = self._live[seq.request_id]
         except (AttributeError, KeyError, TypeError):
             state = None
         if state is None or state.seq is not seq:
-            self._refuse_live(seq, live)
+            self._refuse_live(seq)
         return state
 
-    def _refuse_live(self, seq: object, live: dict) -> None:
+    #: the state `commit` writes through: the live one (paged overrides it to take a declared
+    #: prefix's own sequence too, which is never admitted); an alias, not a wrapper, since
+    #: commit runs every decode step
+    _commit_state = _check_live
+
+    def _refuse_live(self, seq: object) -> None:
         """Raise the error that says why `seq` is not a live sequence of this cache."""
         if not isinstance(seq, Sequence) or not isinstance(seq.request_id, str):
             raise InvalidRequestError(f"expected a Sequence with a str request id, got {seq!r}")
-        if seq.request_id not in live:
+        if seq.request_id not in self._live:
             raise UnknownSequenceError(f"request {seq.request_id!r} is not admitted (never, or already released)")
         raise InvalidRequestError(
             f"request {seq.request_id!r} is admitted as another Sequence object; pass the one given to admit/fork"
@@ -164,7 +341,7 @@ class PrefixCache(ABC):
             )
 
     def _check_num_tokens(self, seq: Sequence, num_tokens: int, lo: int) -> None:
-        if type(num_tokens) is int and lo <= num_tokens <= len(seq):
+        if num_tokens.__class__ is int and lo <= num_tokens <= len(seq):
             return  # the hot path: one type check, one comparison
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
             raise InvalidRequestError(f"num_tokens must be an int, got {num_tokens!r}")
@@ -173,15 +350,15 @@ class PrefixCache(ABC):
     def _check_match(self, seq: Sequence, match: Match) -> None:
         """Refuse a `Match` that does not describe `seq`'s prefix in this cache now.
 
-        The generic part (type, request id, a sane token count and page tuple) is checked
-        here; `_verify_match` then proves the hit against the backend's own index, so a
-        match made for other tokens under the same id, by another cache, or forged can
-        never pin a page that does not hold `seq`'s KV. A match made stale by the cache
-        changing in between raises `StaleMatchError`.
+        The generic part (type, request id, owner, a sane token count and page tuple, the
+        epoch) is checked here; `_verify_match` then proves the hit against the backend's
+        own index, so a match made for other tokens under the same id, by another cache, or
+        forged can never pin a page that does not hold `seq`'s KV. A match made stale by
+        the cache changing in between raises `StaleMatchError`.
         """
         if match.__class__ is not Match:
             raise InvalidRequestError(f"request {seq.request_id!r}: expected a Match, got {type(match).__name__}")
-        rid, n, pages, handle, _, owner = match  # one unpack: this runs on every admit
+        rid, n, pages, handle, epoch, owner = match  # one unpack: this runs on every admit
         if rid != seq.request_id:
             raise InvalidRequestError(f"match does not belong to request {seq.request_id!r}")
         if owner is not self.match_token:
@@ -196,18 +373,9 @@ class PrefixCache(ABC):
                 f"request {seq.request_id!r}: match of {n!r} tokens over {len(pages) if isinstance(pages, tuple) else pages!r} "
                 f"pages is not a match of this {len(seq)}-token sequence"
             )
+        if epoch != self._epoch:
+            raise StaleMatchError(f"request {seq.request_id!r}: the cache changed since this match; match again")
         if n or (handle is not None and not (handle.__class__ is list and not handle)):
             # a hit, or a miss with a handle (radix's namespace root): neither may smuggle a
             # node or blocks of another cache, sequence or namespace into admit
             self._verify_match(seq, match)
-
-    def _verify_match(self, seq: Sequence, match: Match) -> None:
-        """Prove a match against the index (backends that reuse KV override this).
-
-        Called for a hit (`num_tokens > 0`) and for a miss that carries a handle (None and
-        an empty list are no handle). The default is for backends that never return either:
-        such a match is another cache's, or forged."""
-        raise InvalidRequestError(
-            f"request {seq.request_id!r}: a {self.name} cache never reuses KV, but the match claims "
-            f"{match.num_tokens} cached tokens / handle {match.handle!r:.40} (made by another cache, or forged)"
-        )

@@ -14,15 +14,19 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 
-from cachelib.interface import PrefixCache
 from cachelib.types import CacheStats, CopyOp, Match, Sequence
 
 
-class VllmModel(PrefixCache):
+class VllmModel:
+    """Duck-types the `PrefixCache` calls the replay protocol makes, and no more: it shares
+    not even the contract's base class (and its checks) with the backend it judges."""
+
     name = "vllm-model"
+    decode_steps_are_noops = False
 
     def __init__(self, num_pages: int, page_size: int) -> None:
-        super().__init__(num_pages, page_size)
+        self.num_pages = num_pages
+        self.page_size = page_size
         self.ref_cnt = [0] * num_pages
         self.block_hash: list[bytes | None] = [None] * num_pages
         self.free = OrderedDict((b, None) for b in range(num_pages))
