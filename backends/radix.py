@@ -67,7 +67,8 @@ from __future__ import annotations
 import numpy as np
 
 from backends.radix_match import verify_radix_match
-from backends.radix_tree import EVICTION_POLICIES, RadixNode, RadixTree
+from backends.radix_policy import EvictionPolicy, make_policy
+from backends.radix_tree import RadixNode, RadixTree
 from cachelib.errors import InvalidRequestError
 from cachelib.interface import LiveState, Occupancy, PagePartition, PrefixCache
 from cachelib.registry import register_backend
@@ -106,7 +107,8 @@ class _Held(LiveState):
 class RadixCache(PrefixCache):
     """SGLang RadixAttention over `num_pages` pages of `page_size` tokens.
 
-    `eviction_policy`: `lru` (default), `lfu`, `fifo`, `mru`, `filo`.
+    `eviction_policy`: `lru` (default), `lfu`, `fifo`, `mru`, `filo`, or an
+    `EvictionPolicy` object (how a variant brings its own order: radix-aged).
     `admission_eviction`: `shortfall` (SGLang 0.5.23, default) or `extend` (older SGLang).
     `reserve_page`: SGLang's one-page over-estimate at page size > 1 (default True).
     `track_contents=True` records which token each page slot was written with, so
@@ -122,16 +124,13 @@ class RadixCache(PrefixCache):
         num_pages: int,
         page_size: int,
         *,
-        eviction_policy: str = "lru",
+        eviction_policy: str | EvictionPolicy = "lru",
         admission_eviction: str = "shortfall",
         reserve_page: bool = True,
         track_contents: bool = False,
     ) -> None:
         super().__init__(num_pages, page_size)
-        if not isinstance(eviction_policy, str):
-            raise InvalidRequestError(
-                f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, got {eviction_policy!r}"
-            )
+        policy = eviction_policy if isinstance(eviction_policy, EvictionPolicy) else make_policy(eviction_policy)
         if admission_eviction not in ADMISSION_EVICTION:
             raise InvalidRequestError(
                 f"admission_eviction must be one of {', '.join(ADMISSION_EVICTION)}, got {admission_eviction!r}"
@@ -146,8 +145,8 @@ class RadixCache(PrefixCache):
             # a decode step inside a held page still evicts when nothing is free: an engine
             # must call grow every step (declared per instance, the class default is True)
             self.decode_steps_are_noops = False
-        self.tree = RadixTree(page_size, eviction_policy)
-        self.eviction_policy = self.tree.policy
+        self.tree = RadixTree(page_size, policy)
+        self.eviction_policy = policy.name
         # Free pages: runs of recycled page ids (an evicted node's page list moves here whole,
         # so eviction does no per-page work), then the never-used ids `fresh..num_pages-1`,
         # created only when first handed out (an unlimited pool costs nothing up front).

@@ -15,6 +15,10 @@ that creates the node. Time `t` counts lookups, so `half_life` is in requests.
 asked for often stays even after a run of one-off prompts (a scan), and one that was hot
 long ago fades.
 
+The policy is an `EvictionPolicy` (`backends/radix_policy.py`) handed to the radix tree:
+the tree tells it of node creation, splits and lookups and keeps its candidate list
+sorted; nothing of the tree is overridden.
+
 Why the candidate list stays incremental: between two references every node's F decays by
 the same factor, so the *order* of F never changes with time alone. In logs,
 `log2 F(t) = A - t / half_life` with `A = log2 F(t_last) + t_last / half_life`, and `A`
@@ -33,10 +37,9 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from backends.radix import RadixCache
-from backends.radix_tree import RadixNode, RadixTree
+from backends.radix_policy import EvictionPolicy
+from backends.radix_tree import RadixNode
 from cachelib.errors import InvalidRequestError
 from cachelib.registry import register_backend
 
@@ -46,66 +49,40 @@ LLAMA3_8B_COST_CONTEXT = 27_000.0
 DEFAULT_HALF_LIFE = 200.0
 
 
-class AgedNode(RadixNode):
-    """A radix node with its aged log-frequency `aged = log2 F(t_last) + t_last / half_life`."""
+class LRFU(EvictionPolicy):
+    """Lowest LRFU score evicted first. A node's `policy_state` is its aged log-frequency
+    `A = log2 F(t_last) + t_last / half_life`; `now` counts lookups (the LRFU clock)."""
 
-    __slots__ = ("aged",)
+    __slots__ = ("half_life", "cost_context", "now")
+    name = "aged"
+    rekey_on_lookup = True  # a lookup references every node of the reused prefix
+    rekey_on_split = True  # with cost weighting the key reads the node's position
 
-
-class AgedRadixTree(RadixTree):
-    """`RadixTree` whose candidate leaves are ordered by LRFU score (lowest evicted first)."""
-
-    def __init__(self, page_size: int, half_life: float, cost_context: float | None) -> None:
-        super().__init__(page_size, "lru")
-        self.policy = "aged"
+    def __init__(self, half_life: float, cost_context: float | None) -> None:
         self.half_life = half_life
         self.cost_context = cost_context
-        self.now = 0  # lookups so far: the LRFU clock
-        self._key_fn = self._aged_key
+        self.now = 0
 
-    def _aged_key(self, n: AgedNode) -> tuple:
-        score = n.aged
+    def key(self, node: RadixNode) -> tuple:
+        score = node.policy_state
         if self.cost_context is not None:
-            score += math.log2(1.0 + (n.start + 0.5 * len(n.key)) / self.cost_context)
+            score += math.log2(1.0 + (node.start + 0.5 * len(node.key)) / self.cost_context)
         # ties (same score, e.g. siblings created by one request): least recently used first
-        return (score, n.last_access, n.node_id, n)
+        return (score, node.last_access, node.node_id, node)
 
-    def _rekey(self, n: AgedNode) -> None:
-        if n.cand_key is not None:
-            self.candidates.remove(n.cand_key)
-            n.cand_key = self._aged_key(n)
-            self.candidates.add(n.cand_key)
+    def created(self, node: RadixNode) -> None:
+        node.policy_state = self.now / self.half_life  # created by a request: F = 1 now
 
-    def _reference(self, n: AgedNode) -> None:
-        """One more reference now: F <- F * decay + 1, in log form (no overflow, no underflow)."""
-        t = self.now / self.half_life
-        n.aged = t + math.log2(1.0 + 2.0 ** (n.aged - t))
-        self._rekey(n)
+    def split(self, upper: RadixNode, lower: RadixNode) -> None:
+        upper.policy_state = lower.policy_state  # the upper part has had the same references
 
-    # -- the tree's hooks ------------------------------------------------------------
-
-    def _new_node(self, key: np.ndarray, pages: list[int], parent: RadixNode, tick: int) -> AgedNode:
-        self._next_id += 1
-        self.num_nodes += 1
-        node = AgedNode(key, pages, parent, tick, self._next_id)
-        node.aged = self.now / self.half_life  # created by a request: F = 1 now
-        return node
-
-    def _split(self, child: RadixNode, m: int, tick: int) -> RadixNode:
-        new = super()._split(child, m, tick)
-        new.aged = child.aged  # the upper part has had the same references
-        if self.cost_context is not None:
-            self._rekey(child)  # the lower part now starts deeper: its cost changed
-        return new
-
-    def match(self, namespace: tuple, tokens: np.ndarray, limit: int):
+    def lookup(self, node: RadixNode | None) -> None:
         self.now += 1
-        node, pos, runs = super().match(namespace, tokens, limit)
-        x = node
-        while x is not None and x.parent is not None:  # every node of the reused prefix
-            self._reference(x)
-            x = x.parent
-        return node, pos, runs
+        t = self.now / self.half_life
+        while node is not None and node.parent is not None:  # every node of the reused prefix
+            # one more reference now: F <- F * decay + 1, in log form (no overflow, no underflow)
+            node.policy_state = t + math.log2(1.0 + 2.0 ** (node.policy_state - t))
+            node = node.parent
 
 
 @register_backend("radix-aged")
@@ -126,12 +103,11 @@ class AgedRadixCache(RadixCache):
         cost_context: float | None = LLAMA3_8B_COST_CONTEXT,
         track_contents: bool = False,
     ) -> None:
-        super().__init__(num_pages, page_size, track_contents=track_contents)
         if not (isinstance(half_life, (int, float)) and not isinstance(half_life, bool) and half_life > 0):
             raise InvalidRequestError(f"half_life must be a positive number (inf allowed), got {half_life!r}")
         if cost_context is not None and not (
             isinstance(cost_context, (int, float)) and not isinstance(cost_context, bool) and cost_context > 0
         ):
             raise InvalidRequestError(f"cost_context must be a positive number or None, got {cost_context!r}")
-        self.tree = AgedRadixTree(page_size, float(half_life), None if cost_context is None else float(cost_context))
-        self.eviction_policy = "aged"
+        policy = LRFU(float(half_life), None if cost_context is None else float(cost_context))
+        super().__init__(num_pages, page_size, eviction_policy=policy, track_contents=track_contents)

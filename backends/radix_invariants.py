@@ -56,7 +56,7 @@ def check_radix(cache: RadixCache) -> None:
         if is_cand != (node.cand_key is not None):
             _fail(f"{node}: unlocked leaf={is_cand} but candidate={node.cand_key is not None}")
         if is_cand:
-            if node.cand_key != tree._key_fn(node):
+            if node.cand_key != tree.policy.key(node):
                 _fail(f"{node}: stale candidate key")
             candidates.add(node.node_id)
     if nodes != tree.num_nodes:

@@ -11,6 +11,10 @@ candidates are the unlocked leaves, kept in a `SortedList` by policy key and upd
 incrementally (a node enters when it becomes an unlocked leaf, leaves when it is locked,
 gains a child or is evicted, and is re-keyed when touched), never rebuilt per eviction.
 
+The order is a strategy object (`backends/radix_policy.py`): the tree tells it of the
+events that can move a key (creation, split, a lookup's references) and re-keys the
+candidates whose key moved; the five SGLang policies read only the node fields below.
+
 Recency is a logical clock: every walk (match or insert) takes one tick and stamps every
 node it visits with it, as SGLang stamps one `time.monotonic()` per walk; runs are
 therefore reproducible. Among leaves the policy keys are unique (two nodes stamped by one
@@ -24,12 +28,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 from sortedcontainers import SortedList
 
-from cachelib.errors import InvalidRequestError
-
-#: policy -> the sort key of a candidate leaf (smallest evicted first), as SGLang's
-#: `evict_policy.py`: LRU last access; LFU (hit count, last access); FIFO creation;
-#: MRU / FILO their negations.
-EVICTION_POLICIES = ("lru", "lfu", "fifo", "mru", "filo")
+from backends.radix_policy import EvictionPolicy
 
 
 class RadixNode:
@@ -48,6 +47,7 @@ class RadixNode:
         "start",
         "cand_key",
         "namespace",
+        "policy_state",
     )
 
     def __init__(
@@ -65,6 +65,7 @@ class RadixNode:
         self.start = 0 if parent is None else parent.start + len(parent.key)  # token offset
         self.cand_key: tuple | None = None  # its entry in the candidate list, if there
         self.namespace = None if parent is None else parent.namespace
+        self.policy_state: object = None  # what the eviction policy keeps per node, if anything
 
     def __repr__(self) -> str:
         return f"RadixNode(#{self.node_id}, start={self.start}, len={len(self.key)}, lock={self.lock_ref})"
@@ -73,15 +74,10 @@ class RadixNode:
 class RadixTree:
     """Radix tree over token ids with page-granular keys and policy-ordered leaf eviction."""
 
-    def __init__(self, page_size: int, eviction_policy: str = "lru") -> None:
-        policy = eviction_policy.lower() if isinstance(eviction_policy, str) else eviction_policy
-        if policy not in EVICTION_POLICIES:
-            raise InvalidRequestError(
-                f"unknown eviction policy {eviction_policy!r}; choose one of {', '.join(EVICTION_POLICIES)}"
-            )
+    def __init__(self, page_size: int, policy: EvictionPolicy) -> None:
         self.page_size = page_size
         self.policy = policy
-        self._key_fn: Callable[[RadixNode], tuple] = _POLICY_KEYS[policy]
+        self._key: Callable[[RadixNode], tuple] = policy.key  # bound once: called on every re-key
         self.roots: dict[tuple, RadixNode] = {}
         self.candidates: SortedList = SortedList()
         self.evictable_tokens = 0
@@ -115,7 +111,15 @@ class RadixTree:
     def _new_node(self, key: np.ndarray, pages: list[int], parent: RadixNode, tick: int) -> RadixNode:
         self._next_id += 1
         self.num_nodes += 1
-        return RadixNode(key, pages, parent, tick, self._next_id)
+        node = RadixNode(key, pages, parent, tick, self._next_id)
+        self.policy.created(node)
+        return node
+
+    def _rekey(self, node: RadixNode) -> None:
+        """The policy key of candidate `node` may have moved: re-sort it."""
+        self.candidates.remove(node.cand_key)
+        node.cand_key = key = self._key(node)
+        self.candidates.add(key)
 
     def _uncandidate(self, node: RadixNode) -> None:
         if node.cand_key is not None:
@@ -126,7 +130,7 @@ class RadixTree:
         """Make `node` a candidate iff it is an unlocked leaf (roots are always locked)."""
         if node.lock_ref == 0 and not node.children:
             if node.cand_key is None:
-                key = self._key_fn(node)
+                key = self._key(node)
                 node.cand_key = key
                 self.candidates.add(key)
         elif node.cand_key is not None:
@@ -136,10 +140,7 @@ class RadixTree:
     def _touch(self, node: RadixNode, tick: int) -> None:
         node.last_access = tick
         if node.cand_key is not None:  # re-key: its policy key may have changed
-            self.candidates.remove(node.cand_key)
-            key = self._key_fn(node)
-            node.cand_key = key
-            self.candidates.add(key)
+            self._rekey(node)
 
     # -- walking ----------------------------------------------------------------------
 
@@ -168,6 +169,9 @@ class RadixTree:
         child.start += m
         child.parent = new
         new.children[self._child_key(child.key, 0)] = child
+        self.policy.split(new, child)
+        if self.policy.rekey_on_split and child.cand_key is not None:
+            self._rekey(child)  # it starts deeper now
         return new
 
     def match(self, namespace: tuple, tokens: np.ndarray, limit: int) -> tuple[RadixNode | None, int, list[list[int]]]:
@@ -177,6 +181,8 @@ class RadixTree:
         """
         root = self.roots.get(namespace)
         if root is None:
+            if self.policy.rekey_on_lookup:
+                self.policy.lookup(None)
             return None, 0, []
         t = self.tick()
         root.last_access = t
@@ -197,7 +203,17 @@ class RadixTree:
             runs.append(child.pages)
             node = child
             pos += klen
+        if self.policy.rekey_on_lookup:
+            self._lookup(node)
         return node, pos, runs
+
+    def _lookup(self, node: RadixNode) -> None:
+        """Tell the policy a lookup reused root..`node`; re-key the candidates on that path."""
+        self.policy.lookup(node)
+        while node.parent is not None:
+            if node.cand_key is not None:
+                self._rekey(node)
+            node = node.parent
 
     def insert(
         self, node: RadixNode, pos: int, tokens: np.ndarray, end: int, pages: list[int], count_from: int
@@ -332,32 +348,3 @@ class RadixTree:
             node = node.parent
         out.reverse()
         return out
-
-
-def _lru(n: RadixNode) -> tuple:
-    return (n.last_access, n.node_id, n)
-
-
-def _lfu(n: RadixNode) -> tuple:
-    return (n.hit_count, n.last_access, n.node_id, n)
-
-
-def _fifo(n: RadixNode) -> tuple:
-    return (n.creation, n.node_id, n)
-
-
-def _mru(n: RadixNode) -> tuple:
-    return (-n.last_access, n.node_id, n)
-
-
-def _filo(n: RadixNode) -> tuple:
-    return (-n.creation, n.node_id, n)
-
-
-_POLICY_KEYS: dict[str, Callable[[RadixNode], tuple]] = {
-    "lru": _lru,
-    "lfu": _lfu,
-    "fifo": _fifo,
-    "mru": _mru,
-    "filo": _filo,
-}

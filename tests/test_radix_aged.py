@@ -70,10 +70,10 @@ def test_aged_scores_by_hand():
     f_a = 1.0
     f_a = f_a * 2 ** (-(2 - 1) / 2) + 1  # a2 reuses A
     f_a = f_a * 2 ** (-(3 - 2) / 2) + 1  # a3 reuses A
-    assert nodes[100].aged == pytest.approx(math.log2(f_a) + 3 / 2)
-    assert nodes[1].aged == pytest.approx(1 / 2)  # split off a1's leaf: a1's one reference
-    assert nodes[2].aged == pytest.approx(2 / 2) and nodes[3].aged == pytest.approx(3 / 2)
-    assert nodes[200].aged == pytest.approx(4 / 2) and nodes[300].aged == pytest.approx(5 / 2)
+    assert nodes[100].policy_state == pytest.approx(math.log2(f_a) + 3 / 2)
+    assert nodes[1].policy_state == pytest.approx(1 / 2)  # split off a1's leaf: a1's one reference
+    assert nodes[2].policy_state == pytest.approx(2 / 2) and nodes[3].policy_state == pytest.approx(3 / 2)
+    assert nodes[200].policy_state == pytest.approx(4 / 2) and nodes[300].policy_state == pytest.approx(5 / 2)
 
 
 def test_frequent_prefix_outlives_a_scan_where_lru_drops_it():
@@ -107,8 +107,8 @@ def test_infinite_half_life_counts_references():
     cache = aged(half_life=math.inf)
     hot_doc_then_scan(cache)
     nodes = {int(n.key[0]): n for n in cache.tree.nodes()}
-    assert 2 ** nodes[100].aged == pytest.approx(3)  # created by a1, reused by a2, a3
-    assert all(2 ** nodes[t].aged == pytest.approx(1) for t in (1, 2, 3, 200, 300))
+    assert 2 ** nodes[100].policy_state == pytest.approx(3)  # created by a1, reused by a2, a3
+    assert all(2 ** nodes[t].policy_state == pytest.approx(1) for t in (1, 2, 3, 200, 300))
     # equal counts fall back to LRU among them; the hot document goes last
     assert first_tokens_in_eviction_order(cache) == [1, 2, 3, 200, 300, 100]
 
@@ -139,8 +139,8 @@ def test_split_keeps_the_history_and_rekeys_the_lower_part():
     cache.check_invariants()  # a stale candidate key (old start) would fail here
     lower = next(n for n in cache.tree.nodes() if n.start == 6 and int(n.key[0]) == 6)
     upper = lower.parent
-    assert lower.aged == pytest.approx(1 / 4)
-    assert upper.aged == pytest.approx(2 / 4 + math.log2(1 + 2 ** (-1 / 4)))
+    assert lower.policy_state == pytest.approx(1 / 4)
+    assert upper.policy_state == pytest.approx(2 / 4 + math.log2(1 + 2 ** (-1 / 4)))
 
 
 def test_same_hits_as_radix_without_pressure():
