@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import multiprocessing
 import signal
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -45,6 +46,7 @@ class Failure:
     error: BaseException | None = None
     signal_name: str | None = None
     exitcode: int | None = None
+    trace: str | None = None  # the formatted traceback of `error`, shown when it is a bug
 
     def text(self) -> str:
         if self.error is not None:
@@ -67,19 +69,23 @@ class TasksFailed(Exception):
         """Every failure is an exception of one of `kinds` (none died)."""
         return all(f.error is not None and isinstance(f.error, kinds) for f in self.failures)
 
+    def tracebacks(self, expected: tuple[type[BaseException], ...]) -> list[str]:
+        """The tracebacks of the failures that raised an error not of the `expected` kinds (bugs)."""
+        return [f.trace for f in self.failures if f.trace and not isinstance(f.error, expected)]
+
 
 def _child(conn: Connection, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-    """A child's body: run the task, send ("ok", result) or ("raised", exception)."""
+    """A child's body: run the task, send ("ok", result) or ("raised", (exception, traceback))."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent answers Ctrl-C and kills us
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # blocked since birth, see CellPool._start
     try:
         message: tuple[str, Any] = ("ok", fn(*args))
     except Exception as exc:  # noqa: BLE001 - every error goes back to the parent, named
-        message = ("raised", exc)
+        message = ("raised", (exc, traceback.format_exc()))
     try:
         conn.send(message)
     except Exception as exc:  # noqa: BLE001 - an exception that does not pickle
-        conn.send(("raised", RuntimeError(f"{type(exc).__name__}: {exc}")))
+        conn.send(("raised", (RuntimeError(f"{type(exc).__name__}: {exc}"), traceback.format_exc())))
     conn.close()
 
 
@@ -152,7 +158,8 @@ class CellPool:
         if message is not None and message[0] == "ok":
             return (message[1],)
         if message is not None:
-            return Failure(run.task.label, error=message[1])
+            error, trace = message[1]
+            return Failure(run.task.label, error=error, trace=trace)
         code = run.process.exitcode
         if code is not None and code < 0:
             return Failure(run.task.label, signal_name=signal.Signals(-code).name, exitcode=code)

@@ -34,13 +34,14 @@ import tempfile
 from pathlib import Path
 from types import TracebackType
 
+from experiments.errors import InputError
 from experiments.interrupts import DeferredInterrupts
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 
 
-class OutputError(Exception):
+class OutputError(InputError):
     """The output cannot be written or is in use by another run; one line for the user."""
 
 

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from experiments.errors import InputError
 from experiments.runner import CellConfig
 
 #: the project's top-level packages, shipped to a cluster's workers
@@ -41,7 +42,7 @@ class CellFailed(RuntimeError):
 
 
 def describe(cfg: CellConfig) -> str:
-    return f"{cfg.key()} ({cfg.backend} on {cfg.workload}, {cfg.capacity_tokens} tokens, page {cfg.page_size})"
+    return f"{cfg.key()} ({cfg.backend_label} on {cfg.workload}, {cfg.capacity_tokens} tokens, page {cfg.page_size})"
 
 
 def _run_cell_dict(config: dict[str, Any]) -> dict[str, Any]:
@@ -91,7 +92,7 @@ def run_on_ray(
     try:
         import ray
     except ImportError:
-        raise ValueError("--ray needs the ray extra: pip install -e '.[ray]'") from None
+        raise InputError("--ray needs the ray extra: pip install -e '.[ray]'") from None
     if not cells:
         return []
     started = _init(ray, address, num_cpus)

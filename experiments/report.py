@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from experiments.backend_options import variant_label
+
 COLUMNS = [
     ("replay hit rate", lambda c: _get(c, "replay", "hit_rate"), "{:.2%}"),
     ("serving hit rate", lambda c: _get(c, "serving", "hit_rate"), "{:.2%}"),
@@ -74,6 +76,13 @@ def _style(results: dict[str, Any], backend: str) -> dict[str, Any]:
     return {"linestyle": _STYLES[i % len(_STYLES)], "color": f"C{i % 10}"}
 
 
+def label(cell: dict[str, Any]) -> str:
+    """The cell's backend as tables, plots and the CSV name it: its name and non-default
+    options (`radix[eviction_policy=lfu]`), the entry of the document's `backends`."""
+    cfg = cell["config"]
+    return variant_label(cfg["backend"], cfg.get("backend_options") or {})
+
+
 def _get(cell: dict, section: str, key: str) -> Any:
     return cell.get(section, {}).get(key)
 
@@ -98,7 +107,8 @@ def load(path: str | Path) -> dict[str, Any]:
 
 def write_csv(results: dict[str, Any], path: Path) -> None:
     """One row per cell: its configuration and every scalar metric."""
-    header = ["backend", "workload", "capacity_tokens", "page_size", "executor", "device", "ordering"]
+    header = ["backend", "label", "backend_options", "workload", "capacity_tokens", "page_size", "executor", "device"]
+    header.append("ordering")
     for section, keys in CSV_FIELDS:
         header += [f"{section}.{k}" for k in keys]
     with path.open("w", newline="") as fh:
@@ -108,6 +118,8 @@ def write_csv(results: dict[str, Any], path: Path) -> None:
             cfg = cell["config"]
             row = [
                 cfg["backend"],
+                label(cell),
+                json.dumps(cfg.get("backend_options") or {}, sort_keys=True),
                 cfg["workload"],
                 cfg["capacity_tokens"],
                 cfg["page_size"],
@@ -141,9 +153,7 @@ def markdown(results: dict[str, Any], figures: list[str]) -> str:
         lines.append("| backend | " + " | ".join(name for name, _, _ in COLUMNS) + " |")
         lines.append("|---" * (len(COLUMNS) + 1) + "|")
         for c in cells:
-            lines.append(
-                f"| {c['config']['backend']} | " + " | ".join(_fmt(get(c), spec) for _, get, spec in COLUMNS) + " |"
-            )
+            lines.append(f"| {label(c)} | " + " | ".join(_fmt(get(c), spec) for _, get, spec in COLUMNS) + " |")
         if bounds:
             dash = " | ".join("—" for _ in COLUMNS[1:])
             lines.append(f"| *infinite capacity* | {bounds['infinite']['hit_rate']:.2%} | {dash} |")
@@ -186,7 +196,7 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[str]:
                 (
                     _get(c, "replay", "hit_rate")
                     for c in results["cells"]
-                    if c["config"]["backend"] == b and c["config"]["capacity_tokens"] == cap
+                    if label(c) == b and c["config"]["capacity_tokens"] == cap
                 ),
                 None,
             )
@@ -217,7 +227,7 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[str]:
         for ax, cap in zip(axes[0], caps, strict=True):
             for c in results["cells"]:
                 if c["config"]["capacity_tokens"] == cap and "serving" in c:
-                    drew |= draw(ax, c, _style(results, c["config"]["backend"]))
+                    drew |= draw(ax, c, _style(results, label(c)))
             ax.set_title(f"{cap:,} tokens")
             ax.set_xlabel(xlabel)
             ax.grid(alpha=0.3)
@@ -236,9 +246,7 @@ def _draw_ttft(ax, cell, style) -> bool:
     q = cell["serving"]["ttft_quantiles"]
     if not q:
         return False
-    ax.plot(
-        q, [i / (len(q) - 1) if len(q) > 1 else 1.0 for i in range(len(q))], label=cell["config"]["backend"], **style
-    )
+    ax.plot(q, [i / (len(q) - 1) if len(q) > 1 else 1.0 for i in range(len(q))], label=label(cell), **style)
     return True
 
 
@@ -246,7 +254,7 @@ def _draw_pages(ax, cell, style) -> bool:
     tl = cell["serving"]["pages_timeline"]
     if not tl:
         return False
-    ax.step([t for t, _ in tl], [p for _, p in tl], where="post", label=cell["config"]["backend"], linewidth=1, **style)
+    ax.step([t for t, _ in tl], [p for _, p in tl], where="post", label=label(cell), linewidth=1, **style)
     return True
 
 

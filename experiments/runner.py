@@ -22,12 +22,16 @@ from typing import Any
 
 from cachelib import create_cache
 from cachelib.interface import PrefixCache
+from experiments import defaults
+from experiments.backend_options import variant_label
 from experiments.engine import replay
+from experiments.errors import InputError
 from experiments.executors import DEVICE_PROFILES, CostModelExecutor, ModelExecutor
 from experiments.metrics import serving_metrics
 from experiments.serving import ServingConfig, serve
 from experiments.workloads.generators import Workload
 from experiments.workloads.registry import make_workload
+from experiments.workloads.spec import RequestSpec
 
 PROTOCOLS = ("replay", "serving", "both")
 EXECUTORS = ("cost", "model")
@@ -38,8 +42,16 @@ EXECUTORS = ("cost", "model")
 KILL_CELL_ENV = "PCL_TEST_KILL_CELL"
 
 
-class CapacityError(ValueError):
+class CapacityError(InputError, ValueError):
     """The capacity cannot hold even one request of the workload."""
+
+
+class ConfigError(InputError, ValueError):
+    """A cell setting that names nothing known (a protocol, executor, device or model)."""
+
+
+class WorkloadInputError(InputError, ValueError):
+    """The workload refused its knobs or input files (raised by `build_workload`)."""
 
 
 @dataclass(frozen=True)
@@ -49,18 +61,19 @@ class CellConfig:
     backend: str
     workload: str
     capacity_tokens: int
-    page_size: int = 16
+    page_size: int = defaults.PAGE_SIZE
     knobs: dict[str, Any] = field(default_factory=dict)
-    seed: int = 0
-    protocol: str = "both"
-    executor: str = "cost"
-    device: str = "h200"
-    model: str = "llama3-8b"
-    attention: str = "auto"  # model executor: auto | torch | flashinfer
+    seed: int = defaults.SEED
+    protocol: str = defaults.PROTOCOL
+    executor: str = defaults.EXECUTOR
+    device: str = defaults.DEVICE
+    model: str = defaults.MODEL
+    attention: str = defaults.ATTENTION  # model executor: auto | torch | flashinfer
     device_calibration: str | None = None  # GPU benchmark JSON the cost model calibrates from
-    token_budget: int = 8192
-    max_running: int = 256
-    ordering: str = "fcfs"
+    token_budget: int = defaults.TOKEN_BUDGET
+    max_running: int = defaults.MAX_RUNNING
+    ordering: str = defaults.ORDERING
+    #: the backend's non-default constructor options (experiments/backend_options.py)
     backend_options: dict[str, Any] = field(default_factory=dict)
     #: what the numbers depend on beyond the settings (experiments/provenance.py): the code
     #: version and input file digests; part of `key()`, so stale cells are never reused
@@ -68,11 +81,16 @@ class CellConfig:
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOLS:
-            raise ValueError(f"unknown protocol {self.protocol!r}; choose one of {', '.join(PROTOCOLS)}")
+            raise ConfigError(f"unknown protocol {self.protocol!r}; choose one of {', '.join(PROTOCOLS)}")
         if self.executor not in EXECUTORS:
-            raise ValueError(f"unknown executor {self.executor!r}; choose one of {', '.join(EXECUTORS)}")
+            raise ConfigError(f"unknown executor {self.executor!r}; choose one of {', '.join(EXECUTORS)}")
         if self.device not in DEVICE_PROFILES:
-            raise ValueError(f"unknown device {self.device!r}; choose one of {', '.join(DEVICE_PROFILES)}")
+            raise ConfigError(f"unknown device {self.device!r}; choose one of {', '.join(DEVICE_PROFILES)}")
+
+    @property
+    def backend_label(self) -> str:
+        """The backend and its non-default options, as tables name it: `radix[eviction_policy=lfu]`."""
+        return variant_label(self.backend, self.backend_options)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -83,7 +101,14 @@ class CellConfig:
 
 
 def build_workload(cfg: CellConfig) -> Workload:
-    return make_workload(cfg.workload, seed=cfg.seed, **cfg.knobs)
+    """The cell's workload. The workloads refuse bad knobs, traces and tokenizers with a
+    `ValueError` or `FileNotFoundError`; those are bad input, a `WorkloadInputError`."""
+    try:
+        return make_workload(cfg.workload, seed=cfg.seed, **cfg.knobs)
+    except InputError:
+        raise
+    except (ValueError, FileNotFoundError) as exc:
+        raise WorkloadInputError(str(exc)) from exc
 
 
 def check_capacity(workload: Workload, capacity_tokens: int, page_size: int) -> int:
@@ -99,9 +124,9 @@ def check_capacity(workload: Workload, capacity_tokens: int, page_size: int) -> 
     return num_pages
 
 
-def _prompt_len(spec) -> int:
+def _prompt_len(spec: RequestSpec) -> int:
     src = spec.prompt_source
-    return len(src) if hasattr(src, "__len__") else len(spec.prompt)
+    return len(spec.prompt) if callable(src) else len(src)
 
 
 def _declare_prefixes(cache: PrefixCache, workload: Workload, executor) -> tuple[list, float]:
@@ -143,7 +168,7 @@ def make_executor(cfg: CellConfig, num_pages: int):
     from attention.model import PRESETS, LlamaModel
 
     if cfg.model not in PRESETS:
-        raise ValueError(f"unknown model {cfg.model!r}; choose one of {', '.join(PRESETS)}")
+        raise ConfigError(f"unknown model {cfg.model!r}; choose one of {', '.join(PRESETS)}")
     device = "cuda" if cfg.attention != "torch" and _cuda() else "cpu"
     model = LlamaModel(PRESETS[cfg.model], seed=cfg.seed, device=device, attention=cfg.attention)
     return ModelExecutor(model, num_pages, cfg.page_size)

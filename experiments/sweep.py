@@ -20,102 +20,80 @@ Cells run in local processes (`--jobs N`) or on Ray (`--ray local|ADDRESS`, see
 
 from __future__ import annotations
 
-import os
+import dataclasses
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from experiments.cell_pool import TasksFailed
+from experiments.backend_options import BackendVariant
+from experiments.cell_pool import Failure, TasksFailed
+from experiments.cell_runs import cells_for, run_cells
 from experiments.cell_store import CellStore
 from experiments.output_dir import OutputLock, StagedDir, check_writable_dir
 from experiments.provenance import provenance
 from experiments.results import REPORT_ENTRIES, document, write
 from experiments.runner import CellConfig, bounds, build_workload, check_capacity
 
-DEFAULT_CAPACITIES = [25_000, 50_000, 100_000, 200_000]
+
+@dataclass(frozen=True)
+class SweepPlan:
+    """What a sweep runs: `template` (every setting but the grid's) over the grid."""
+
+    template: CellConfig
+    variants: list[BackendVariant]
+    workloads: dict[str, dict[str, Any]]  # workload name -> its knobs
+    capacities: list[int]
+    page_sizes: list[int]
+    jobs: int = 1
+    ray: str | None = None  # `local` or a cluster address; None: local processes
+    progress: bool = True
+    with_bounds: bool = True
+    argv: list[str] | None = None  # the command line, for the reports (None: sys.argv)
 
 
-def _workload_knobs(wname: str, knobs: dict[str, Any], args) -> dict[str, Any]:
-    """The knobs that apply to one workload of the grid.
-
-    Without `--knob` (and `--trace`) the knobs are the built-in defaults of `--workload`
-    and belong to it alone; given knobs go to every workload of the grid that takes them."""
-    if not getattr(args, "knob", None) and not args.trace:
-        return knobs if wname == args.workload else {}
-    from experiments.workloads.registry import WORKLOADS, knobs_of
-
-    if len(set(args.workloads or [])) <= 1 or wname not in WORKLOADS:
-        return knobs  # one workload: make_workload names a knob it does not take, or an unknown name
-    accepted = knobs_of(wname)
-    return {k: v for k, v in knobs.items() if k in accepted}
-
-
-def _check_knobs_used(workloads: list[str], knobs: dict[str, Any], per: dict[str, dict[str, Any]]) -> None:
-    from experiments.workloads.registry import WorkloadError
-
-    unused = [k for k in knobs if not any(k in per[w] for w in workloads)]
-    if unused:
-        raise WorkloadError(f"knob(s) {', '.join(unused)} taken by none of the workloads {', '.join(workloads)}")
-
-
-def run_sweep(args, backends: list[str]) -> int:
-    from experiments.cli_compare import _knobs as knobs_of
-
-    out_dir = Path(os.path.abspath(args.output_dir))
-    knobs = knobs_of(args)
+def run_sweep(plan: SweepPlan, out_dir: Path) -> int:
+    """Run the cells of `plan` not yet in `out_dir/cells`, then write one report per
+    (workload, page size) under `out_dir`."""
     check_writable_dir(out_dir)  # before any work
     with OutputLock(out_dir):
-        return _sweep_locked(args, backends, knobs, out_dir)
+        return _sweep_locked(plan, out_dir)
 
 
-def _sweep_locked(args, backends: list[str], knobs: dict[str, Any], out_dir: Path) -> int:
-    from experiments.cli_compare import _cells as cells_of
-    from experiments.cli_compare import execute
-
-    store = CellStore(out_dir / "cells")
-    workloads = list(dict.fromkeys(args.workloads or (["mooncake"] if args.trace else [args.workload])))
-    per = {w: _workload_knobs(w, knobs, args) for w in workloads}
-    if getattr(args, "knob", None) or args.trace:
-        _check_knobs_used(workloads, knobs, per)
-    capacities = args.capacity_tokens or DEFAULT_CAPACITIES
-    page_sizes = list(dict.fromkeys(args.page_size))
-    started = time.perf_counter()
-    plan: list[tuple[str, int, list[CellConfig]]] = []
-    for wname in workloads:
-        wl = build_workload(
-            CellConfig(
-                backend=backends[0], workload=wname, capacity_tokens=capacities[0], knobs=per[wname], seed=args.seed
-            )
-        )
-        prov = provenance(wl.config)
-        for page in page_sizes:
-            for cap in capacities:
+def _grid(plan: SweepPlan) -> list[tuple[str, int, list[CellConfig]]]:
+    """(workload, page size, its cells) for the whole grid; every capacity checked first."""
+    grid = []
+    for wname, knobs in plan.workloads.items():
+        base = dataclasses.replace(plan.template, workload=wname, knobs=knobs)
+        wl = build_workload(base)
+        base = dataclasses.replace(base, provenance=provenance(wl.config))
+        for page in plan.page_sizes:
+            for cap in plan.capacities:
                 check_capacity(wl, cap, page)
-            plan.append((wname, page, cells_of(args, backends, capacities, page, wname, per[wname], prov)))
-    every = [c for _, _, cells in plan for c in cells]
+            grid.append((wname, page, cells_for(base, plan.variants, plan.capacities, page)))
+    return grid
+
+
+def _sweep_locked(plan: SweepPlan, out_dir: Path) -> int:
+    store = CellStore(out_dir / "cells")
+    started = time.perf_counter()
+    grid = _grid(plan)
+    every = [c for _, _, cells in grid for c in cells]
     todo = [c for c in every if store.load(c) is None]
     print(f"sweep: {len(every)} cells, {len(every) - len(todo)} already done, {len(todo)} to run", file=sys.stderr)
     try:
-        if args.ray:
-            _run_on_ray(todo, store, args)
+        if plan.ray:
+            _run_on_ray(todo, store, plan)
         else:
-            execute(todo, args.jobs, store, not args.no_progress)
+            run_cells(todo, plan.jobs, store, plan.progress)
     except TasksFailed as exc:
         raise TasksFailed(exc.failures, note=f"finished cells are kept in {store.directory}; rerun to resume") from None
-    argv = getattr(args, "argv", None)
-    for wname, page, cells in plan:
+    labels = [v.label for v in plan.variants]
+    for wname, page, cells in grid:
         wl = build_workload(cells[0])
-        cell_results = [store.load(c) for c in cells]
-        doc = document(
-            argv,
-            wl,
-            cells,
-            cell_results,
-            backends,
-            capacities,
-            None if args.no_bounds else bounds(wl, page, capacities),
-        )
+        found = bounds(wl, page, plan.capacities) if plan.with_bounds else None
+        doc = document(plan.argv, wl, cells, [store.load(c) for c in cells], labels, plan.capacities, found)
         sub = out_dir / f"{wname}-p{page}"
         with StagedDir(sub, owned=REPORT_ENTRIES) as stage:
             write(doc, stage.path)
@@ -137,21 +115,21 @@ class _RaySaver:
         self.finished += 1
         if self.progress:
             print(
-                f"  {self.finished}/{self.total} cells ({cfg.backend} @ {cfg.capacity_tokens:,} tokens, page {cfg.page_size}, {cfg.workload})",
+                f"  {self.finished}/{self.total} cells ({cfg.backend_label} @ {cfg.capacity_tokens:,} tokens, "
+                f"page {cfg.page_size}, {cfg.workload})",
                 file=sys.stderr,
             )
 
 
-def _run_on_ray(todo: list[CellConfig], store: CellStore, args) -> None:
-    from experiments.cell_pool import Failure
-    from experiments.ray_runner import CellFailed, run_on_ray
+def _run_on_ray(todo: list[CellConfig], store: CellStore, plan: SweepPlan) -> None:
+    from experiments.ray_runner import CellFailed, run_on_ray  # ray is an optional extra
 
     try:
         run_on_ray(
             todo,
-            args.ray,
-            _RaySaver(store, len(todo), not args.no_progress),
-            num_cpus=args.jobs if args.jobs > 1 else None,
+            plan.ray,
+            _RaySaver(store, len(todo), plan.progress),
+            num_cpus=plan.jobs if plan.jobs > 1 else None,
         )
     except CellFailed as exc:
         raise TasksFailed([Failure(name, error=RuntimeError(err)) for name, err in exc.failures.items()]) from None

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-import experiments.cli_compare as cli_compare
+import experiments.cli.compare as cli_compare
 import experiments.sweep as sweep_mod
 from experiments import provenance
 from experiments.__main__ import main
@@ -155,7 +155,7 @@ def test_an_unwritable_output_fails_before_any_work(tmp_path, monkeypatch, capsy
 
     monkeypatch.setattr(cli_compare, "build_workload", no_work)
     monkeypatch.setattr(sweep_mod, "build_workload", no_work)
-    monkeypatch.setattr("experiments.__main__.load_mooncake", no_work)
+    monkeypatch.setattr("experiments.cli.replay.load_mooncake", no_work)
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     (tmp_path / "results.json").write_text("{}")

@@ -1,0 +1,93 @@
+"""The cells of a grid and how they run: in this process, in child processes, resumably.
+
+`cells_for` expands one template `CellConfig` over capacities x backend variants;
+`run_cells` runs those not yet in a `CellStore`, saving each as it finishes. `compare` and
+`sweep` both use it; nothing here reads a command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+from experiments.backend_options import BackendVariant
+from experiments.cell_pool import CellPool, Failure, Task, TasksFailed
+from experiments.cell_store import CellStore
+from experiments.runner import CellConfig, bounds, build_workload, run_cell
+
+
+def cells_for(
+    template: CellConfig, variants: Sequence[BackendVariant], capacities: Sequence[int], page_size: int
+) -> list[CellConfig]:
+    """One cell per capacity x variant (capacity major), the rest as in `template`."""
+    return [
+        dataclasses.replace(
+            template,
+            backend=v.name,
+            backend_options=v.options_dict(),
+            capacity_tokens=cap,
+            page_size=page_size,
+        )
+        for cap in capacities
+        for v in variants
+    ]
+
+
+def cell_label(cfg: CellConfig) -> str:
+    """A cell as errors and progress lines name it."""
+    return f"cell {cfg.backend_label} @ {cfg.capacity_tokens:,} tokens, page {cfg.page_size}, {cfg.workload}"
+
+
+def bounds_of(cfg: CellConfig, page_size: int, capacities: list[int]) -> dict[str, Any]:
+    """The bounds of `cfg`'s workload (a picklable task for `run_cells`'s `side`)."""
+    return bounds(build_workload(cfg), page_size, capacities)
+
+
+def run_cells(
+    cells: list[CellConfig], jobs: int, store: CellStore, progress: bool, side: Task | None = None
+) -> tuple[list[dict[str, Any]], Any]:
+    """Results of `cells` in input order, and of `side` (the bounds, run beside them).
+
+    Cells already in `store` are reused; each cell that runs is saved there as it finishes.
+    `jobs` > 1 runs each cell in its own process (experiments/cell_pool.py); then a cell
+    that raises or dies does not stop the others, and `TasksFailed` names it at the end.
+    With one job cells run in this process and the first failure stops the run."""
+    results: list[dict[str, Any] | None] = [store.load(c) for c in cells]
+    todo = [i for i, r in enumerate(results) if r is None]
+    if jobs <= 1 or len(todo) <= 1:
+        return _run_here(cells, todo, results, store, progress), (side.fn(*side.args) if side else None)
+    tasks = [Task(cell_label(cells[i]), run_cell, (cells[i],)) for i in todo]
+    if side is not None:
+        tasks.insert(0, side)  # first: it is the longest
+    side_result, done = None, 0
+    for t, res in CellPool(jobs).results(tasks):
+        if side is not None and t == 0:
+            side_result = res
+            continue
+        i = todo[t - (side is not None)]
+        results[i] = res
+        store.save(cells[i], res)
+        done += 1
+        _progress(progress, done, len(todo), cells[i], res)
+    return results, side_result  # type: ignore[return-value]
+
+
+def _run_here(
+    cells: list[CellConfig], todo: list[int], results: list[dict[str, Any] | None], store: CellStore, progress: bool
+) -> list[dict[str, Any]]:
+    for n, i in enumerate(todo, 1):
+        try:
+            results[i] = run_cell(cells[i], progress=progress)
+        except Exception as exc:
+            raise TasksFailed([Failure(cell_label(cells[i]), error=exc, trace=traceback.format_exc())]) from exc
+        store.save(cells[i], results[i])
+        _progress(progress, n, len(todo), cells[i], results[i])
+    return results  # type: ignore[return-value]
+
+
+def _progress(progress: bool, n: int, total: int, cfg: CellConfig, res: dict[str, Any] | None) -> None:
+    if progress and res is not None:
+        print(f"  [{n}/{total}] {cell_label(cfg)}: {res['wall_seconds']:.1f}s", file=sys.stderr)

@@ -1,0 +1,161 @@
+"""Arguments the commands share: sizes, backends and their options, workloads and knobs.
+
+Every default comes from experiments/defaults.py; every backend option goes through
+experiments/backend_options.py (`--backend-opt`, its aliases, `NAME[KEY=VALUE,...]`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from cachelib import available_backends
+from experiments import defaults
+from experiments.backend_options import (
+    BackendVariant,
+    OptionGiven,
+    parse_backend_opt,
+    resolve_variants,
+    split_backend_list,
+)
+from experiments.errors import InputError, UsageError
+from experiments.runner import CellConfig
+
+#: named flags that are aliases of `--backend-opt KEY=VALUE` (every selected backend)
+OPTION_ALIASES = {
+    "--eviction-policy": ("eviction_policy", "radix: lru | lfu | fifo | mru | filo"),
+    "--hash-algorithm": ("hash_algorithm", "apc: xxh3_128 | sha256"),
+}
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def add_backend_options(p: argparse.ArgumentParser) -> None:
+    """`--backend-opt` and its named aliases."""
+    p.add_argument(
+        "--backend-opt",
+        action="append",
+        default=[],
+        metavar="[BACKEND.]KEY=VALUE",
+        help="a backend constructor option (repeatable); unqualified, every selected backend must take it",
+    )
+    for flag, (_, text) in OPTION_ALIASES.items():
+        p.add_argument(flag, help=f"{text} (alias of --backend-opt {OPTION_ALIASES[flag][0]}=...)")
+    p.add_argument("--verify-tokens", action="store_true", help="apc: compare tokens on a hit")
+
+
+def options_given(args: argparse.Namespace) -> list[OptionGiven]:
+    """The backend options of the command line, aliases first."""
+    given = [
+        OptionGiven(key, getattr(args, key), flag)
+        for flag, (key, _) in OPTION_ALIASES.items()
+        if getattr(args, key) is not None
+    ]
+    if args.verify_tokens:
+        given.append(OptionGiven("verify_tokens", True, "--verify-tokens"))
+    return given + [parse_backend_opt(item) for item in args.backend_opt]
+
+
+def backend_variants(args: argparse.Namespace, page_sizes: list[int], default_all: bool) -> list[BackendVariant]:
+    """The `--backend` list (default: every registered backend) with its options, checked."""
+    specs = [s for item in (args.backend or []) for s in split_backend_list(item)]
+    if not specs and default_all:
+        specs = available_backends()
+    if not specs:
+        raise UsageError("name a backend with --backend")
+    return resolve_variants(specs, options_given(args), page_sizes)
+
+
+def add_run_arguments(p: argparse.ArgumentParser, many_backends: bool) -> None:
+    """The options of `run`, `compare` and `sweep` (all but `--page-size`)."""
+    p.add_argument(
+        "--backend",
+        action="append",
+        help="backend name(s) or variants NAME[KEY=VALUE,...]; repeat or comma-separate"
+        + (" (default: all)" if many_backends else ""),
+    )
+    p.add_argument("--workload", default=defaults.WORKLOAD, help="workload name (see `workloads`)")
+    p.add_argument("--knob", action="append", metavar="NAME=VALUE", help="workload knob (repeatable)")
+    p.add_argument("--trace", help="a Mooncake JSONL trace (shortcut for --workload mooncake --knob path=...)")
+    p.add_argument("--seed", type=int, default=defaults.SEED)
+    p.add_argument("--capacity-tokens", type=positive_int, nargs="+", help="KV capacities in tokens")
+    p.add_argument("--protocol", default=defaults.PROTOCOL, choices=["replay", "serving", "both"])
+    p.add_argument("--executor", default=defaults.EXECUTOR, choices=["cost", "model"], help="cost model or real model")
+    p.add_argument("--device", default=defaults.DEVICE, help="cost-model device profile: h200 | h100 | cpu")
+    p.add_argument("--model", default=defaults.MODEL, help="model shape: llama3-8b | tiny (model executor: tiny)")
+    p.add_argument(
+        "--attention",
+        default=defaults.ATTENTION,
+        choices=["auto", "torch", "flashinfer"],
+        help="model executor's kernel (auto: flashinfer when CUDA and flashinfer are present)",
+    )
+    p.add_argument("--device-calibration", metavar="JSON", help="calibrate the cost model from a GPU benchmark JSON")
+    p.add_argument("--token-budget", type=positive_int, default=defaults.TOKEN_BUDGET)
+    p.add_argument("--max-running", type=positive_int, default=defaults.MAX_RUNNING)
+    p.add_argument("--ordering", default=defaults.ORDERING, choices=["fcfs", "lpf"])
+    add_backend_options(p)
+    p.add_argument("--jobs", type=positive_int, default=defaults.JOBS, help="cells run in this many local processes")
+    p.add_argument("--output-dir", default=str(defaults.OUTPUT_DIR))
+    p.add_argument("--no-bounds", action="store_true", help="skip the infinite and Belady bounds")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def knobs(args: argparse.Namespace) -> dict[str, Any]:
+    """`--knob` values as given (the workload types them), or the default workload's knobs."""
+    given = args.knob or args.workload != defaults.WORKLOAD or args.trace
+    out: dict[str, Any] = {} if given else dict(defaults.WORKLOAD_KNOBS)
+    for item in args.knob or []:
+        if "=" not in item:
+            raise UsageError(f"--knob expects NAME=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        out[k.strip()] = v.strip()
+    if args.trace:
+        if not Path(args.trace).is_file():
+            raise InputError(f"trace file not found: {args.trace}")
+        out["path"] = str(args.trace)
+    return out
+
+
+def check_model(name: str) -> None:
+    """An unknown --model fails before any work, not as a bare KeyError inside a cell."""
+    if name == defaults.MODEL:  # no need to import torch to know it
+        return
+    from attention.model import PRESETS
+
+    if name not in PRESETS:
+        raise InputError(f"unknown model {name!r}; choose one of: {', '.join(PRESETS)}")
+
+
+def check_calibration(path: str | None) -> None:
+    if path is not None and not Path(path).is_file():
+        raise InputError(f"GPU benchmark JSON not found: {path}")
+
+
+def cell_template(args: argparse.Namespace, workload: str, knobs: dict[str, Any], page_size: int) -> CellConfig:
+    """A cell with every setting of the command line; the grid fills in backend and capacity."""
+    return CellConfig(
+        backend="",
+        workload=workload,
+        capacity_tokens=0,
+        page_size=page_size,
+        knobs=knobs,
+        seed=args.seed,
+        protocol=args.protocol,
+        executor=args.executor,
+        device=args.device,
+        model=args.model,
+        attention=args.attention,
+        device_calibration=args.device_calibration,
+        token_budget=args.token_budget,
+        max_running=args.max_running,
+        ordering=args.ordering,
+    )

@@ -1,0 +1,153 @@
+"""`run` (one backend) and `compare` (several, one report).
+
+Outputs are never mixed or half-written (experiments/output_dir.py): the output folder is
+checked writable before any work, locked (`OUT.lock`) for the whole run, and the report is
+written into a temporary sibling that replaces OUT in one swap at the end. `compare` saves
+each finished cell in `OUT.partial/` (experiments/cell_store.py) until the report is in
+place, so a run that is interrupted or loses a worker keeps its finished cells and a rerun
+of the same command resumes; it never writes a report that lacks cells.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from experiments import defaults
+from experiments.backend_options import BackendVariant
+from experiments.cell_pool import Task, TasksFailed
+from experiments.cell_runs import bounds_of, cells_for, run_cells
+from experiments.cell_store import CellStore
+from experiments.cli.args import (
+    add_run_arguments,
+    backend_variants,
+    cell_template,
+    check_calibration,
+    check_model,
+    knobs,
+    positive_int,
+)
+from experiments.errors import UsageError
+from experiments.output_dir import OutputLock, StagedDir, check_replaceable, check_writable_dir
+from experiments.provenance import provenance
+from experiments.results import REPORT_ENTRIES, document, write
+from experiments.runner import CellConfig, build_workload, check_capacity
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """What one `run` or `compare` does, read from its command line."""
+
+    template: CellConfig
+    variants: list[BackendVariant]
+    capacities: list[int]
+    out_dir: Path
+    jobs: int
+    progress: bool
+    with_bounds: bool
+    argv: list[str] | None
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    run = sub.add_parser("run", help="one backend on a workload: replay + serving, report")
+    add_run_arguments(run, many_backends=False)
+    run.add_argument("--page-size", type=positive_int, default=defaults.PAGE_SIZE)
+    run.set_defaults(func=cmd_run)
+    cmp_ = sub.add_parser("compare", help="every backend on the same workload and capacities: one report")
+    add_run_arguments(cmp_, many_backends=True)
+    cmp_.add_argument("--page-size", type=positive_int, default=defaults.PAGE_SIZE)
+    cmp_.set_defaults(func=cmd_compare)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    if not args.backend:
+        raise UsageError("run needs --backend NAME (compare runs every backend)")
+    return _compare(args, single=True)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    return _compare(args, single=False)
+
+
+def _compare(args: argparse.Namespace, single: bool) -> int:
+    variants = backend_variants(args, [args.page_size], default_all=not single)
+    if single and len(variants) != 1:
+        raise UsageError("run takes one --backend; use compare for several")
+    check_model(args.model)
+    check_calibration(args.device_calibration)
+    workload_name = "mooncake" if args.trace else args.workload
+    plan = Comparison(
+        template=cell_template(args, workload_name, knobs(args), args.page_size),
+        variants=variants,
+        capacities=args.capacity_tokens or list(defaults.CAPACITIES),
+        out_dir=Path(os.path.abspath(args.output_dir)),  # "." has no name to put OUT.partial beside
+        jobs=args.jobs,
+        progress=not args.no_progress,
+        with_bounds=not args.no_bounds,
+        argv=args.argv,
+    )
+    check_writable_dir(plan.out_dir)  # before any work: an unwritable output fails in a second
+    check_replaceable(plan.out_dir, "results.json")
+    with OutputLock(plan.out_dir):
+        return _compare_locked(plan)
+
+
+def _compare_locked(plan: Comparison) -> int:
+    page_size = plan.template.page_size
+    workload = build_workload(plan.template)
+    for cap in plan.capacities:
+        check_capacity(workload, cap, page_size)
+    started = time.perf_counter()
+    template = dataclasses.replace(plan.template, provenance=provenance(workload.config))
+    cells = cells_for(template, plan.variants, plan.capacities, page_size)
+    store = CellStore(plan.out_dir.with_name(plan.out_dir.name + ".partial"))
+    reused = sum(store.load(c) is not None for c in cells)
+    if reused:
+        print(f"compare: {reused} of {len(cells)} cells reused from {store.directory}", file=sys.stderr)
+    side = Task("bounds", bounds_of, (cells[0], page_size, plan.capacities)) if plan.with_bounds else None
+    try:
+        results, bound = run_cells(cells, plan.jobs, store, plan.progress, side)
+    except TasksFailed as exc:
+        kept = sum(store.load(c) is not None for c in cells)
+        raise TasksFailed(
+            exc.failures,
+            note=f"{plan.out_dir} is unchanged; {kept} finished cell(s) of {len(cells)} are kept in "
+            f"{store.directory}, and rerunning the same command resumes from them",
+        ) from None
+    labels = [v.label for v in plan.variants]
+    out = document(plan.argv, workload, cells, results, labels, plan.capacities, bound)
+    out["wall_seconds"] = time.perf_counter() - started
+    with StagedDir(plan.out_dir, owned=REPORT_ENTRIES) as stage:
+        names = [p.name for p in write(out, stage.path)]
+        stage.publish()
+    store.discard()
+    _summary(out, cells, results)
+    print(f"wrote {', '.join(str(plan.out_dir / n) for n in names)} in {out['wall_seconds']:.1f}s")
+    return 0
+
+
+def _summary(out: dict[str, Any], cells: list[CellConfig], results: list[dict[str, Any]]) -> None:
+    """One line per capacity: each backend's hit rate, and the bounds."""
+    for cap in out["capacities"]:
+        row = [(c, r) for c, r in zip(cells, results, strict=True) if c.capacity_tokens == cap]
+        bounds = out["bounds"]
+        print(
+            f"{out['workload']['name']} @ {cap:,} tokens: "
+            + ", ".join(f"{c.backend_label} {_hit(r)}" for c, r in row)
+            + (
+                ""
+                if bounds is None
+                else f"; Belady {bounds['belady'][str(cap)]['hit_rate']:.1%}, infinite {bounds['infinite']['hit_rate']:.1%}"
+            )
+        )
+
+
+def _hit(cell: dict[str, Any]) -> str:
+    section = cell.get("replay") or cell.get("serving")
+    return f"{section['hit_rate']:.1%}"

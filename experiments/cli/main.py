@@ -1,0 +1,84 @@
+"""Command line: `python -m experiments replay|run|compare|sweep|report|workloads ...`.
+
+Exit codes: 0 success; 1 a cell failed (its process was killed, e.g. out of memory, or it
+raised an unexpected error; finished cells are kept for a rerun); 2 bad usage (a missing or
+malformed option); 3 bad input (unknown backend, option, workload or knob, a trace that does
+not exist or cannot be parsed, a capacity smaller than one request or that schedules
+nothing, an output that cannot be written or is in use by another run); 130 interrupted
+(Ctrl-C or SIGTERM: outputs are left complete or unchanged). Only those errors are one line;
+anything else is a bug and shows its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from cachelib.errors import CacheError
+from experiments.cell_pool import TasksFailed
+from experiments.cli import compare, replay, report, sweep, workloads
+from experiments.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_CELL_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    InputError,
+    UsageError,
+)
+from experiments.workloads.registry import WorkloadError
+from experiments.workloads.spec import TraceFormatError
+
+#: bad input raised in this process: one line, exit 3
+INPUT_ERRORS = (InputError, WorkloadError, TraceFormatError)
+#: a cell that raised one of these was refused its input (a ValueError: a setting the engine
+#: does not run, e.g. beam search under serving); a CacheError inside a cell is a bug
+CELL_INPUT_ERRORS = (*INPUT_ERRORS, ValueError)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m experiments", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    compare.add_parsers(sub)
+    sweep.add_parser(sub)
+    report.add_parser(sub)
+    workloads.add_parser(sub)
+    replay.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.argv = argv  # None: the report records sys.argv
+    # SIGTERM ends a run the way Ctrl-C does: temporary outputs removed, children killed
+    previous_term = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("interrupted: outputs were left complete or unchanged, never half-written", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except UsageError as exc:
+        print(f"usage error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except TasksFailed as exc:
+        return _cells_failed(exc)
+    except INPUT_ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    finally:
+        signal.signal(signal.SIGTERM, previous_term)
+
+
+def _is_input_error(error: BaseException | None) -> bool:
+    return isinstance(error, CELL_INPUT_ERRORS) and not isinstance(error, CacheError)
+
+
+def _cells_failed(exc: TasksFailed) -> int:
+    """One line naming each failed cell; the traceback of each that is a bug."""
+    for failure in exc.failures:
+        if failure.error is not None and failure.trace and not _is_input_error(failure.error):
+            print(failure.trace.rstrip(), file=sys.stderr)
+    print(f"error: {exc}", file=sys.stderr)
+    if all(_is_input_error(f.error) for f in exc.failures):
+        return EXIT_BAD_INPUT
+    return EXIT_CELL_FAILED

@@ -1,0 +1,78 @@
+"""`sweep`: a resumable grid over workloads x page sizes x capacities x backends
+(experiments/sweep.py runs it)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from experiments import defaults
+from experiments.cli.args import (
+    add_run_arguments,
+    backend_variants,
+    cell_template,
+    check_calibration,
+    check_model,
+    knobs,
+    positive_int,
+)
+from experiments.errors import InputError
+from experiments.sweep import SweepPlan, run_sweep
+from experiments.workloads.registry import WORKLOADS, knobs_of
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    sw = sub.add_parser("sweep", help="a resumable grid over capacities x page sizes x workloads")
+    add_run_arguments(sw, many_backends=True)
+    sw.add_argument("--page-size", type=positive_int, nargs="+", default=[defaults.PAGE_SIZE])
+    sw.add_argument("--workloads", nargs="+", help="several workload names (default: --workload)")
+    sw.add_argument("--ray", metavar="ADDRESS", help="run cells on a Ray cluster (needs the ray extra)")
+    sw.set_defaults(func=cmd_sweep)
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    page_sizes = list(dict.fromkeys(args.page_size))
+    variants = backend_variants(args, page_sizes, default_all=True)
+    check_model(args.model)
+    check_calibration(args.device_calibration)
+    given = knobs(args)
+    names = list(dict.fromkeys(args.workloads or (["mooncake"] if args.trace else [args.workload])))
+    plan = SweepPlan(
+        template=cell_template(args, names[0], {}, page_sizes[0]),
+        variants=variants,
+        workloads=_knobs_per_workload(args, names, given),
+        capacities=args.capacity_tokens or list(defaults.CAPACITIES),
+        page_sizes=page_sizes,
+        jobs=args.jobs,
+        ray=args.ray,
+        progress=not args.no_progress,
+        with_bounds=not args.no_bounds,
+        argv=args.argv,
+    )
+    return run_sweep(plan, Path(os.path.abspath(args.output_dir)))
+
+
+def _knobs_per_workload(args: argparse.Namespace, names: list[str], given: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The knobs of each workload of the grid.
+
+    Without `--knob` (and `--trace`) the knobs are the built-in defaults of `--workload`
+    and belong to it alone; given knobs go to every workload of the grid that takes them,
+    and one that none takes is an error."""
+    if not args.knob and not args.trace:
+        return {w: given if w == args.workload else {} for w in names}
+    per = {w: _knobs_taken(w, given, len(names) == 1) for w in names}
+    unused = [k for k in given if not any(k in per[w] for w in names)]
+    if unused:
+        raise InputError(f"knob(s) {', '.join(unused)} taken by none of the workloads {', '.join(names)}")
+    return per
+
+
+def _knobs_taken(name: str, given: dict[str, Any], alone: bool) -> dict[str, Any]:
+    """The knobs of `given` that workload `name` takes; all of them when it is the only one
+    or unknown (building it then names the knob it does not take, or the unknown name)."""
+    if alone or name not in WORKLOADS:
+        return given
+    accepted = knobs_of(name)
+    return {k: v for k, v in given.items() if k in accepted}
