@@ -2,9 +2,9 @@
 
 `kv_cache` stores KV in FlashInfer's NHD layout, `metadata` turns page tables into CSR
 batch metadata, `reference` is the exact torch attention (CPU, CI), `flashinfer_backend`
-the GPU kernels (imported lazily, only with CUDA), `model` a seeded Llama-style decoder,
-`driver` the loop that runs requests through any `PrefixCache`. Importing this package
-never imports flashinfer.
+the GPU kernels (imported lazily, only with CUDA), `model` a seeded Llama-style decoder.
+The engine (`experiments.engine`) drives it through any `PrefixCache`. Importing this
+package never imports flashinfer.
 """
 
 from __future__ import annotations

@@ -1,183 +1,23 @@
-"""Executors: what a serving step costs, and what it produces.
-
-- `CostModelExecutor`: virtual time from a roofline of the model's shape on a device
-  profile (peak FLOP/s and memory bandwidth, scaled by achievable fractions). Generated
-  tokens are fresh ids no prompt uses. Fast: for traces and sweeps.
-- `ModelExecutor`: the real forward pass (torch reference on CPU, FlashInfer on GPU) over
-  the paged KV cache the backend's page tables address; time is measured; greedy tokens.
-
-Both take a batch of `(Sequence, n, start)`: compute KV for tokens `start .. start + n`
-(`start` is `seq.num_computed` unless the engine batches commits) and, for a sequence whose
-chunk reaches its last known token, produce the next token.
-"""
+"""Compatibility names: the executors live in `experiments.engine.executors`."""
 
 from __future__ import annotations
 
-import json
-import time
-from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Any
+from experiments.engine.executors import (
+    DEVICE_PROFILES,
+    CostModelExecutor,
+    DeviceProfile,
+    Executor,
+    ModelExecutor,
+    ModelShape,
+    llama3_8b_shape,
+)
 
-import numpy as np
-
-from cachelib.types import CopyOp, Sequence
-
-GENERATED_TOKEN_BASE = 2_000_000_000
-
-
-@dataclass(frozen=True, slots=True)
-class DeviceProfile:
-    """Peak compute and memory bandwidth, and the fractions of them a real kernel reaches."""
-
-    name: str
-    peak_flops: float  # dense bf16 FLOP/s
-    mem_bandwidth: float  # bytes/s
-    flops_efficiency: float = 0.6
-    bandwidth_efficiency: float = 0.8
-    step_overhead_s: float = 30e-6  # launch + scheduling per step
-
-    def calibrated(self, bench_json: str | Path) -> DeviceProfile:
-        """This profile with the efficiencies `experiments/bench/gpu_attention_bench.py` measured.
-
-        Bandwidth: the best decode row's achieved GB/s (decode reads every KV byte once).
-        Compute: the 0%-cached Llama-3-8B prefill's tokens/s times its matmul FLOPs per token.
-        Missing rows leave the default efficiency.
-        """
-        path = Path(bench_json)
-        if not path.is_file():
-            raise FileNotFoundError(f"GPU benchmark JSON not found: {path}")
-        data = json.loads(path.read_text())
-        out = self
-        decode = [row["achieved_GBps"] for row in data.get("decode", []) if row.get("achieved_GBps")]
-        if decode:
-            out = replace(out, bandwidth_efficiency=min(1.0, max(decode) * 1e9 / self.mem_bandwidth))
-        cold = [row for row in data.get("prefill", []) if row.get("cached_tokens") == 0 and "model_forward" in row]
-        if cold:
-            flops = 2.0 * llama3_8b_shape().num_params * cold[0]["model_forward"]["tokens_per_s"]
-            out = replace(out, flops_efficiency=min(1.0, flops / self.peak_flops))
-        return replace(out, name=f"{self.name} (calibrated from {path.name})")
-
-
-#: published peaks: H200 SXM 989 TFLOP/s dense bf16, 4.8 TB/s HBM3e; a 2-core CPU for tests
-DEVICE_PROFILES: dict[str, DeviceProfile] = {
-    "h200": DeviceProfile("h200", 989e12, 4.8e12),
-    "h100": DeviceProfile("h100", 989e12, 3.35e12),
-    "cpu": DeviceProfile("cpu", 100e9, 20e9, 0.5, 0.5, 1e-4),
-}
-
-
-@dataclass(frozen=True, slots=True)
-class ModelShape:
-    """What the roofline needs of a model."""
-
-    num_params: int  # without embeddings' lookups: the matmul weights
-    num_layers: int
-    num_heads: int
-    head_dim: int
-    kv_bytes_per_token: int
-    bytes_per_param: int = 2
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> ModelShape:
-        """From an `attention.model.ModelConfig`."""
-        width = 2 if cfg.dtype in ("bfloat16", "float16") else 4
-        matmul = cfg.num_params() - cfg.vocab_size * cfg.hidden_size  # the embedding is a lookup
-        return cls(matmul, cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.kv_bytes_per_token(), width)
-
-
-def llama3_8b_shape() -> ModelShape:
-    # Meta-Llama-3-8B: 32 layers, 32 query heads, 8 KV heads, head dim 128, bf16
-    params = 8_030_261_248 - 128256 * 4096
-    return ModelShape(params, 32, 32, 128, 2 * 32 * 8 * 128 * 2)
-
-
-class CostModelExecutor:
-    """Roofline time per step; tokens are fresh ids (`2_000_000_000 + n`)."""
-
-    kind = "cost-model"
-
-    def __init__(self, shape: ModelShape | None = None, device: DeviceProfile | str = "h200") -> None:
-        self.shape = shape or llama3_8b_shape()
-        self.device = DEVICE_PROFILES[device] if isinstance(device, str) else device
-        self._next_token = GENERATED_TOKEN_BASE
-
-    def apply_copies(self, ops: list[CopyOp]) -> None:
-        pass  # a page copy is a few µs of bandwidth; counted by the cache's copied_pages
-
-    def step_seconds(self, batch: list[tuple[Sequence, int, int]]) -> float:
-        s, d = self.shape, self.device
-        tokens = sum(item[1] for item in batch)
-        flops = 2.0 * s.num_params * tokens
-        kv_read = 0
-        for _, n, ctx in batch:
-            # QK^T and PV over the context plus the causal half of the new tokens
-            flops += 4.0 * s.num_layers * s.num_heads * s.head_dim * n * (ctx + (n + 1) / 2)
-            kv_read += ctx + n
-        nbytes = s.num_params * s.bytes_per_param + (kv_read + tokens) * s.kv_bytes_per_token
-        compute = flops / (d.peak_flops * d.flops_efficiency)
-        memory = nbytes / (d.mem_bandwidth * d.bandwidth_efficiency)
-        return max(compute, memory) + d.step_overhead_s
-
-    def decode_step_seconds(self, contexts: np.ndarray, k: int) -> np.ndarray:
-        """Seconds of each of `k` decode steps of a batch whose sequences have `contexts`
-        computed tokens at the first step (one token each per step): the same roofline as
-        `step_seconds`, vectorised over steps."""
-        s, d = self.shape, self.device
-        b = contexts.size
-        j = np.arange(k, dtype=np.float64)
-        ctx_sum = float(contexts.sum()) + b * j
-        flops = 2.0 * s.num_params * b + 4.0 * s.num_layers * s.num_heads * s.head_dim * (ctx_sum + b)
-        nbytes = s.num_params * s.bytes_per_param + (ctx_sum + 2 * b) * s.kv_bytes_per_token
-        compute = flops / (d.peak_flops * d.flops_efficiency)
-        memory = nbytes / (d.mem_bandwidth * d.bandwidth_efficiency)
-        return np.maximum(compute, memory) + d.step_overhead_s
-
-    def fresh_tokens(self, k: int) -> list[int]:
-        out = list(range(self._next_token, self._next_token + k))
-        self._next_token += k
-        return out
-
-    def step(self, batch: list[tuple[Sequence, int, int]]) -> tuple[float, list[int | None]]:
-        out: list[int | None] = []
-        for seq, n, start in batch:
-            if start + n == len(seq):
-                out.append(self._next_token)
-                self._next_token += 1
-            else:
-                out.append(None)
-        return self.step_seconds(batch), out
-
-
-class ModelExecutor:
-    """The real model over a paged KV cache of `num_pages` pages; greedy decoding."""
-
-    kind = "model"
-
-    def __init__(self, model: Any, num_pages: int, page_size: int) -> None:
-        self.model = model
-        self.kv = model.make_kv_cache(num_pages, page_size)
-        self.logits: dict[str, list[Any]] = {}  # request id -> logits before each sampled token
-
-    def apply_copies(self, ops: list[CopyOp]) -> None:
-        if ops:
-            self.kv.apply(ops)
-
-    def step(self, batch: list[tuple[Sequence, int, int]]) -> tuple[float, list[int | None]]:
-        import torch
-
-        from attention.model import ForwardInput
-
-        inputs = [ForwardInput(seq.tokens[start : start + n], start, seq.page_table) for seq, n, start in batch]
-        t0 = time.perf_counter()
-        logits = self.model.forward(inputs, self.kv)
-        seconds = time.perf_counter() - t0
-        out: list[int | None] = []
-        for i, (seq, n, start) in enumerate(batch):
-            if start + n == len(seq):
-                row = logits[i]
-                self.logits.setdefault(seq.request_id, []).append(row.detach().clone())
-                out.append(int(torch.argmax(row.detach().float()).item()))
-            else:
-                out.append(None)
-        return seconds, out
+__all__ = [
+    "DEVICE_PROFILES",
+    "CostModelExecutor",
+    "DeviceProfile",
+    "Executor",
+    "ModelExecutor",
+    "ModelShape",
+    "llama3_8b_shape",
+]

@@ -4,9 +4,9 @@ Two bounds, both counted exactly as `experiments.engine.replay` counts a backend
 
 - `infinite_hits`: a cache that never evicts. Request i hits the longest run of its leading
   full pages that some earlier request computed (its prompt's full pages; generated tokens
-  have ids no prompt uses, so pages holding them never match, unless `page_keys(outputs=)`
-  names the tokens a request generates, as a conversation re-sends them: then the full
-  pages of prompt + output - 1 tokens count too), capped at `len - 1` tokens
+  have ids no prompt uses, so pages holding them never match, unless a request's
+  `forced_output` names the tokens it generates, as a conversation re-sends them: then the
+  full pages of prompt + output - 1 tokens count too), capped at `len - 1` tokens
   and rounded down to a page, as apc and radix cap it. Different `cache_salt`, `lora_id` or
   multimodal hashes never share: page keys are apc's chained block hashes, which fold them in.
 - `belady_hits`: the offline optimum at the same capacity. The cache is a trie of pages (a
@@ -22,7 +22,7 @@ rest new) and then `ceil((prompt + output - 1) / page_size)` in all while it dec
 or nothing; when that does not fit even alone the request is truncated and holds only its
 prompt, as in the engine). Its full prompt pages join the trie when the prompt is committed;
 generated and partial pages are dropped at release (no request can hit them, so caching them
-only takes room; with `outputs`, generated pages a later prompt re-sends join the trie as
+only takes room; with forced outputs, generated pages a later prompt re-sends join the trie as
 decoding fills them, like prompt pages; they are unit pages too, so the argument below
 should carry over, but the tests check only infinite >= Belady >= apc, radix for them, not
 exhaustive optimality). A full last page that the cap makes it recompute while a copy is cached is
@@ -104,13 +104,12 @@ class PageKeys:
         return (self.prompt_lens[i] - 1) // self.page_size
 
 
-def page_keys(requests: Seq[RequestSpec], page_size: int, *, outputs: dict[str, np.ndarray] | None = None) -> PageKeys:
+def page_keys(requests: Seq[RequestSpec], page_size: int) -> PageKeys:
     """Intern the chained block hashes of every request's full pages: its prompt's, and when
-    `outputs[id]` gives the tokens it generates (a conversation re-sends them), also the full
-    pages of prompt + output - 1 tokens (the last generated token gets no KV)."""
+    its `forced_output` gives the tokens it generates (a conversation re-sends them), also
+    the full pages of prompt + output - 1 tokens (the last generated token gets no KV)."""
     if not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size must be a positive int, got {page_size!r}")
-    outputs = outputs or {}
     hasher = BlockHasher(page_size)
     ids: dict[bytes, int] = {}
     parent: list[int] = []
@@ -121,7 +120,7 @@ def page_keys(requests: Seq[RequestSpec], page_size: int, *, outputs: dict[str, 
         if tokens.size == 0:
             raise ValueError(f"request {spec.request_id!r}: empty prompt")
         prompt_lens.append(int(tokens.size))
-        out = outputs.get(spec.request_id)
+        out = spec.forced_output
         if out is not None and spec.output_len > 1:
             tokens = np.concatenate([tokens, np.asarray(out[: spec.output_len - 1], dtype=np.int32)])
         n_full = tokens.size // page_size
@@ -294,7 +293,7 @@ def belady_hits(
             hits.append(-1)
             continue
         ks = pk.keys[i].tolist()
-        prompt_full = pk.prompt_lens[i] // page_size  # ks beyond it: generated pages (outputs given)
+        prompt_full = pk.prompt_lens[i] // page_size  # ks beyond it: generated pages (forced outputs)
         cap = pk.hittable(i)
         h = 0
         while h < cap and cached[ks[h]]:

@@ -188,15 +188,7 @@ def run_cell(cfg: CellConfig, workload: Workload | None = None, *, progress: boo
     num_pages = check_capacity(workload, cfg.capacity_tokens, cfg.page_size)
     out: dict[str, Any] = {"config": cfg.as_dict(), "workload_config": workload.config, "num_pages": num_pages}
     started = time.perf_counter()
-    sample_lens = {
-        rid: tuple(sched.sample_output_lens)
-        for rid, sched in workload.schedules.items()
-        if getattr(sched, "mode", None) == "parallel"
-    }
-    beam_parents = {
-        rid: sched.beam_parents for rid, sched in workload.schedules.items() if getattr(sched, "mode", None) == "beam"
-    }
-    if beam_parents and cfg.protocol != "replay":
+    if cfg.protocol != "replay" and any(s.beam_width > 1 for s in workload.requests):
         raise ValueError(
             "beam search runs under the replay protocol only (--protocol replay); the serving engine forks parallel samples"
         )
@@ -204,14 +196,7 @@ def run_cell(cfg: CellConfig, workload: Workload | None = None, *, progress: boo
         cache = create_cache(cfg.backend, num_pages=num_pages, page_size=cfg.page_size, **cfg.backend_options)
         executor = CostModelExecutor()  # replay needs no timing; only prefix set-up runs through it
         requests, _ = _declare_prefixes(cache, workload, executor)
-        r = replay(
-            cache,
-            requests,
-            progress=progress,
-            sample_lens=sample_lens,
-            beam_parents=beam_parents,
-            outputs=workload.outputs,
-        )
+        r = replay(cache, requests, progress=progress)
         r.pop("per_request_hits")
         out["replay"] = r
     if cfg.protocol in ("serving", "both"):
@@ -219,7 +204,7 @@ def run_cell(cfg: CellConfig, workload: Workload | None = None, *, progress: boo
         executor = make_executor(cfg, num_pages)
         requests, setup = _declare_prefixes(cache, workload, executor)
         sc = ServingConfig(cfg.token_budget, cfg.max_running, cfg.ordering)
-        res = serve(cache, requests, executor, sc, progress=progress, sample_lens=sample_lens, outputs=workload.outputs)
+        res = serve(cache, requests, executor, sc, progress=progress)
         out["serving"] = serving_metrics(res, cache.stats(), setup_seconds=setup)
     out["wall_seconds"] = time.perf_counter() - started
     return out
@@ -229,7 +214,7 @@ def bounds(workload: Workload, page_size: int, capacities: list[int]) -> dict[st
     """Infinite-capacity and Belady hit rates (replay protocol) for each capacity."""
     from experiments.oracle import belady_hits, infinite_hits, page_keys
 
-    keys = page_keys(workload.requests, page_size, outputs=workload.outputs)
+    keys = page_keys(workload.requests, page_size)
     inf = infinite_hits(workload.requests, page_size, keys=keys)
     out = {
         "page_size": page_size,

@@ -20,9 +20,9 @@ pytestmark = [
 ]
 
 from attention import ForwardInput, LlamaModel, ModelConfig, build_batch_meta  # noqa: E402
-from attention.driver import CachedRunner  # noqa: E402
 from attention.reference import paged_attention  # noqa: E402
 from cachelib import Sequence, available_backends, create_cache  # noqa: E402
+from tests.cached_runner import CachedRunner  # noqa: E402
 
 HQ, HKV, D = 8, 2, 128  # GQA 4, head_dim 128 (a FlashInfer-compiled size)
 OUT_TOL = dict(atol=2e-2, rtol=2e-2)

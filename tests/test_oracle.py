@@ -16,7 +16,6 @@ from cachelib import available_backends, create_cache
 from cachelib.types import ExtraKeys
 from experiments.engine import replay, unlimited_pages
 from experiments.oracle import belady_hits, infinite_hits, page_keys
-from experiments.workloads.mooncake import load_mooncake
 from experiments.workloads.spec import RequestSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -209,8 +208,8 @@ def test_belady_equals_the_exhaustive_optimum(prompts, outputs, page_size, capac
 
 
 @pytest.fixture(scope="module")
-def trace():
-    reqs = load_mooncake(TRACE, limit=300)
+def trace(shipped_trace):
+    reqs = shipped_trace[:300]
     return reqs, page_keys(reqs, 16)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -13,9 +15,10 @@ from experiments.workloads.registry import make_workload
 from experiments.workloads.spec import RequestSpec
 
 
-def conversations(turns: list[list[tuple[list[int], list[int]]]]) -> tuple[list[RequestSpec], dict]:
-    """Each conversation's turn t re-sends turns < t (user tokens + answer) before its user tokens."""
-    specs, outputs = [], {}
+def conversations(turns: list[list[tuple[list[int], list[int]]]]) -> list[RequestSpec]:
+    """Each conversation's turn t re-sends turns < t (user tokens + answer) before its user
+    tokens; each turn's answer is its forced output."""
+    specs = []
     longest = max(len(c) for c in turns)
     for t in range(longest):  # interleave conversations turn by turn
         for ci, conv in enumerate(turns):
@@ -24,14 +27,14 @@ def conversations(turns: list[list[tuple[list[int], list[int]]]]) -> tuple[list[
             history = [tok for user, ans in conv[:t] for tok in user + ans]
             user, ans = conv[t]
             rid = f"c{ci}t{t}"
-            specs.append(RequestSpec(rid, np.asarray(history + user, dtype=np.int32), len(ans)))
-            outputs[rid] = np.asarray(ans, dtype=np.int32)
-    return specs, outputs
+            answer = np.asarray(ans, dtype=np.int32)
+            specs.append(RequestSpec(rid, np.asarray(history + user, dtype=np.int32), len(ans), forced_output=answer))
+    return specs
 
 
-def _replay(backend, specs, outputs, page_size, pages):
+def _replay(backend, specs, page_size, pages):
     cache = create_cache(backend, num_pages=pages, page_size=page_size)
-    result = replay(cache, specs, outputs=outputs)
+    result = replay(cache, specs)
     cache.check_invariants()
     return result
 
@@ -48,28 +51,29 @@ turn = st.tuples(
     capacity=st.integers(4, 14),
 )
 def test_infinite_ge_belady_ge_backends_when_answers_come_back(turns, page_size, capacity):
-    specs, outputs = conversations(turns)
-    keys = page_keys(specs, page_size, outputs=outputs)
+    specs = conversations(turns)
+    keys = page_keys(specs, page_size)
     inf = infinite_hits(specs, page_size, keys=keys)
     bel = belady_hits(specs, page_size, capacity, keys=keys)
     assert inf["hit_tokens"] >= bel["hit_tokens"]
     for backend in ("apc", "radix"):
-        got = _replay(backend, specs, outputs, page_size, capacity)
+        got = _replay(backend, specs, page_size, capacity)
         assert got["unschedulable"] == bel["unschedulable"]
         assert got["hit_tokens"] <= bel["hit_tokens"], backend
     unlimited = belady_hits(specs, page_size, None, keys=keys)
     assert unlimited["per_request_hits"] == inf["per_request_hits"]
     assert (
-        _replay("apc", specs, outputs, page_size, unlimited_pages(specs, page_size))["per_request_hits"]
+        _replay("apc", specs, page_size, unlimited_pages(specs, page_size))["per_request_hits"]
         == inf["per_request_hits"]
     )
 
 
 def test_chat_answers_are_reused_only_when_outputs_are_given():
     wl = make_workload("multi_turn_chat", seed=0, num_conversations=10, turns=4)
-    with_out = infinite_hits(wl.requests, 16, keys=page_keys(wl.requests, 16, outputs=wl.outputs))
-    without = infinite_hits(wl.requests, 16)
+    with_out = infinite_hits(wl.requests, 16)
+    unforced = [dataclasses.replace(s, forced_output=None) for s in wl.requests]
+    without = infinite_hits(unforced, 16)
     assert with_out["hit_tokens"] > without["hit_tokens"]
     pages = unlimited_pages(wl.requests, 16)
-    apc = replay(create_cache("apc", num_pages=pages, page_size=16), wl.requests, outputs=wl.outputs)
+    apc = replay(create_cache("apc", num_pages=pages, page_size=16), wl.requests)
     assert apc["per_request_hits"] == with_out["per_request_hits"]

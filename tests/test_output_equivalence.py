@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from attention import LlamaModel
-from attention.driver import CachedRunner, RequestResult, run_alone
 from cachelib import Sequence, available_backends, create_cache
+from tests.cached_runner import CachedRunner, RequestResult, run_alone
 
 ATOL = RTOL = 1e-4
 NEW_TOKENS = 16
@@ -28,18 +28,12 @@ BACKENDS = available_backends()
 NO_AUTOMATIC_SHARING = {"none", "paged"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: one intra-op thread is ~4x faster than two on a 2-core runner."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def model() -> LlamaModel:
-    return LlamaModel("tiny", seed=0, attention="torch")
+def model(tiny_model) -> LlamaModel:
+    return tiny_model
 
 
 def _toks(rng: np.random.Generator, n: int) -> np.ndarray:

@@ -4,23 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from cachelib import available_backends, create_cache
-from experiments.executors import CostModelExecutor, ModelExecutor
-from experiments.serving import ServingConfig, serve
+from experiments.engine import CostModelExecutor, ModelExecutor, ServingConfig, serve
 from experiments.workloads.registry import make_workload
 from experiments.workloads.spec import RequestSpec
 
-
-@pytest.fixture(scope="module")
-def tiny_model():
-    from attention.model import LlamaModel
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the tiny model is faster on one thread
-    yield LlamaModel("tiny", seed=0)
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny_model (conftest) is faster on one
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +31,7 @@ def docs_workload():
 
 @pytest.fixture(scope="module")
 def alone_outputs(tiny_model, docs_workload):
-    from attention.driver import run_alone
+    from tests.cached_runner import run_alone
 
     return {
         s.request_id: run_alone(tiny_model, s.prompt, s.output_len, page_size=4).tokens for s in docs_workload.requests
@@ -115,7 +105,7 @@ def test_decode_windows_and_batched_commits_change_nothing_but_speed(backend, nu
     specs = _specs(30, 200, 50, gap=0.0 if num_pages == 60 else 0.05)  # all at once: memory pressure
 
     class StepByStep(CostModelExecutor):
-        decode_step_seconds = property()  # hides the window support: one step at a time
+        supports_decode_windows = False  # one step at a time
 
     def run(executor, eager=False):
         cache = create_cache(backend, num_pages=num_pages, page_size=16)
@@ -124,7 +114,6 @@ def test_decode_windows_and_batched_commits_change_nothing_but_speed(backend, nu
         res = serve(cache, specs, executor, ServingConfig(512, 16))
         return res, cache.stats()
 
-    assert not hasattr(StepByStep(), "decode_step_seconds")
     (a, sa), (b, sb), (c, sc) = run(CostModelExecutor()), run(StepByStep()), run(CostModelExecutor(), eager=True)
     assert len(a.timeline) < len(b.timeline), "the windows were never used"
     if num_pages == 60:
@@ -149,20 +138,20 @@ def test_bad_serving_config():
 
 @pytest.mark.parametrize("backend", available_backends())
 def test_parallel_sampling_forks_and_every_sample_equals_its_uncached_run(backend, tiny_model):
-    from attention.driver import run_alone
+    from tests.cached_runner import run_alone
 
     rng = np.random.default_rng(3)
-    specs = [RequestSpec(f"q{i}", rng.integers(0, 512, 21, dtype=np.int32), 7, 0.0, n=3) for i in range(3)]
-    lens = {s.request_id: (7, 4, 6) for s in specs}
+    lens = (7, 4, 6)
+    specs = [
+        RequestSpec(f"q{i}", rng.integers(0, 512, 21, dtype=np.int32), 7, 0.0, n=3, sample_lens=lens) for i in range(3)
+    ]
     cache = create_cache(backend, num_pages=120, page_size=4)
-    res = serve(
-        cache, specs, ModelExecutor(tiny_model, 120, 4), ServingConfig(256, 16), keep_outputs=True, sample_lens=lens
-    )
+    res = serve(cache, specs, ModelExecutor(tiny_model, 120, 4), ServingConfig(256, 16), keep_outputs=True)
     assert len(res.requests) == 9 and res.aborted == 0
     for s in specs:
         greedy = run_alone(tiny_model, s.prompt, 7, page_size=4).tokens
         # greedy samples all follow the same path: each equals the uncached run, cut to its length
-        for j, n in enumerate(lens[s.request_id]):
+        for j, n in enumerate(lens):
             rid = s.request_id if j == 0 else f"{s.request_id}/{j}"
             assert res.outputs[rid] == greedy[:n], rid
     assert cache.stats().pages_pinned == 0
@@ -180,7 +169,7 @@ def test_beam_search_is_refused_with_a_pointer():
 def test_device_profile_calibrates_from_the_gpu_benchmark_json(tmp_path):
     import json
 
-    from experiments.executors import DEVICE_PROFILES, llama3_8b_shape
+    from experiments.engine.executors import DEVICE_PROFILES, llama3_8b_shape
 
     bench = {
         "decode": [{"page_size": 1, "achieved_GBps": 2400.0}, {"page_size": 16, "achieved_GBps": 3840.0}],
@@ -205,9 +194,9 @@ def test_recorded_outputs_are_generated_and_reused_by_the_next_turn():
     # a think time far below a turn's service time: turns must still wait for their answers
     wl = make_workload("multi_turn_chat", seed=2, num_conversations=4, turns=3, rate=5.0, think_time=0.01)
     cache = create_cache("apc", num_pages=400, page_size=16)
-    res = serve(cache, wl.requests, CostModelExecutor(), ServingConfig(1024, 16), keep_outputs=True, outputs=wl.outputs)
-    for rid, toks in wl.outputs.items():
-        assert res.outputs[rid] == toks.tolist()
+    res = serve(cache, wl.requests, CostModelExecutor(), ServingConfig(1024, 16), keep_outputs=True)
+    for spec in wl.requests:
+        assert res.outputs[spec.request_id] == spec.forced_output.tolist()
     rows = {r["request_id"]: r for r in res.requests}
     for spec in wl.requests:
         if spec.after is None:

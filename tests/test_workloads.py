@@ -139,7 +139,7 @@ def test_chat_turn_resends_previous_prompt_and_answer() -> None:
     for c in range(5):
         for t in range(1, 4):
             prev, cur = by_id[f"conv{c}-turn{t - 1}"], by_id[f"conv{c}-turn{t}"]
-            answer = w.outputs[prev.request_id]
+            answer = prev.forced_output
             assert answer.size == prev.output_len and answer.dtype == np.int32
             history = np.concatenate([prev.prompt, answer])
             assert np.array_equal(cur.prompt[: history.size], history)
@@ -205,9 +205,9 @@ def test_no_sharing_prompts_share_no_block() -> None:
 @pytest.mark.skipif("parallel_sampling" not in WORKLOADS, reason="sampling.py not present")
 def test_sampling_workloads_carry_their_schedules() -> None:
     par = make_workload("parallel_sampling", n=3, num_requests=5)
-    assert all(s.n == 3 and len(par.schedules[s.request_id].sample_output_lens) == 3 for s in par)
+    assert all(s.n == 3 and len(s.sample_lens) == 3 for s in par)
     beam = make_workload("beam_search", beam_width=2, num_requests=5)
-    assert all(s.beam_width == 2 and beam.schedules[s.request_id].beam_parents.shape == (s.output_len, 2) for s in beam)
+    assert all(s.beam_width == 2 and s.beam_parents.shape == (s.output_len, 2) for s in beam)
 
 
 # -- registry -------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from cachelib import create_cache
-from experiments.engine import replay
+from experiments.engine import CacheClient, replay
 from experiments.workloads.mooncake import load_mooncake
 from experiments.workloads.spec import RequestSpec
 
@@ -33,20 +33,17 @@ DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "data" / "mooncake_convers
 TARGET_US = 150.0
 
 
-class _ThreadClock:
-    """Stands in for the engine's `time` module: `perf_counter` reads thread CPU time."""
-
-    perf_counter = staticmethod(time.thread_time)
-
-
-def bench_one(requests: list[RequestSpec], page_size: int, capacity_tokens: int, policy: str, runs: int) -> dict:
+def bench_one(
+    requests: list[RequestSpec], page_size: int, capacity_tokens: int, policy: str, runs: int, cpu_clock: bool = False
+) -> dict:
     """Replay `runs` times on fresh caches; the median and every run of µs per request."""
+    clock = time.thread_time if cpu_clock else time.perf_counter
     per_run, result = [], None
     for _ in range(runs):
         cache = create_cache(
             "radix", num_pages=capacity_tokens // page_size, page_size=page_size, eviction_policy=policy
         )
-        result = replay(cache, requests)
+        result = replay(CacheClient(cache, clock), requests)
         per_run.append(result["us_per_request"])
     assert result is not None
     median = statistics.median(per_run)
@@ -83,11 +80,6 @@ def main(argv: list[str] | None = None) -> int:
         help="time cache calls with this thread's CPU clock instead of the wall clock (a shared, loaded machine)",
     )
     args = p.parse_args(argv)
-    if args.cpu_clock:
-        import experiments.engine as engine
-
-        engine.time = _ThreadClock()
-
     specs = load_mooncake(args.trace, args.limit)
     requests = [RequestSpec(s.request_id, np.ascontiguousarray(s.prompt), s.output_len, s.arrival) for s in specs]
     if args.profile:
@@ -98,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         pstats.Stats(prof).sort_stats("tottime").print_stats(20)
         return 0
     results = [
-        bench_one(requests, ps, args.capacity_tokens, policy, args.runs)
+        bench_one(requests, ps, args.capacity_tokens, policy, args.runs, args.cpu_clock)
         for ps in args.page_size
         for policy in args.policy
     ]

@@ -27,10 +27,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from cachelib import PrefixCache, Sequence, available_backends, create_cache
+from cachelib import Sequence, available_backends, create_cache
+from experiments.engine.cache_client import CacheClient
+from experiments.engine.executors import FreshTokens
 from experiments.workloads.sampling import SamplingRequest, describe, generate
 
-GENERATED_TOKEN_BASE = 2_000_000_000  # as experiments/engine.py: no prompt uses these ids
 WIDTHS = (2, 4, 6)
 PAPER = {  # PagedAttention §6.3, OPT-13B: memory saving (%) over n / beam width 2..6
     "alpaca": {"parallel": (6.1, 9.8), "beam": (37.6, 55.2)},
@@ -46,46 +47,48 @@ DEFINITIONS = {
 
 
 class _Run:
-    """Drives one request's decoding schedule through fork/release; tracks its live sequences."""
+    """Drives one request's decoding schedule (its spec's plan) through fork/release, one
+    engine step per `next(steps)`; tracks its live sequences. Cache calls go through the
+    shared `CacheClient` (call order checked), generated ids come from the shared counter."""
 
-    def __init__(self, cache: PrefixCache, req: SamplingRequest, tokens: Iterator[int]) -> None:
-        self.cache, self.req, self.tokens = cache, req, tokens
+    def __init__(self, client: CacheClient, req: SamplingRequest, tokens: FreshTokens) -> None:
+        self.client, self.req, self.tokens = client, req, tokens
         self.live: list[Sequence] = []
         self.steps = self._beam() if req.mode == "beam" else self._parallel()
 
     def _ok(self, result: object, what: str) -> None:
         if result is None:
-            raise RuntimeError(f"{self.cache.name}: {what} did not fit; the pool is sized too small")
+            raise RuntimeError(f"{self.client.cache.name}: {what} did not fit; the pool is sized too small")
 
     def _prefill(self) -> Sequence:
         spec = self.req.spec
         seq = Sequence(spec.request_id, spec.prompt, spec.extra)
-        self._ok(self.cache.admit(seq, self.cache.match(seq), len(seq)), "admit")
-        self.cache.commit(seq, len(seq))
+        self._ok(self.client.admit(seq, self.client.match(seq), len(seq)), "admit")
+        self.client.commit(seq, len(seq))
         return seq
 
     def _fork(self, parent: Sequence, name: str) -> Sequence:
         child = parent.fork(name)
-        self._ok(self.cache.fork(parent, child), "fork")
+        self._ok(self.client.fork(parent, child), "fork")
         return child
 
     def _decode(self, seq: Sequence) -> None:
-        seq.append([next(self.tokens)])
-        self._ok(self.cache.grow(seq, len(seq)), "grow")
-        self.cache.commit(seq, len(seq))
+        seq.append([self.tokens.take_one()])
+        self._ok(self.client.grow(seq, len(seq)), "grow")
+        self.client.commit(seq, len(seq))
 
     def _parallel(self) -> Iterator[None]:
         # token 1 of every sample comes from the prompt's logits; token t's KV is written at
         # step t + 1 and the last token's never (as the engine does): output_len - 1 writes
         root = self._prefill()
-        lens = self.req.sample_output_lens
+        lens = self.req.spec.output_lens
         self.live = [root] + [self._fork(root, f"{root.request_id}/s{i}") for i in range(1, len(lens))]
         remaining = dict(zip([s.request_id for s in self.live], [n - 1 for n in lens], strict=True))
         yield
         while self.live:
             for seq in list(self.live):
                 if remaining[seq.request_id] == 0:
-                    self.cache.release(seq)
+                    self.client.release(seq)
                     self.live.remove(seq)
                 else:
                     self._decode(seq)
@@ -97,11 +100,11 @@ class _Run:
         beams = self.live = [root]
         yield
         forks = 0
-        for t, parents in enumerate(self.req.beam_parents):
+        for t, parents in enumerate(self.req.spec.beam_parents):
             counts = [int((parents == i).sum()) for i in range(len(beams))]
             for beam, k in zip(beams, counts, strict=True):
                 if k == 0:
-                    self.cache.release(beam)  # pruned: free its blocks before forking others
+                    self.client.release(beam)  # pruned: free its blocks before forking others
             kept: list[Sequence] = []
             for beam, k in zip(beams, counts, strict=True):
                 if k:
@@ -111,12 +114,12 @@ class _Run:
                     kept.append(self._fork(beam, f"{root.request_id}/b{forks}"))
             beams = kept
             self.live = beams
-            if t + 1 < len(self.req.beam_parents):  # the last step's tokens are never fed back
+            if t + 1 < len(self.req.spec.beam_parents):  # the last step's tokens are never fed back
                 for beam in beams:
                     self._decode(beam)
             yield
         for beam in beams:
-            self.cache.release(beam)
+            self.client.release(beam)
         self.live = []
 
 
@@ -124,14 +127,15 @@ def run(backend: str, requests: list[SamplingRequest], *, page_size: int, concur
     """Run the requests on a fresh `backend` cache; returns the sharing measurements."""
     worst = max(r.width * -(-(r.spec.prompt.size + r.spec.output_len) // page_size) for r in requests)
     cache = create_cache(backend, num_pages=concurrency * worst + 1, page_size=page_size)
-    counter = iter(range(GENERATED_TOKEN_BASE, 2**31 - 1))
+    client = CacheClient(cache)
+    counter = FreshTokens()
     pending = list(reversed(requests))
     active: list[_Run] = []
     sum_logical = sum_physical = peak = steps = 0
     t0 = time.perf_counter()
     while pending or active:
         while pending and len(active) < concurrency:
-            active.append(_Run(cache, pending.pop(), counter))
+            active.append(_Run(client, pending.pop(), counter))
         for r in list(active):
             if next(r.steps, StopIteration) is StopIteration:
                 active.remove(r)

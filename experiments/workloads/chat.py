@@ -36,9 +36,9 @@ def multi_turn_chat(
     """Multi-turn chat: conversations whose history is re-sent each turn.
 
     Turn t's prompt is `system + user_0 + answer_0 + ... + answer_{t-1} + user_t`; its
-    output is `answer_t`. The answers are generated here, deterministically, and stored in
-    `Workload.outputs` (request id -> ids); the engine (replay and serving) makes each request
-    generate exactly its answer, so the next turn can reuse the answer's KV as a real
+    output is `answer_t`. The answers are generated here, deterministically, and stored on
+    each request (`RequestSpec.forced_output`); the engine (replay and serving) makes each
+    request generate exactly its answer, so the next turn can reuse the answer's KV as a real
     conversation does. In the serving protocol a turn arrives its think time after the
     previous turn finishes (`RequestSpec.after`); `arrival` (think times after the
     conversation's start) orders the replay protocol.
@@ -66,7 +66,6 @@ def multi_turn_chat(
     system = random_tokens(rng, system_len, vocab_size)
     starts = poisson_arrivals(rng, num_conversations, rate)
     requests: list[RequestSpec] = []
-    outputs: dict[str, np.ndarray] = {}
     for c in range(num_conversations):
         answer_lens = sample_lengths(rng, turns, answer_len, answer_dist)
         gaps = rng.exponential(think_time, turns - 1) if think_time > 0 else np.zeros(turns - 1)
@@ -79,8 +78,15 @@ def multi_turn_chat(
             prev = f"conv{c}-turn{t - 1}" if t else None
             think = float(gaps[t - 1]) if t else 0.0
             requests.append(
-                RequestSpec(rid, prompt, int(answer.size), float(arrivals[t]), after=prev, think_time=think)
+                RequestSpec(
+                    rid,
+                    prompt,
+                    int(answer.size),
+                    float(arrivals[t]),
+                    after=prev,
+                    think_time=think,
+                    forced_output=answer,
+                )
             )
-            outputs[rid] = answer
             history = (*prompt.parts, answer)
-    return Workload("multi_turn_chat", sort_by_arrival(requests), config=config, outputs=outputs)
+    return Workload("multi_turn_chat", sort_by_arrival(requests), config=config)

@@ -1,7 +1,7 @@
 """Parallel sampling and beam search workloads (PagedAttention §6.3), as `Workload`s.
 
-Thin wrappers over `sampling.generate` (owned elsewhere): the decoding schedule of each
-request lands in `Workload.schedules` (request id -> `sampling.SamplingRequest`).
+Thin wrappers over `sampling.generate`: the decoding schedule of each request is on its
+`RequestSpec` (`sample_lens`, `beam_parents`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from experiments.workloads.generators import Workload, json_config, require_floa
 def _workload(name: str, reqs: list[sampling.SamplingRequest], config: dict) -> Workload:
     # config stays exactly the knobs (so make_workload(name, **config) rebuilds it);
     # sampling.describe(dataset, schedules) gives the realised length statistics
-    return Workload(name, [r.spec for r in reqs], config=config, schedules={r.spec.request_id: r for r in reqs})
+    return Workload(name, [r.spec for r in reqs], config=config)
 
 
 def parallel_sampling(
@@ -28,7 +28,7 @@ def parallel_sampling(
 
     Knobs:
     - dataset ("alpaca"): length shape, alpaca | sharegpt (log-normal, paper means).
-    - n (4): samples per request (RequestSpec.n); one output length per sample in schedules.
+    - n (4): samples per request (RequestSpec.n); one output length per sample (RequestSpec.sample_lens).
     - num_requests (100): requests generated.
     - rate (1.0): Poisson arrival rate, requests/s.
     Prompt ids come from a fixed 32000-token vocabulary.

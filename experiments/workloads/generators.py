@@ -33,12 +33,9 @@ class Workload:
     - `prefix_extra`: the extra keys a declared prefix is computed under (default
       `NO_EXTRA`); the requests naming it carry the same keys.
     - `config`: the knobs used (seed included), JSON-able, so a report can regenerate it.
-    - `outputs`: request id -> the token ids the request is *meant* to generate, where a
-      later request re-sends them (multi-turn chat). An engine that forces these ids
-      instead of its own makes history reuse exact; one that does not still gets correct
-      prompts, only the answer part of the history misses.
-    - `schedules`: request id -> decoding schedule (`sampling.SamplingRequest`) for
-      parallel sampling and beam search.
+
+    Each request's plan (samples, beams, forced outputs, which turn it follows) lives on its
+    `RequestSpec`, not here.
     """
 
     name: str
@@ -46,8 +43,6 @@ class Workload:
     declared_prefixes: dict[int, np.ndarray] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
     prefix_extra: dict[int, ExtraKeys] = field(default_factory=dict)
-    outputs: dict[str, np.ndarray] = field(default_factory=dict)
-    schedules: dict[str, Any] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.requests)

@@ -8,7 +8,7 @@ assumptions about the shape (Alpaca: short, narrow instructions; ShareGPT: heavy
 conversations), and lengths are rounded, then clipped (OPT-13B's 2048-token context bounds
 prompt + output). `SHAPES` holds every parameter; `describe()` reports the realised means.
 
-Every request carries the whole decoding schedule, so each backend replays exactly the same
+Every request carries the whole decoding schedule on its `RequestSpec`, so each backend replays exactly the same
 sequence of forks and releases:
 - parallel sampling (`n` samples): one output length per sample, drawn i.i.d. (sample j's
   from its own seeded stream, so a smaller n's samples are a prefix of a larger n's);
@@ -25,7 +25,7 @@ sequence of forks and releases:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -59,12 +59,22 @@ SHAPES: dict[str, LengthShape] = {
 
 @dataclass(frozen=True)
 class SamplingRequest:
-    """A request and its decoding schedule. `spec.output_len` is the longest branch."""
+    """A request and its decoding mode; the schedule itself is on the spec (its plan).
+    `spec.output_len` is the longest branch."""
 
     spec: RequestSpec
     mode: str  # "parallel" or "beam"
-    sample_output_lens: tuple[int, ...] = ()  # parallel: one per sample
-    beam_parents: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int32))  # beam: (steps, k)
+
+    @property
+    def sample_output_lens(self) -> tuple[int, ...]:
+        """Parallel: one output length per sample (empty for beam search)."""
+        return self.spec.sample_lens or ()
+
+    @property
+    def beam_parents(self) -> np.ndarray:
+        """Beam: `(steps, k)` parent indices (empty for parallel sampling)."""
+        parents = self.spec.beam_parents
+        return parents if parents is not None else np.zeros((0, 0), dtype=np.int32)
 
     @property
     def width(self) -> int:
@@ -140,12 +150,13 @@ def generate(
             # so the n = 4 run's samples are the first 4 of the n = 6 run's (common random
             # numbers: comparisons across n are not blurred by fresh draws)
             lens = (int(output_lens[i]), *(_sample_len(shape, seed, i, j, prompt.size) for j in range(1, width)))
-            spec = RequestSpec(rid, prompt, max(lens), float(arrivals[i]), n=width)
-            out.append(SamplingRequest(spec, mode, sample_output_lens=lens))
+            spec = RequestSpec(rid, prompt, max(lens), float(arrivals[i]), n=width, sample_lens=lens)
+            out.append(SamplingRequest(spec, mode))
         else:
             steps = int(output_lens[i])
-            spec = RequestSpec(rid, prompt, steps, float(arrivals[i]), beam_width=width)
-            out.append(SamplingRequest(spec, mode, beam_parents=beam_schedule(sched, width, steps, parent_decay, stay)))
+            parents = beam_schedule(sched, width, steps, parent_decay, stay)
+            spec = RequestSpec(rid, prompt, steps, float(arrivals[i]), beam_width=width, beam_parents=parents)
+            out.append(SamplingRequest(spec, mode))
     return out
 
 

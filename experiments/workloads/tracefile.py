@@ -15,8 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from experiments.engine import GENERATED_TOKEN_BASE
-from experiments.workloads.spec import TraceFormatError
+from experiments.workloads.spec import GENERATED_TOKEN_BASE, TraceFormatError
 
 #: prompt ids stay below the engine's generated ids: one among them could match another
 #: request's generated tokens, a false hit

@@ -1,10 +1,11 @@
-"""Runs requests through any `PrefixCache` backend and the model: the executor's side of
-the contract, small enough to check that caching never changes the output.
+"""Test helper: runs requests through any `PrefixCache` backend and the model, the executor's
+side of the contract, small enough to check that caching never changes the output.
 
 Per request: `match` -> `admit(seq, m, prompt_len)` -> apply the `CopyOp`s -> forward the
 tokens not yet computed (`seq.num_computed ..`) into `seq.page_table` -> `commit`; then
 greedy decode with `seq.append` -> `grow` -> apply copies -> forward -> `commit`; `release`
-at the end. `run_alone` is the no-cache baseline the cached runs are compared with.
+at the end. Cache calls go through `CacheClient`, so the call order is checked too.
+`run_alone` is the no-cache baseline the cached runs are compared with.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from attention.kv_cache import PagedKVCache
 from attention.model import ForwardInput, LlamaModel
 from cachelib import PrefixCache, Sequence
+from experiments.engine.cache_client import CacheClient
 
 
 class OutOfPagesError(RuntimeError):
@@ -78,6 +80,7 @@ class CachedRunner:
     ) -> None:
         self.model = model
         self.cache = cache
+        self.client = CacheClient(cache)
         self.kv: PagedKVCache = model.make_kv_cache(cache.num_pages, cache.page_size)
         self.prefill_chunk = prefill_chunk
         self.check = check
@@ -96,8 +99,8 @@ class CachedRunner:
     def prefill(self, seq: Sequence) -> torch.Tensor:
         """Admit `seq` and compute the prompt tokens the cache did not supply; returns the
         logits `(vocab,)` at the last prompt token."""
-        m = self.cache.match(seq)
-        self._apply(self.cache.admit(seq, m, seq.prompt_len))
+        m = self.client.match(seq)
+        self._apply(self.client.admit(seq, m, seq.prompt_len))
         self._checked()
         self.hits[seq.request_id] = seq.num_computed
         logits = None
@@ -106,7 +109,7 @@ class CachedRunner:
             start = seq.num_computed
             end = min(start + chunk, seq.prompt_len)
             logits = self.model.forward([ForwardInput(seq.tokens[start:end], start, seq.page_table)], self.kv)[0]
-            self.cache.commit(seq, end)
+            self.client.commit(seq, end)
             self._checked()
         if logits is None:  # contract says a match leaves >= 1 token; guard anyway
             raise RuntimeError(f"{seq.request_id}: the cache supplied the whole prompt; nothing to compute")
@@ -115,7 +118,7 @@ class CachedRunner:
     def fork(self, parent: Sequence, request_id: str) -> Sequence:
         """A child continuing from `parent`'s tokens and KV (parallel sampling)."""
         child = parent.fork(request_id)
-        self._apply(self.cache.fork(parent, child))
+        self._apply(self.client.fork(parent, child))
         self._checked()
         return child
 
@@ -124,14 +127,14 @@ class CachedRunner:
         batch = []
         for seq, tok in zip(seqs, next_tokens, strict=True):
             seq.append(np.array([tok], dtype=np.int32))
-            self._apply(self.cache.grow(seq, len(seq)))  # CoW copies before anything is written
+            self._apply(self.client.grow(seq, len(seq)))  # CoW copies before anything is written
         for seq in seqs:
             if seq.num_computed != len(seq) - 1:
                 raise RuntimeError(f"{seq.request_id}: {seq.num_computed} computed, expected {len(seq) - 1}")
             batch.append(ForwardInput(seq.tokens[-1:], len(seq) - 1, seq.page_table))
         logits = self.model.forward(batch, self.kv)
         for seq in seqs:
-            self.cache.commit(seq, len(seq))
+            self.client.commit(seq, len(seq))
         self._checked()
         return logits
 
@@ -160,7 +163,7 @@ class CachedRunner:
 
     def release(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
-            self.cache.release(seq)
+            self.client.release(seq)
         self._checked()
 
     def run(

@@ -1,0 +1,39 @@
+"""The engine: one scheduler, two drivers, one way to call a cache (docs/architecture.md).
+
+- `scheduler.Scheduler`: one replica's queues, token budget, chunked prefill, preemption,
+  ordering and decode windows; `step()` is one engine step on a shared `clock.VirtualClock`.
+- `serving.serve`: the serving protocol, a driver stepping a scheduler on the clock.
+- `replay.replay`: the replay protocol (sequential, exact; fidelity and bounds).
+- `cache_client.CacheClient`: times every cache call and holds each sequence to the
+  contract's call order; everything that calls a cache goes through it.
+- `executors`: the `Executor` protocol (declared capabilities) and its two implementations.
+"""
+
+from __future__ import annotations
+
+from experiments.engine.cache_client import CacheClient, CallOrderError
+from experiments.engine.clock import VirtualClock
+from experiments.engine.executors import CostModelExecutor, Executor, FreshTokens, ModelExecutor
+from experiments.engine.replay import Replay, replay, unlimited_pages
+from experiments.engine.scheduler import Request, Scheduler, ServingConfig, ServingResult
+from experiments.engine.serving import serve
+from experiments.workloads.spec import GENERATED_TOKEN_BASE
+
+__all__ = [
+    "GENERATED_TOKEN_BASE",
+    "CacheClient",
+    "CallOrderError",
+    "CostModelExecutor",
+    "Executor",
+    "FreshTokens",
+    "ModelExecutor",
+    "Replay",
+    "Request",
+    "Scheduler",
+    "ServingConfig",
+    "ServingResult",
+    "VirtualClock",
+    "replay",
+    "serve",
+    "unlimited_pages",
+]

@@ -1,0 +1,115 @@
+"""`CacheClient`: the one way the engine, the benchmarks and the tests call a `PrefixCache`.
+
+It times every contract call (only time inside the cache counts, hashing included) into
+`seconds`, and holds each sequence to the contract's call order::
+
+    match -> admit -> (grow | commit | fork)* -> release
+
+An `admit` of a sequence already admitted, a `grow`/`commit`/`fork`/`release` of one that
+is not, or a `fork` into a child that is live raises `CallOrderError` before the cache is
+touched. The check runs outside the timed region, so it never shows in `seconds`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from cachelib.interface import PrefixCache
+from cachelib.types import CopyOp, Match, Sequence
+
+
+class CallOrderError(RuntimeError):
+    """A contract call out of order for its sequence (an engine bug, not a cache error)."""
+
+
+class CacheClient:
+    """A `PrefixCache` behind a stopwatch (`seconds`) and a call-order check.
+
+    `clock` is the timer read around each call (`time.perf_counter`; a benchmark on a
+    loaded machine may pass `time.thread_time`).
+    """
+
+    __slots__ = ("cache", "seconds", "_clock", "_live")
+
+    def __init__(self, cache: PrefixCache, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.cache = cache
+        self.seconds = 0.0
+        self._clock = clock
+        self._live: set[int] = set()  # id() of every admitted or forked, unreleased Sequence
+
+    # -- the contract, timed --------------------------------------------------------
+
+    def match(self, seq: Sequence) -> Match:
+        t0 = self._clock()
+        m = self.cache.match(seq)
+        self.seconds += self._clock() - t0
+        return m
+
+    def admit(self, seq: Sequence, match: Match, num_tokens: int) -> list[CopyOp] | None:
+        """`cache.admit`; the sequence is live from here when it fits."""
+        if id(seq) in self._live:
+            raise CallOrderError(f"admit {seq.request_id!r}: already admitted; release it first")
+        t0 = self._clock()
+        ops = self.cache.admit(seq, match, num_tokens)
+        self.seconds += self._clock() - t0
+        if ops is not None:
+            self._live.add(id(seq))
+        return ops
+
+    def grow(self, seq: Sequence, num_tokens: int) -> list[CopyOp] | None:
+        self._require_live(seq, "grow")
+        t0 = self._clock()
+        ops = self.cache.grow(seq, num_tokens)
+        self.seconds += self._clock() - t0
+        return ops
+
+    def commit(self, seq: Sequence, num_computed: int) -> None:
+        self._require_live(seq, "commit")
+        t0 = self._clock()
+        self.cache.commit(seq, num_computed)
+        self.seconds += self._clock() - t0
+
+    def grow_commit(self, seq: Sequence, num_tokens: int) -> list[CopyOp] | None:
+        """`grow` to `num_tokens` and, when it fits, `commit` them (a decode step whose KV
+        the engine writes at once); one timed region."""
+        self._require_live(seq, "grow")
+        t0 = self._clock()
+        ops = self.cache.grow(seq, num_tokens)
+        if ops is not None:
+            self.cache.commit(seq, num_tokens)
+        self.seconds += self._clock() - t0
+        return ops
+
+    def fork(self, parent: Sequence, child: Sequence) -> list[CopyOp] | None:
+        """`cache.fork`; the child is live from here when it fits."""
+        self._require_live(parent, "fork")
+        if id(child) in self._live:
+            raise CallOrderError(f"fork into {child.request_id!r}: the child is already live")
+        t0 = self._clock()
+        ops = self.cache.fork(parent, child)
+        self.seconds += self._clock() - t0
+        if ops is not None:
+            self._live.add(id(child))
+        return ops
+
+    def release(self, seq: Sequence) -> None:
+        self._require_live(seq, "release")
+        t0 = self._clock()
+        self.cache.release(seq)
+        self.seconds += self._clock() - t0
+        self._live.discard(id(seq))
+
+    # -- helpers --------------------------------------------------------------------
+
+    def is_live(self, seq: Sequence) -> bool:
+        """True between a successful admit (or fork) of `seq` and its release."""
+        return id(seq) in self._live
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    def _require_live(self, seq: Sequence, call: str) -> None:
+        if id(seq) not in self._live:
+            raise CallOrderError(f"{call} {seq.request_id!r}: not admitted (match -> admit first) or already released")

@@ -1,0 +1,444 @@
+"""`Scheduler`: one replica's continuous batching (the serving protocol, DESIGN §6).
+
+State lives here: the waiting queue, the running list (in admission order), the run's
+metrics. `step()` is one engine step on the shared `VirtualClock`:
+
+1. `schedule_running`: running requests get their next token (decode) or next prefill
+   chunk first, in admission order, within the token budget; when one cannot grow, the
+   most recently admitted request is preempted by recompute (`preempt`: vLLM V1's policy).
+2. `admit`: waiting requests join, FCFS or longest-cached-prefix first (`order_waiting`),
+   while the budget, the running limit and memory allow; the head blocks the line.
+3. The executor runs (or prices) the batch; `postprocess` commits the KV, takes each
+   sampled token (or the request's forced one), forks parallel samples at the first token
+   (`spawn_samples`) and `finish`es what is done.
+
+While nothing but decoding happens, `window_size` / `run_window` simulate a stretch of
+decode steps in one go (cost model only), with exactly the outcome of taking them one by
+one (tests/test_serving.py checks it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from cachelib.types import Sequence
+from experiments.engine.cache_client import CacheClient
+from experiments.engine.clock import VirtualClock
+from experiments.engine.executors import Executor
+from experiments.workloads.spec import RequestSpec
+
+ORDERINGS = ("fcfs", "lpf")
+#: longest decode window simulated in one go (bounds the per-step time vector)
+MAX_WINDOW = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class ServingConfig:
+    """Scheduler knobs. `token_budget`: tokens computed per step (decodes + prefill chunks);
+    `max_running`: requests in the batch at most; `ordering`: fcfs | lpf (longest prefix first)."""
+
+    token_budget: int = 8192
+    max_running: int = 256
+    ordering: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        if self.token_budget < 1 or self.max_running < 1:
+            raise ValueError("token_budget and max_running must be positive")
+        if self.ordering not in ORDERINGS:
+            raise ValueError(f"unknown ordering {self.ordering!r}; choose one of {', '.join(ORDERINGS)}")
+
+
+@dataclass(slots=True, eq=False)  # identity: `in running` must not compare fields
+class Request:
+    """A request inside the scheduler: its sequence and what happened to it so far."""
+
+    spec: RequestSpec
+    seq: Sequence
+    generated: int = 0
+    first_admit_hit: int | None = None
+    hit_tokens: int = 0  # over every admission, re-admissions after preemption included
+    computed_tokens: int = 0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    preempted: int = 0
+    output: list[int] = field(default_factory=list)
+    arrival: float = 0.0  # when it joined the queue (after its predecessor, for a dependent turn)
+    target: int = 0  # tokens to generate (0: the spec's output_len)
+    lag: int = 0  # decode tokens computed but not yet committed (batched commits)
+    sample_of: str | None = None  # parallel sampling: the request this sample was forked from
+    forced: list[int] | None = None  # the spec's forced output as ints (the request itself only)
+
+    def __post_init__(self) -> None:
+        if not self.target:
+            self.target = max(self.spec.output_len, 1)
+        if self.forced is None and self.sample_of is None and self.spec.forced_output is not None:
+            self.forced = np.asarray(self.spec.forced_output, dtype=np.int64).tolist()
+
+
+@dataclass
+class ServingResult:
+    """Per-request outcomes and the run's timeline."""
+
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    timeline: list[tuple[float, int]] = field(default_factory=list)  # (time, pages pinned)
+    steps: int = 0
+    preemptions: int = 0
+    aborted: int = 0
+    cache_seconds: float = 0.0
+    makespan: float = 0.0
+    peak_pages: int = 0
+    outputs: dict[str, list[int]] = field(default_factory=dict)  # with keep_outputs=True
+
+
+#: a step's batch: each request and the tokens it computes this step
+Batch = list[tuple[Request, int]]
+
+
+class Scheduler:
+    """One replica: waiting and running queues over one cache (through `client`) and one executor."""
+
+    def __init__(
+        self,
+        client: CacheClient,
+        executor: Executor,
+        config: ServingConfig,
+        clock: VirtualClock,
+        *,
+        keep_outputs: bool = False,
+    ) -> None:
+        self.client = client
+        self.cache = client.cache
+        self.executor = executor
+        self.config = config
+        self.clock = clock
+        self.keep_outputs = keep_outputs
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.result = ServingResult()
+        # Decode steps inside a page the table already holds need no cache call on backends
+        # that promise so: their commits are batched until the next grow, fork or release
+        # (cost model only; the real model reads every step's pages through the table).
+        self.lazy = self.cache.decode_steps_are_noops and executor.supports_decode_windows
+        self._gone: set[int] = set()  # ids of requests preempted during the current step
+        self._lagging: set[int] = set()  # ids of requests whose step this time needs no cache call
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, spec: RequestSpec, arrival: float) -> None:
+        """A request arrives: it joins the back of the waiting queue."""
+        seq = Sequence(spec.request_id, spec.prompt, spec.extra, prefix_id=spec.prefix_id)
+        self.waiting.append(Request(spec, seq, arrival=arrival))
+
+    # -- one step -------------------------------------------------------------------
+
+    def step(self) -> float | None:
+        """One engine step from `clock.now`; returns when it ends (`now` itself when it only
+        gave up on a request), or None when nothing could run (wait for an arrival)."""
+        batch = self.schedule_running()
+        budget = self.config.token_budget - sum(n for _, n in batch)
+        before = len(batch)
+        self.admit(batch, budget)
+        admitted_now = len(batch) > before
+        if not batch:
+            if self.waiting and not self.running:
+                # nothing runs and the head does not fit in an empty cache: it never will
+                self.finish(self.waiting.popleft(), self.clock.now, aborted=True, admitted=False)
+                return self.clock.now
+            return None
+        if self.lazy and not admitted_now and len(batch) == len(self.running):
+            for r, _ in batch:
+                self.flush(r)  # a decode window starts from committed state
+        k = self.window_size(batch, admitted_now)
+        if k > 1:
+            return self.run_window(batch, k)
+        return self.run_batch(batch)
+
+    def schedule_running(self) -> Batch:
+        """Give every running request its next chunk or decode token, within the budget,
+        preempting the latest admitted when a grow does not fit."""
+        budget = self.config.token_budget
+        batch: Batch = []
+        gone, page = self._gone, self.cache.page_size
+        gone.clear()
+        self._lagging.clear()
+        for r in list(self.running):
+            if budget == 0 or id(r) in gone:
+                continue  # preempted by an earlier request of this step
+            seq = r.seq
+            start = seq.num_computed + r.lag
+            n = min(len(seq) - start, budget)
+            if self.lazy and n == 1 and start >= seq.prompt_len and start % page and start < len(seq.page_table) * page:
+                self._lagging.add(id(r))  # a decode step inside a page it holds: no cache call
+                batch.append((r, 1))
+                budget -= 1
+                continue
+            if self.grow(r, start + n):
+                batch.append((r, n))
+                budget -= n
+        if gone:
+            batch = [(r, n) for r, n in batch if id(r) not in gone]
+        return batch
+
+    def grow(self, r: Request, num_tokens: int) -> bool:
+        """Grow `r` to `num_tokens`, preempting the latest admitted until it fits; False when
+        `r` itself was preempted or, alone and still without room, aborted."""
+        self.flush(r)
+        ops = self.client.grow(r.seq, num_tokens)
+        while ops is None:
+            victim = self.running[-1]
+            if victim is r and len(self.running) == 1:
+                break  # alone and still no room: it can never finish
+            self.preempt(victim)
+            if victim is r:
+                break
+            ops = self.client.grow(r.seq, num_tokens)
+        if ops is None:
+            if id(r) not in self._gone:
+                self.running.remove(r)
+                self.finish(r, self.clock.now, aborted=True)
+            return False
+        self.executor.apply_copies(ops)
+        return True
+
+    def admit(self, batch: Batch, budget: int) -> None:
+        """Admit waiting requests into the step while budget, batch size and memory allow."""
+        self.order_waiting()
+        waiting, running, client = self.waiting, self.running, self.client
+        # FCFS: the head blocks the line, so only the head is ever tried (O(1) per step)
+        while waiting and budget > 0 and len(running) < self.config.max_running:
+            r = waiting[0]
+            m = client.match(r.seq)
+            n = min(len(r.seq) - m.num_tokens, budget)
+            ops = client.admit(r.seq, m, m.num_tokens + n)
+            if ops is None:
+                break  # head of line blocks: later requests wait too (FCFS fairness)
+            self.executor.apply_copies(ops)
+            waiting.popleft()
+            running.append(r)
+            if r.first_admit_hit is None:
+                r.first_admit_hit = m.num_tokens
+            r.hit_tokens += m.num_tokens
+            batch.append((r, n))
+            budget -= n
+
+    def order_waiting(self) -> None:
+        """lpf: SGLang's longest-prefix-first, the longest cached prefix first (ties: arrival)."""
+        if self.config.ordering != "lpf" or len(self.waiting) <= 1:
+            return
+        hits = [self.client.match(r.seq).num_tokens for r in self.waiting]
+        order = sorted(range(len(hits)), key=lambda i: -hits[i])  # stable, as sorting requests was
+        ordered = [self.waiting[i] for i in order]
+        self.waiting.clear()
+        self.waiting.extend(ordered)
+
+    def run_batch(self, batch: Batch) -> float:
+        """Run one step of `batch` on the executor; returns when it ends."""
+        items = [(r.seq, n, r.seq.num_computed + r.lag) for r, n in batch]
+        seconds, tokens = self.executor.step(items)
+        end = self.clock.now + seconds
+        self.result.steps += 1
+        for (r, n), tok in zip(batch, tokens, strict=True):
+            self.postprocess(r, n, tok, end)
+        self.record_pages(end)
+        return end
+
+    def postprocess(self, r: Request, n: int, tok: int | None, end: float) -> None:
+        """Commit `r`'s computed tokens and take its sampled token (or its forced one)."""
+        if id(r) in self._lagging:
+            r.lag += n
+        else:
+            self.client.commit(r.seq, r.seq.num_computed + r.lag + n)
+        r.computed_tokens += n
+        if tok is None:
+            return
+        if r.forced is not None and r.generated < len(r.forced):
+            tok = r.forced[r.generated]
+        if r.generated == 0 and r.spec.n > 1 and r.sample_of is None:
+            self.spawn_samples(r, tok, end)
+        r.generated += 1
+        r.output.append(tok)
+        if r.first_token_at is None:
+            r.first_token_at = end
+        if r.generated >= r.target:
+            self.running.remove(r)
+            self.finish(r, end)
+        else:
+            r.seq.append_token(tok)
+
+    # -- decisions ------------------------------------------------------------------
+
+    def preempt(self, r: Request) -> None:
+        """Preempt `r` by recompute: release its pages; a fresh sequence holding every token
+        so far waits at the front of the queue."""
+        self.flush(r)
+        self.client.release(r.seq)
+        self.running.remove(r)
+        old = r.seq
+        r.seq = Sequence(old.request_id, old.tokens.copy(), old.extra, prefix_id=old.prefix_id)
+        r.seq.cache_memo = old.cache_memo  # same tokens: the cache's per-sequence memo still holds
+        r.preempted += 1
+        self.result.preemptions += 1
+        self._gone.add(id(r))
+        self.waiting.appendleft(r)
+
+    def finish(self, r: Request, at: float, *, aborted: bool = False, admitted: bool = True) -> None:
+        """`r` is done (or given up on) at `at`: release it, record it, let its followers arrive."""
+        if admitted:
+            self.flush(r)
+            self.client.release(r.seq)
+        r.finished_at = at
+        if self.keep_outputs:
+            self.result.outputs[r.spec.request_id] = r.output
+        self.clock.finished(r.spec.request_id, at)
+        self.result.aborted += aborted
+        self.result.requests.append(_record(r, aborted))
+
+    def spawn_samples(self, r: Request, tok: int, now: float) -> None:
+        """Fork samples 1..n-1 of `r` from its computed prompt; each samples its first token.
+        A sample that cannot fork for want of pages waits and recomputes, like a preempted one."""
+        lens = r.spec.output_lens
+        r.target = max(lens[0], 1)
+        self.flush(r)
+        for j in range(1, r.spec.n):
+            spec = dataclasses.replace(
+                r.spec,
+                request_id=f"{r.spec.request_id}/{j}",
+                output_len=lens[j],
+                n=1,
+                sample_lens=None,
+                forced_output=None,
+            )
+            first = self.executor.fresh_tokens(1)[0] if self.executor.samples_fresh_tokens else tok
+            child = Request(
+                spec, r.seq.fork(spec.request_id), sample_of=r.spec.request_id, first_admit_hit=0, arrival=r.arrival
+            )
+            ops = self.client.fork(r.seq, child.seq)
+            child.generated, child.first_token_at = 1, now
+            child.output.append(first)
+            if ops is None:
+                child.seq = Sequence(spec.request_id, np.append(r.seq.tokens, np.int32(first)), r.seq.extra)
+                self.waiting.appendleft(child)
+                continue
+            self.executor.apply_copies(ops)
+            if child.generated >= child.target:
+                self.finish(child, now)
+            else:
+                child.seq.append_token(first)
+                self.running.append(child)
+
+    def flush(self, r: Request) -> None:
+        """Commit `r`'s batched decode tokens (before any grow, fork or release)."""
+        if r.lag:
+            self.client.commit(r.seq, r.seq.num_computed + r.lag)
+            r.lag = 0
+
+    def record_pages(self, at: float) -> None:
+        pinned = self.cache.pages_pinned()
+        res = self.result
+        res.peak_pages = max(res.peak_pages, pinned)
+        res.timeline.append((at, pinned))
+
+    # -- decode windows -------------------------------------------------------------
+
+    def window_size(self, batch: Batch, admitted_now: bool) -> int:
+        """How many decode steps can be simulated at once, with exactly the outcome of taking
+        them one by one (executors that `supports_decode_windows` only).
+
+        Safe while nothing but decoding happens: no admission this step (so none in the
+        window: memory only shrinks while decoding, budget and batch size stay), every
+        running request is decoding, no request finishes before the last step, no arrival
+        before it, and the pages the window needs are free or evictable, so no preemption.
+        Which page ids are handed out can differ from step-by-step order; no hit, eviction
+        count or timing can.
+        """
+        if admitted_now or not self.executor.supports_decode_windows or len(batch) != len(self.running):
+            return 1
+        if any(n != 1 or len(r.seq) - r.seq.num_computed != 1 for r, n in batch):
+            return 1
+        k = min(MAX_WINDOW, min(r.target - r.generated for r, _ in batch))
+        if k <= 1:
+            return 1
+        computed = np.array([r.seq.num_computed for r, _ in batch], dtype=np.int64)
+        pages = np.array([len(r.seq.page_table) for r, _ in batch], dtype=np.int64)
+        k = _pages_limit(computed, pages, self.cache.page_size, self.cache.pages_reclaimable(), k)
+        arrival = self.clock.next_arrival()
+        if arrival is not None and k > 1:
+            steps = self.executor.decode_step_seconds(computed, k - 1)
+            starts = self.clock.now + np.concatenate(([0.0], np.cumsum(steps)))
+            k = int(np.searchsorted(starts, arrival, side="left"))  # steps starting before it
+        return max(k, 1)
+
+    def run_window(self, batch: Batch, k: int) -> float:
+        """Take `k` decode steps of `batch` at once; returns when the last ends."""
+        computed = np.array([r.seq.num_computed for r, _ in batch], dtype=np.int64)
+        end = self.clock.now + float(self.executor.decode_step_seconds(computed, k).sum())
+        for r, _ in batch:
+            tokens = self.executor.fresh_tokens(k)
+            if r.forced is not None:  # the request's recorded output overrides what was sampled
+                lo = r.generated
+                tokens[: max(0, min(k, len(r.forced) - lo))] = r.forced[lo : lo + k]
+            r.seq.append(np.array(tokens[:-1], dtype=np.int32))
+            target = r.seq.num_computed + k
+            ops = self.client.grow(r.seq, target)
+            if ops is None:
+                raise RuntimeError("decode window ran out of pages; the window check is wrong")
+            self.executor.apply_copies(ops)
+            self.client.commit(r.seq, target)
+            r.computed_tokens += k
+            r.generated += k
+            r.output.extend(tokens)
+        self.result.steps += k
+        for r, _ in batch:
+            if r.generated >= r.target:
+                self.running.remove(r)
+                self.finish(r, end)
+            else:
+                r.seq.append_token(r.output[-1])
+        self.record_pages(end)
+        return end
+
+
+def _pages_limit(computed: np.ndarray, pages: np.ndarray, page_size: int, spare: int, k: int) -> int:
+    """The most decode steps (at most `k`) whose new pages fit in `spare` (one always does:
+    this step's grow succeeded)."""
+
+    def need(steps: int) -> int:
+        return int(np.maximum(-(-(computed + steps) // page_size) - pages, 0).sum())
+
+    if need(k) <= spare:
+        return k
+    lo, hi = 1, k
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if need(mid) <= spare else (lo, mid - 1)
+    return lo
+
+
+def _record(r: Request, aborted: bool) -> dict[str, Any]:
+    spec = r.spec
+    ttft = None if r.first_token_at is None else r.first_token_at - r.arrival
+    tpot = None
+    if r.first_token_at is not None and r.finished_at is not None and r.generated > 1:
+        tpot = (r.finished_at - r.first_token_at) / (r.generated - 1)
+    return {
+        "request_id": spec.request_id,
+        "arrival": r.arrival,
+        "prompt_tokens": spec.prompt_len,
+        "hit_tokens": r.first_admit_hit or 0,
+        "hit_tokens_all_admissions": r.hit_tokens,
+        "computed_tokens": r.computed_tokens,
+        "generated": r.generated,
+        "ttft": ttft,
+        "tpot": tpot,
+        "finished_at": r.finished_at,
+        "preempted": r.preempted,
+        "aborted": aborted,
+        "sample_of": r.sample_of,
+    }

@@ -1,0 +1,81 @@
+"""The serving protocol's driver (DESIGN §6): continuous batching on a virtual clock.
+
+Arrivals come off the `VirtualClock` into one `Scheduler`; each scheduler step advances the
+clock by what the executor says the step took (cost model) or took (model); with nothing to
+run, the clock jumps to the next arrival. What a step decides is the scheduler's (see
+`experiments/engine/scheduler.py`); this module only drives it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from cachelib.interface import PrefixCache
+from experiments.engine.cache_client import CacheClient
+from experiments.engine.clock import VirtualClock
+from experiments.engine.executors import Executor
+from experiments.engine.scheduler import Scheduler, ServingConfig, ServingResult
+from experiments.workloads.spec import RequestSpec
+
+DEFAULT_CONFIG = ServingConfig()
+
+
+def serve(
+    cache: PrefixCache | CacheClient,
+    requests: Seq[RequestSpec],
+    executor: Executor,
+    config: ServingConfig = DEFAULT_CONFIG,
+    *,
+    progress: bool = False,
+    keep_outputs: bool = False,
+) -> ServingResult:
+    """Run `requests` through `cache` and `executor`; returns per-request metrics and the timeline.
+
+    A request with `n > 1` (parallel sampling) forks `n - 1` samples from its prompt when its
+    first token is sampled (`cache.fork`); sample j generates `spec.sample_lens[j]` tokens
+    (default: `output_len` each). A sample that cannot fork for want of pages waits to be
+    admitted like a preempted request (recompute). Beam search is not run here: it runs
+    under the replay protocol and in `experiments/bench/sharing_memory.py`. A request's
+    `forced_output` is what it generates (whatever the executor samples), so that a
+    conversation's next turn can reuse its KV.
+    """
+    beams = [s.request_id for s in requests if s.beam_width > 1]
+    if beams:
+        raise ValueError(
+            f"the serving engine runs parallel sampling, not beam search (request {beams[0]!r}); use experiments.bench.sharing_memory"
+        )
+    client = cache if isinstance(cache, CacheClient) else CacheClient(cache)
+    clock = VirtualClock(requests)
+    scheduler = Scheduler(client, executor, config, clock, keep_outputs=keep_outputs)
+    bar = _progress_bar(len(requests), f"serve {client.cache.name}") if progress else None
+    drive(clock, scheduler, bar)
+    if bar is not None:
+        bar.close()
+    res = scheduler.result
+    res.makespan = clock.now
+    res.cache_seconds = client.seconds
+    return res
+
+
+def drive(clock: VirtualClock, scheduler: Scheduler, bar: Any = None) -> None:
+    """Step `scheduler` until every request, arrived or not, has finished."""
+    while clock.has_arrivals or scheduler.has_work:
+        for arrival, spec in clock.arrived():
+            scheduler.add(spec, arrival)
+        if not scheduler.has_work:
+            clock.now = clock.next_arrival()  # type: ignore[assignment]  # idle: jump ahead
+            continue
+        end = scheduler.step()
+        if bar is not None and len(scheduler.result.requests) > bar.n:
+            bar.update(len(scheduler.result.requests) - bar.n)
+        if end is not None:
+            clock.now = end
+        elif clock.has_arrivals:
+            clock.now = max(clock.now, clock.next_arrival())  # type: ignore[type-var]
+
+
+def _progress_bar(total: int, desc: str) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", leave=False, mininterval=0.5)
