@@ -73,9 +73,10 @@ def _init(ray, address: str, num_cpus: int | None) -> bool:
 
 
 def _error_text(exc: BaseException) -> str:
-    cause = getattr(exc, "cause", None)  # RayTaskError wraps the worker's exception
-    if isinstance(cause, BaseException):
-        return f"{type(cause).__name__}: {cause}"
+    from ray.exceptions import RayTaskError
+
+    if isinstance(exc, RayTaskError) and isinstance(exc.cause, BaseException):  # wraps the worker's exception
+        return f"{type(exc.cause).__name__}: {exc.cause}"
     return f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -185,12 +186,22 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    backends = results["backends"]
-    caps = results["capacities"]
-    names = []
+    _plot_hit_rate(plt, results, out_dir / "hit_rate_vs_capacity.png")
+    names = ["hit_rate_vs_capacity.png"]
+    for fname, draw, xlabel, ylabel in (
+        ("ttft_cdf.png", _draw_ttft, "TTFT (s, virtual clock)", "fraction of requests"),
+        ("pages_in_use.png", _draw_pages, "time (s, virtual clock)", "pages pinned"),
+    ):
+        if _plot_per_capacity(plt, results, out_dir / fname, draw, (xlabel, ylabel)):
+            names.append(fname)
+    return names
 
+
+def _plot_hit_rate(plt: Any, results: dict[str, Any], path: Path) -> None:
+    """Each backend's replay hit rate against capacity, with the bounds."""
+    caps = results["capacities"]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for b in backends:
+    for b in results["backends"]:
         ys = [
             next(
                 (
@@ -214,32 +225,32 @@ def plots(results: dict[str, Any], out_dir: Path) -> list[str]:
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out_dir / "hit_rate_vs_capacity.png", dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
-    names.append("hit_rate_vs_capacity.png")
 
-    for fname, draw, xlabel, ylabel in (
-        ("ttft_cdf.png", _draw_ttft, "TTFT (s, virtual clock)", "fraction of requests"),
-        ("pages_in_use.png", _draw_pages, "time (s, virtual clock)", "pages pinned"),
-    ):
-        fig, axes = plt.subplots(1, len(caps), figsize=(4.2 * len(caps), 3.6), squeeze=False)
-        drew = False
-        for ax, cap in zip(axes[0], caps, strict=True):
-            for c in results["cells"]:
-                if c["config"]["capacity_tokens"] == cap and "serving" in c:
-                    drew |= draw(ax, c, _style(results, label(c)))
-            ax.set_title(f"{cap:,} tokens")
-            ax.set_xlabel(xlabel)
-            ax.grid(alpha=0.3)
-        axes[0][0].set_ylabel(ylabel)
-        if drew:
-            axes[0][0].legend(fontsize=8)
-        fig.tight_layout()
-        if drew:
-            fig.savefig(out_dir / fname, dpi=110)
-            names.append(fname)
-        plt.close(fig)
-    return names
+
+def _plot_per_capacity(
+    plt: Any, results: dict[str, Any], path: Path, draw: Callable[..., bool], labels: tuple[str, str]
+) -> bool:
+    """One panel per capacity, each serving cell drawn by `draw`; False (no file) when none drew."""
+    caps = results["capacities"]
+    fig, axes = plt.subplots(1, len(caps), figsize=(4.2 * len(caps), 3.6), squeeze=False)
+    drew = False
+    for ax, cap in zip(axes[0], caps, strict=True):
+        for c in results["cells"]:
+            if c["config"]["capacity_tokens"] == cap and "serving" in c:
+                drew |= draw(ax, c, _style(results, label(c)))
+        ax.set_title(f"{cap:,} tokens")
+        ax.set_xlabel(labels[0])
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(labels[1])
+    if drew:
+        axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    if drew:
+        fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return drew
 
 
 def _draw_ttft(ax, cell, style) -> bool:

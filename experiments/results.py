@@ -43,7 +43,10 @@ def document(
     capacities: list[int],
     bounds: dict[str, Any] | None,
 ) -> dict[str, Any]:
-    """Every number of a comparison plus the configuration that produced it."""
+    """Every number of a comparison plus the configuration that produced it.
+
+    `backends` are the variants' labels (`radix`, `radix[eviction_policy=lfu]`), in the
+    order of the cells; report.py draws one line per label."""
     return {
         "command": command_line(argv),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),

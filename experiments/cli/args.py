@@ -56,9 +56,9 @@ def add_backend_options(p: argparse.ArgumentParser) -> None:
 def options_given(args: argparse.Namespace) -> list[OptionGiven]:
     """The backend options of the command line, aliases first."""
     given = [
-        OptionGiven(key, getattr(args, key), flag)
+        OptionGiven(key, vars(args)[key], flag)
         for flag, (key, _) in OPTION_ALIASES.items()
-        if getattr(args, key) is not None
+        if vars(args)[key] is not None
     ]
     if args.verify_tokens:
         given.append(OptionGiven("verify_tokens", True, "--verify-tokens"))
