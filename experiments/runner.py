@@ -26,12 +26,11 @@ from experiments import defaults
 from experiments.backend_options import variant_label
 from experiments.engine import replay
 from experiments.errors import InputError
-from experiments.executors import DEVICE_PROFILES, CostModelExecutor, ModelExecutor
+from experiments.executors import DEVICE_PROFILES, CostModelExecutor, Executor, ModelExecutor
 from experiments.metrics import serving_metrics
 from experiments.serving import ServingConfig, serve
 from experiments.workloads.generators import Workload
 from experiments.workloads.registry import make_workload
-from experiments.workloads.spec import RequestSpec
 
 PROTOCOLS = ("replay", "serving", "both")
 EXECUTORS = ("cost", "model")
@@ -114,8 +113,8 @@ def build_workload(cfg: CellConfig) -> Workload:
 def check_capacity(workload: Workload, capacity_tokens: int, page_size: int) -> int:
     """Pages at this capacity; `CapacityError` if the largest request does not fit alone."""
     num_pages = capacity_tokens // page_size
-    worst = max(workload.requests, key=lambda s: _prompt_len(s) + s.output_len)
-    need = -(-(_prompt_len(worst) + worst.output_len) // page_size)
+    worst = max(workload.requests, key=lambda s: s.prompt_len + s.output_len)
+    need = -(-(worst.prompt_len + worst.output_len) // page_size)
     if num_pages < need:
         raise CapacityError(
             f"capacity {capacity_tokens} tokens ({num_pages} pages of {page_size}) is smaller than request "
@@ -124,18 +123,13 @@ def check_capacity(workload: Workload, capacity_tokens: int, page_size: int) -> 
     return num_pages
 
 
-def _prompt_len(spec: RequestSpec) -> int:
-    src = spec.prompt_source
-    return len(spec.prompt) if callable(src) else len(src)
-
-
-def _declare_prefixes(cache: PrefixCache, workload: Workload, executor) -> tuple[list, float]:
+def _declare_prefixes(cache: PrefixCache, workload: Workload, executor: Executor) -> tuple[list, float]:
     """Register the workload's declared prefixes on a backend that shares only what is
     declared, compute their KV once, and remap the requests' prefix ids to the backend's."""
     requests = workload.requests
     if not workload.declared_prefixes:
         return requests, 0.0
-    if not hasattr(cache, "register_prefix"):
+    if not cache.declares_prefixes:
         # automatic backends find the prefix themselves; the ids mean nothing to them
         return [dataclasses.replace(s, prefix_id=None) for s in requests], 0.0
     mapping: dict[int, int] = {}

@@ -232,8 +232,8 @@ class Scheduler:
         """lpf: SGLang's longest-prefix-first, the longest cached prefix first (ties: arrival)."""
         if self.config.ordering != "lpf" or len(self.waiting) <= 1:
             return
-        hits = [self.client.match(r.seq).num_tokens for r in self.waiting]
-        order = sorted(range(len(hits)), key=lambda i: -hits[i])  # stable, as sorting requests was
+        longest_first = [-self.client.match(r.seq).num_tokens for r in self.waiting]
+        order = sorted(range(len(longest_first)), key=longest_first.__getitem__)  # stable: ties keep arrival order
         ordered = [self.waiting[i] for i in order]
         self.waiting.clear()
         self.waiting.extend(ordered)
@@ -408,17 +408,18 @@ class Scheduler:
 def _pages_limit(computed: np.ndarray, pages: np.ndarray, page_size: int, spare: int, k: int) -> int:
     """The most decode steps (at most `k`) whose new pages fit in `spare` (one always does:
     this step's grow succeeded)."""
-
-    def need(steps: int) -> int:
-        return int(np.maximum(-(-(computed + steps) // page_size) - pages, 0).sum())
-
-    if need(k) <= spare:
+    if _new_pages(computed, pages, page_size, k) <= spare:
         return k
     lo, hi = 1, k
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if need(mid) <= spare else (lo, mid - 1)
+        lo, hi = (mid, hi) if _new_pages(computed, pages, page_size, mid) <= spare else (lo, mid - 1)
     return lo
+
+
+def _new_pages(computed: np.ndarray, pages: np.ndarray, page_size: int, steps: int) -> int:
+    """Pages a batch needs beyond the ones it holds to decode `steps` more tokens each."""
+    return int(np.maximum(-(-(computed + steps) // page_size) - pages, 0).sum())
 
 
 def _record(r: Request, aborted: bool) -> dict[str, Any]:

@@ -1,0 +1,112 @@
+"""The engine's objects on their own: call-order checks, declared executor capabilities,
+schedulers sharing one clock."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cachelib import Sequence, create_cache
+from experiments.engine import (
+    CacheClient,
+    CallOrderError,
+    CostModelExecutor,
+    ModelExecutor,
+    Scheduler,
+    ServingConfig,
+    VirtualClock,
+    serve,
+)
+from experiments.engine.serving import drive
+from experiments.workloads.spec import RequestSpec
+
+
+def _seq(rid: str, n: int = 10) -> Sequence:
+    return Sequence(rid, np.arange(n, dtype=np.int32))
+
+
+def test_cache_client_times_calls_and_enforces_the_call_order():
+    client = CacheClient(create_cache("apc", num_pages=16, page_size=4))
+    s = _seq("a")
+    with pytest.raises(CallOrderError, match="not admitted"):
+        client.commit(s, 4)
+    m = client.match(s)
+    assert client.admit(s, m, len(s)) is not None and client.is_live(s)
+    with pytest.raises(CallOrderError, match="already admitted"):
+        client.admit(s, client.match(s), len(s))
+    client.commit(s, len(s))
+    child = s.fork("a/1")
+    assert client.fork(s, child) is not None and client.num_live == 2
+    with pytest.raises(CallOrderError, match="already live"):
+        client.fork(s, child)
+    client.release(child)
+    client.release(s)
+    with pytest.raises(CallOrderError, match="already released"):
+        client.release(s)
+    assert client.num_live == 0 and client.seconds > 0
+    client.cache.check_invariants()
+
+
+def test_a_failed_admit_leaves_the_sequence_unadmitted():
+    client = CacheClient(create_cache("none", num_pages=2, page_size=4))
+    s = _seq("big", 20)
+    assert client.admit(s, client.match(s), len(s)) is None
+    assert not client.is_live(s)
+    with pytest.raises(CallOrderError):
+        client.grow(s, 21)
+
+
+def test_executors_declare_their_capabilities():
+    assert CostModelExecutor.supports_decode_windows and CostModelExecutor.samples_fresh_tokens
+    assert not ModelExecutor.supports_decode_windows and not ModelExecutor.samples_fresh_tokens
+
+
+def _specs(prefix: str, n: int) -> list[RequestSpec]:
+    rng = np.random.default_rng(7)
+    return [RequestSpec(f"{prefix}{i}", rng.integers(0, 500, 64, dtype=np.int32), 8, i * 0.01) for i in range(n)]
+
+
+def test_two_schedulers_share_one_clock_and_each_equals_serving_alone():
+    """Two replicas on one clock: a driver steps whichever is due first. Each serves only
+    its own requests, so each must equal `serve` of those requests alone."""
+    specs_a, specs_b = _specs("a", 12), _specs("b", 12)
+    clock = VirtualClock(specs_a + specs_b)
+    replicas = {
+        p: Scheduler(CacheClient(create_cache("apc", num_pages=200, page_size=16)), CostModelExecutor(), cfg, clock)
+        for p, cfg in (("a", ServingConfig(256, 4)), ("b", ServingConfig(256, 4)))
+    }
+    busy_until = dict.fromkeys(replicas, 0.0)
+    while clock.has_arrivals or any(s.has_work for s in replicas.values()):
+        for arrival, spec in clock.arrived():
+            replicas[spec.request_id[0]].add(spec, arrival)
+        due = [p for p, s in replicas.items() if s.has_work and busy_until[p] <= clock.now]
+        if not due:
+            times = [t for p, t in busy_until.items() if replicas[p].has_work] + [clock.next_arrival() or np.inf]
+            clock.now = max(clock.now, min(times))
+            continue
+        saved = clock.now
+        for p in due:
+            clock.now = saved
+            end = replicas[p].step()
+            busy_until[p] = end if end is not None else saved
+        clock.now = saved
+    for p, specs in (("a", specs_a), ("b", specs_b)):
+        alone = serve(
+            create_cache("apc", num_pages=200, page_size=16), specs, CostModelExecutor(), ServingConfig(256, 4)
+        )
+        got = replicas[p].result
+        assert sorted(r["request_id"] for r in got.requests) == sorted(s.request_id for s in specs)
+        key = lambda r: r["request_id"]  # noqa: E731
+        for x, y in zip(sorted(got.requests, key=key), sorted(alone.requests, key=key), strict=True):
+            assert x["hit_tokens"] == y["hit_tokens"] and x["computed_tokens"] == y["computed_tokens"]
+
+
+def test_drive_is_what_serve_runs():
+    specs = _specs("r", 20)
+    cache = create_cache("radix", num_pages=100, page_size=16)
+    clock = VirtualClock(specs)
+    scheduler = Scheduler(CacheClient(cache), CostModelExecutor(), ServingConfig(128, 8), clock)
+    drive(clock, scheduler)
+    ref = serve(create_cache("radix", num_pages=100, page_size=16), specs, CostModelExecutor(), ServingConfig(128, 8))
+    assert scheduler.result.requests == ref.requests and scheduler.result.steps == ref.steps
+    assert clock.now == ref.makespan
