@@ -54,6 +54,11 @@ def test_replay_flags_are_pinned():
     assert _flags("replay") == set(REPLAY_FLAGS)
 
 
+def test_replay_takes_one_backend(capsys):
+    assert main(["replay", "--backend", "apc,radix", "--trace", str(TRACE), "--no-progress"]) == 2
+    assert "replay takes one --backend, got 'apc,radix'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command", ["replay", "run", "compare", "sweep"])
 def test_every_command_that_builds_a_cache_takes_backend_options(command):
     assert {"--backend-opt", "--eviction-policy", "--hash-algorithm", "--verify-tokens"} <= _flags(command)

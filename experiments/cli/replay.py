@@ -13,7 +13,7 @@ from typing import Any
 
 from cachelib import create_cache
 from experiments import defaults
-from experiments.backend_options import BackendVariant, resolve_variants
+from experiments.backend_options import BackendVariant, resolve_variants, split_backend_list
 from experiments.cli.args import add_backend_options, options_given, positive_int
 from experiments.engine import replay, unlimited_pages
 from experiments.errors import InputError, UsageError
@@ -64,10 +64,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def _variant(args: argparse.Namespace) -> BackendVariant:
-    variants = resolve_variants([args.backend], options_given(args), [args.page_size])
-    if len(variants) != 1:
-        raise UsageError("replay takes one --backend")
-    return variants[0]
+    specs = split_backend_list(args.backend)
+    if len(specs) != 1:
+        raise UsageError(f"replay takes one --backend, got {args.backend!r}")
+    return resolve_variants(specs, options_given(args), [args.page_size])[0]
 
 
 def _load(trace: Path, limit: int | None) -> list[RequestSpec]:
