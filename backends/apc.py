@@ -225,6 +225,7 @@ class APCCache(PrefixCache):
                     self._keep_other_duplicates(h, entry, block)
                 block.block_hash = None
                 evicted += 1
+            assert block.ref_cnt == 0, f"apc: block {block.block_id} handed out while referenced"
             block.ref_cnt = 1
         if evicted:
             self._evicted(new if self.verify_tokens else (), evicted)

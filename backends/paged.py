@@ -260,6 +260,7 @@ class PagedCache(PrefixCache):
         """Pop `n` free blocks (the caller checked there are enough) and give each ref 1."""
         out = self._free.take(n)
         for b in out:
+            assert self._ref[b] == 0, f"paged: block {b} handed out while referenced"
             self._ref[b] = 1
         return out
 

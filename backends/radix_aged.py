@@ -63,6 +63,9 @@ class LRFU(EvictionPolicy):
         self.cost_context = cost_context
         self.now = 0
 
+    def __repr__(self) -> str:
+        return f"LRFU(half_life={self.half_life}, cost_context={self.cost_context})"
+
     def key(self, node: RadixNode) -> tuple:
         score = node.policy_state
         if self.cost_context is not None:

@@ -35,8 +35,8 @@ class EvictionPolicy(ABC):
     #: `lookup` may change the keys of the nodes a match reused: the tree calls it after
     #: every match and re-keys the candidates among them (False: it is never called)
     rekey_on_lookup: ClassVar[bool] = False
-    #: the key reads the node's position (`start`): a split moves the lower part deeper,
-    #: so the tree re-keys it
+    #: the key reads where the node lies or how long it is (`start`, `key`): a split moves
+    #: the lower part deeper and shortens it, so the tree re-keys it
     rekey_on_split: ClassVar[bool] = False
 
     @abstractmethod
@@ -51,6 +51,9 @@ class EvictionPolicy(ABC):
 
     def lookup(self, node: RadixNode | None) -> None:  # noqa: B027 - an optional hook
         """A match reused the path root..`node` (None: the namespace has no tree yet)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
 
 
 class LRU(EvictionPolicy):

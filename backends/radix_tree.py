@@ -313,6 +313,7 @@ class RadixTree:
         cands = self.candidates
         while freed < num_tokens and cands:
             node = cands.pop(0)[-1]
+            assert node.lock_ref == 0 and not node.children, f"radix: evicting {node}, locked or not a leaf"
             node.cand_key = None
             parent = node.parent
             del parent.children[self._child_key(node.key, 0)]

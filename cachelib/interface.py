@@ -117,7 +117,8 @@ class PrefixCache(ABC):
 
         Evicts unpinned cached pages as the design does. Returns the copies the executor
         must do first, or `None` (and changes nothing) when the pages do not fit.
-        Raises `StaleMatchError` if the cache evicted since `match` was made.
+        Raises `StaleMatchError` if the cache changed since `match` was made (an eviction,
+        an unregistered prefix): match again.
         """
         self._check_new(seq)
         self._check_match(seq, match)
