@@ -389,3 +389,46 @@ def test_paged_prefix_id_true_is_not_prefix_1():
     assert w.prefix_id == 1
     with pytest.raises(InvalidRequestError, match="unknown prefix id True"):
         w.cache.prefix_sequence(True)
+
+
+# -- the shared page-partition check (cachelib/invariants.py) sees lost and doubled pages --
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shared_invariants_catch_a_sequence_forgotten_without_release(backend):
+    """A state dropped without `release`: its pages stay pinned (or are lost) with no holder."""
+    w = Warm(backend)
+    a = w.seq("a")
+    w.admit(a)
+    w.cache.check_invariants()
+    del w.cache._live["a"]
+    with pytest.raises(InvariantViolation, match="pinned pages are not exactly|neither free, cached nor pinned"):
+        w.cache.check_invariants()
+
+
+def _hand_back_a_pinned_page(cache: PrefixCache, page: int) -> None:
+    """Put a page a live table holds into the backend's free pool (a double free)."""
+    if cache.name == "apc":
+        cache.free_queue.append(cache.blocks[page])
+    elif cache.name.startswith("radix"):
+        cache._give([page])
+    else:  # none, paged: a FIFO page pool
+        cache._free.give([page])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shared_invariants_catch_a_page_both_free_and_pinned(backend):
+    w = Warm(backend)
+    a = w.seq("a")
+    w.admit(a)
+    _hand_back_a_pinned_page(w.cache, a.page_table[-1])
+    with pytest.raises(InvariantViolation, match=f"{backend}: page {a.page_table[-1]} is both"):
+        w.cache.check_invariants()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_capabilities_are_declared(backend):
+    cls = type(create_cache(backend, num_pages=4, page_size=PS))
+    overrides_verify = cls._verify_match is not PrefixCache._verify_match
+    assert cls.reuses_kv == overrides_verify == (backend != "none")
+    assert cls.declares_prefixes == (backend == "paged")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from backends.radix import RadixCache
+from backends.radix_policy import EvictionPolicy
 from cachelib import (
     CopyOp,
     ExtraKeys,
@@ -120,7 +121,7 @@ def test_splits_keep_the_tree_token_count(page_size):
 # -- eviction order -----------------------------------------------------------------------
 
 
-def build_tree(policy: str) -> RadixCache:
+def build_tree(policy: str | EvictionPolicy) -> RadixCache:
     """A small hand-built tree at page size 1 (one logical-clock tick per walk)::
 
         root -> P [1,2,3,4] -> A [10]*4          created 1 (as one node, split off P at 2)
@@ -173,6 +174,34 @@ def test_leaf_eviction_order_per_policy(policy, order):
     assert total == 4 + 4 + 3 + 1 + 6 + 4
     assert cache.evict(1) == 0
     assert cache.stats().pages_free == cache.num_pages
+
+
+class LongestFirst(EvictionPolicy):
+    """A policy from outside the backend: the longest leaf goes first."""
+
+    __slots__ = ()
+    name = "longest"
+    rekey_on_split = True  # a split shortens the lower part
+
+    def key(self, node):
+        return (-len(node.key), node.node_id, node)
+
+
+def test_a_policy_object_orders_eviction():
+    """`eviction_policy` takes an `EvictionPolicy`: a new order without touching the tree."""
+    cache = build_tree(LongestFirst())
+    assert cache.stats().extra["eviction_policy"] == "longest"
+    evicted: list[tuple[int, int]] = []
+    cache.on_evict = lambda ns, start, key: evicted.append((int(key[0]), start))
+    while cache.evict(1):
+        cache.check_invariants()
+    assert evicted == [D, A, B, C2, C1, P]  # 6, 4, 4 (older first), 1, then the parents
+
+
+@pytest.mark.parametrize("bad", ["lru2", 3, None])
+def test_unknown_policy_names_the_choices(bad):
+    with pytest.raises(InvalidRequestError, match="unknown eviction policy.*lru, lfu, fifo, mru, filo"):
+        radix(eviction_policy=bad)
 
 
 def test_fifo_split_node_is_created_when_split():
