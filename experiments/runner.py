@@ -24,11 +24,10 @@ from cachelib import create_cache
 from cachelib.interface import PrefixCache
 from experiments import defaults
 from experiments.backend_options import variant_label
-from experiments.engine import replay
+from experiments.engine import CostModelExecutor, Executor, ModelExecutor, ServingConfig, replay, serve
+from experiments.engine.executors import DEVICE_PROFILES
 from experiments.errors import InputError
-from experiments.executors import DEVICE_PROFILES, CostModelExecutor, Executor, ModelExecutor
 from experiments.metrics import serving_metrics
-from experiments.serving import ServingConfig, serve
 from experiments.workloads.generators import Workload
 from experiments.workloads.registry import make_workload
 
@@ -149,7 +148,7 @@ def _declare_prefixes(cache: PrefixCache, workload: Workload, executor: Executor
 
 def make_executor(cfg: CellConfig, num_pages: int):
     if cfg.executor == "cost":
-        from experiments.executors import ModelShape, llama3_8b_shape
+        from experiments.engine.executors import ModelShape, llama3_8b_shape
 
         device = DEVICE_PROFILES[cfg.device]
         if cfg.device_calibration:
