@@ -28,6 +28,11 @@ COLUMNS = [
     ("preemptions", lambda c: _get(c, "serving", "preemptions"), "{:,}"),
 ]
 
+#: the configuration columns of results.csv; `label` is the backend with its non-default
+#: options (`radix[eviction_policy=lfu]`), `backend_options` those options as JSON
+CSV_CONFIG = (
+    "backend", "label", "backend_options", "workload", "capacity_tokens", "page_size", "executor", "device", "ordering"
+)  # fmt: skip
 CSV_FIELDS = [
     (
         "replay",
@@ -108,8 +113,7 @@ def load(path: str | Path) -> dict[str, Any]:
 
 def write_csv(results: dict[str, Any], path: Path) -> None:
     """One row per cell: its configuration and every scalar metric."""
-    header = ["backend", "label", "backend_options", "workload", "capacity_tokens", "page_size", "executor", "device"]
-    header.append("ordering")
+    header = list(CSV_CONFIG)
     for section, keys in CSV_FIELDS:
         header += [f"{section}.{k}" for k in keys]
     with path.open("w", newline="") as fh:
@@ -120,7 +124,7 @@ def write_csv(results: dict[str, Any], path: Path) -> None:
             row = [
                 cfg["backend"],
                 label(cell),
-                json.dumps(cfg.get("backend_options") or {}, sort_keys=True),
+                json.dumps(cfg.get("backend_options") or {}),
                 cfg["workload"],
                 cfg["capacity_tokens"],
                 cfg["page_size"],
