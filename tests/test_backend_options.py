@@ -189,6 +189,10 @@ def test_two_variants_side_by_side_in_json_csv_and_report(tmp_path):
     # the two radix variants really ran differently configured caches
     hits = [c["replay"]["hit_tokens"] for c in results["cells"]]
     assert hits[0] != hits[1]
+    # the labels come from results.json alone: `report` redraws the same tables and CSV
+    assert main(["report", str(out), "--output-dir", str(tmp_path / "again")]) == 0
+    for name in ("report.md", "results.csv"):
+        assert (tmp_path / "again" / name).read_text() == (out / name).read_text()
 
 
 def test_options_are_part_of_the_sweep_key(tmp_path, capsys):
