@@ -83,7 +83,7 @@ def test_radix_decides_as_sglang_0_5_23(golden, tmp_path_factory):
         where = f"{cfg['policy']}, page {ps}, concurrency {cfg['concurrency']}"
         hits = result["per_request_hits"]
         if hits != cfg["per_request_hits"]:
-            i = next(i for i, (a, b) in enumerate(zip(hits, cfg["per_request_hits"], strict=True)) if a != b)
+            i = _first_difference(hits, cfg["per_request_hits"])
             differences.append(f"{where}: request {i} hits {hits[i]}, SGLang {cfg['per_request_hits'][i]}")
             continue
         if result["evicted_pages"] * ps != cfg["evicted_tokens"]:
@@ -91,7 +91,7 @@ def test_radix_decides_as_sglang_0_5_23(golden, tmp_path_factory):
                 f"{where}: evicted {result['evicted_pages'] * ps} tokens, SGLang {cfg['evicted_tokens']}"
             )
         if evicted_after != cfg["evicted_tokens_after_request"]:
-            i = next(i for i, (a, b) in enumerate(zip(evicted_after, cfg["evicted_tokens_after_request"])) if a != b)
+            i = _first_difference(evicted_after, cfg["evicted_tokens_after_request"])
             differences.append(
                 f"{where}: after request {i} evicted {evicted_after[i]}, SGLang {cfg['evicted_tokens_after_request'][i]}"
             )
@@ -100,40 +100,44 @@ def test_radix_decides_as_sglang_0_5_23(golden, tmp_path_factory):
     assert not differences, "\n".join(differences)
 
 
+def _first_difference(a: list[int], b: list[int]) -> int:
+    """The first index where `a` and `b` differ (the shorter length if one extends the other)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
 class _EvictionLog:
-    """Counts evicted tokens (the tree's eviction observer) and snapshots the total when the
-    replay asks the cache for its next lookup, i.e. once the previous request is placed."""
+    """Evicted tokens so far (the tree's eviction observer), and a snapshot of them each time
+    the replay looks up a request for the first time, i.e. once the previous one is placed.
+
+    The golden's `evicted_tokens_after_request[i]` is taken before request i + 1 is matched:
+    it includes the finishes request i forced, and finishing for the concurrency limit before
+    the next match evicts nothing (a release never evicts). The last entry is taken at the
+    end of the replay (the final finishes do not evict either).
+    """
 
     def __init__(self, cache) -> None:
         self.tokens = 0
+        self.after_request: list[int] = []
+        self._seen: set[str] = set()
+        self._match = cache.match
         cache.on_evict = self.record
+        cache.match = self.match  # a test seam on this one instance
 
     def record(self, namespace, start, key) -> None:
         self.tokens += len(key)
 
+    def match(self, seq):
+        if seq.request_id not in self._seen:
+            if self._seen:
+                self.after_request.append(self.tokens)
+            self._seen.add(seq.request_id)
+        return self._match(seq)
+
 
 def _replay_recording_evictions(cache, requests, concurrency: int, evicted_after: list[int]) -> dict:
-    """`replay`, plus the evicted tokens once each request is admitted and decoded.
-
-    The golden's `evicted_tokens_after_request[i]` is taken before request i + 1 is matched,
-    so it includes the finishes that request i forced but not the ones request i + 1's
-    `while len(inflight) >= concurrency` makes: the snapshot is taken when the next request
-    is first matched, minus what finishing for the concurrency limit evicted (nothing:
-    releasing never evicts). The last entry is taken at the end of the replay, before the
-    final finishes (which do not evict either).
-    """
+    """`replay`, plus the evicted tokens once each request is admitted and decoded."""
     log = _EvictionLog(cache)
-    match = cache.match
-    seen: set[str] = set()
-
-    def snapshot_then_match(seq):  # a test seam on one instance, not a pattern for the engine
-        if seq.request_id not in seen:
-            if seen:
-                evicted_after.append(log.tokens)
-            seen.add(seq.request_id)
-        return match(seq)
-
-    cache.match = snapshot_then_match
     result = replay(cache, requests, concurrency=concurrency)
+    evicted_after.extend(log.after_request)
     evicted_after.append(log.tokens)
     return result
