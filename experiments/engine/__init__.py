@@ -3,7 +3,9 @@
 - `scheduler.Scheduler`: one replica's queues, token budget, chunked prefill, preemption,
   ordering and decode windows; `step()` is one engine step on a shared `clock.VirtualClock`.
 - `serving.serve`: the serving protocol, a driver stepping a scheduler on the clock.
-- `replay.replay`: the replay protocol (sequential, exact; fidelity and bounds).
+- `replay.replay`: the replay protocol (sequential, exact; fidelity and bounds), a driver
+  feeding a scheduler one request at a time (`Scheduler.admit_prompt`, `run_to_completion`,
+  `finish_oldest`).
 - `cache_client.CacheClient`: times every cache call and holds each sequence to the
   contract's call order; everything that calls a cache goes through it.
 - `executors`: the `Executor` protocol (declared capabilities) and its two implementations.
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 from experiments.engine.cache_client import CacheClient, CallOrderError
 from experiments.engine.clock import VirtualClock
-from experiments.engine.executors import CostModelExecutor, Executor, FreshTokens, ModelExecutor
+from experiments.engine.executors import CostModelExecutor, Executor, FreshTokens, ModelExecutor, ReplayExecutor
 from experiments.engine.replay import Replay, replay, unlimited_pages
 from experiments.engine.scheduler import Request, Scheduler, ServingConfig, ServingResult
 from experiments.engine.serving import serve
@@ -28,6 +30,7 @@ __all__ = [
     "FreshTokens",
     "ModelExecutor",
     "Replay",
+    "ReplayExecutor",
     "Request",
     "Scheduler",
     "ServingConfig",

@@ -3,10 +3,11 @@
 - `CostModelExecutor`: virtual time from a roofline of the model's shape on a device
   profile (peak FLOP/s and memory bandwidth, scaled by achievable fractions). Generated
   tokens are fresh ids no prompt uses. Fast: for traces and sweeps.
+- `ReplayExecutor`: the replay protocol's (no time, no tensors, fresh ids).
 - `ModelExecutor`: the real forward pass (torch reference on CPU, FlashInfer on GPU) over
   the paged KV cache the backend's page tables address; time is measured; greedy tokens.
 
-Both implement `Executor`: `step` takes a batch of `(Sequence, n, start)`, computes KV for
+All implement `Executor`: `step` takes a batch of `(Sequence, n, start)`, computes KV for
 tokens `start .. start + n` (`start` is `seq.num_computed` unless the engine batches
 commits) and, for a sequence whose chunk reaches its last known token, produces the next
 token. What an executor can do beyond that is declared, never probed:
@@ -193,6 +194,31 @@ class CostModelExecutor:
         take = self.tokens.take_one
         out: list[int | None] = [take() if start + n == len(seq) else None for seq, n, start in batch]
         return self.step_seconds(batch), out
+
+
+class ReplayExecutor:
+    """The replay protocol's executor: no time and no tensors (replay counts cache work
+    only); generated tokens are fresh ids, as the cost model's."""
+
+    kind: ClassVar[str] = "replay"
+    supports_decode_windows: ClassVar[bool] = False  # replay takes no steps to window
+    samples_fresh_tokens: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        self.tokens = FreshTokens()
+
+    def apply_copies(self, ops: list[CopyOp]) -> None:
+        pass  # no KV tensors: a copy is counted by the cache's copied_pages
+
+    def decode_step_seconds(self, contexts: np.ndarray, k: int) -> np.ndarray:
+        return np.zeros(k)
+
+    def fresh_tokens(self, k: int) -> list[int]:
+        return self.tokens.take(k)
+
+    def step(self, batch: list[BatchItem]) -> tuple[float, list[int | None]]:
+        take = self.tokens.take_one
+        return 0.0, [take() if start + n == len(seq) else None for seq, n, start in batch]
 
 
 class ModelExecutor:

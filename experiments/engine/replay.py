@@ -9,21 +9,23 @@ fails, the oldest in-flight request finishes and admission is retried; with noth
 flight the request is unschedulable. A request's plan (`RequestSpec.sample_lens`,
 `beam_parents`, `forced_output`) says what it forks and generates.
 
+This module is only the driver: the requests, their state and every decision (admit,
+decode, fork, finish the oldest for room) are a `Scheduler`'s, the same class the serving
+driver steps (see `experiments/engine/scheduler.py`, "the replay protocol").
+
 Only time spent inside cache calls is counted in `cache_seconds` (hashing is inside them).
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence as Seq
 from typing import Any
 
-import numpy as np
-
 from cachelib.interface import PrefixCache
-from cachelib.types import Sequence
 from experiments.engine.cache_client import CacheClient
-from experiments.engine.executors import FreshTokens
+from experiments.engine.clock import VirtualClock
+from experiments.engine.executors import ReplayExecutor
+from experiments.engine.scheduler import Scheduler, ServingConfig
 from experiments.workloads.spec import RequestSpec
 
 
@@ -54,15 +56,16 @@ def unlimited_pages(requests: Seq[RequestSpec], page_size: int) -> int:
 
 
 class Replay:
-    """One replay: the in-flight groups (oldest first), the counters, the token counter."""
+    """The replay driver: feeds requests in trace order to a `Scheduler` (whose running list
+    is the in-flight queue, oldest first) and keeps the replay's counters."""
 
     def __init__(self, client: CacheClient, concurrency: int = 1) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
         self.client = client
         self.concurrency = concurrency
-        self.inflight: deque[list[Sequence]] = deque()
-        self.tokens = FreshTokens()
+        config = ServingConfig(max_running=concurrency)
+        self.scheduler = Scheduler(client, ReplayExecutor(), config, VirtualClock())
         self.hits: list[int] = []
         self.prompt_tokens = self.hit_tokens = self.unschedulable = self.truncated = 0
 
@@ -76,129 +79,28 @@ class Replay:
             self.add(spec)
             if bar is not None:
                 bar.update(1)
-        while self.inflight:
-            self.finish_oldest()
+        while self.scheduler.finish_oldest():
+            pass
         if bar is not None:
             bar.close()
         return self.result(len(requests))
 
     def add(self, spec: RequestSpec) -> None:
-        """One request: admit its prompt, then decode its plan; it joins the in-flight queue."""
-        while len(self.inflight) >= self.concurrency:
-            self.finish_oldest()
-        seq = Sequence(spec.request_id, spec.prompt, spec.extra, prefix_id=spec.prefix_id)
-        hit = self.admit(seq)
-        if hit is None:
+        """One request: room for it in flight, its prompt admitted, its plan decoded."""
+        scheduler = self.scheduler
+        while len(scheduler.running) >= self.concurrency:
+            scheduler.finish_oldest()
+        r = scheduler.request(spec)
+        if not scheduler.admit_prompt(r):
             self.unschedulable += 1
             self.hits.append(-1)
             return
+        hit = r.hit_tokens
         self.hits.append(hit)
-        self.prompt_tokens += len(seq)
+        self.prompt_tokens += len(r.seq)
         self.hit_tokens += hit
-        self.client.commit(seq, len(seq))
-        if spec.beam_width > 1:
-            beams = self.beam(seq, spec.beam_parents)
-            if beams is None:
-                self.truncated += 1  # ran out of room even alone: the request stops early
-            else:
-                self.inflight.append(beams)
-            return
-        self.inflight.append(self.sample(seq, spec))
-
-    def admit(self, seq: Sequence) -> int | None:
-        """Match and admit the prompt, finishing the oldest for room; the hit, or None."""
-        while True:
-            m = self.client.match(seq)
-            ops = self.client.admit(seq, m, len(seq))
-            if ops is not None:
-                return m.num_tokens
-            if not self.inflight:
-                return None
-            self.finish_oldest()
-
-    def sample(self, seq: Sequence, spec: RequestSpec) -> list[Sequence]:
-        """Fork the `n - 1` samples, decode each, then the request itself; the group."""
-        group = [seq]
-        lens = spec.output_lens
-        for j in range(1, spec.n):
-            child = seq.fork(f"{spec.request_id}/{j}")
-            if not self.fork(seq, child):
-                self.truncated += 1  # no room even for this sample: it is dropped
-                continue
-            group.append(child)
-            # Even alone a sample that cannot hold its output stops early.
-            self.truncated += not self.decode(child, lens[j])
-        self.truncated += not self.decode(seq, lens[0], spec.forced_output)
-        return group
-
-    def decode(self, seq: Sequence, output_len: int, forced: np.ndarray | None = None) -> bool:
-        """Append `output_len` tokens (`forced` ones first, then fresh ids) and give all but
-        the last KV; False if no room."""
-        start = len(seq)
-        if output_len > 0:
-            given = np.asarray(forced[:output_len] if forced is not None else (), dtype=np.int32)
-            seq.append(np.concatenate([given, self.tokens.take_array(output_len - len(given))]))
-        target = start + max(output_len - 1, 0)
-        if target <= seq.num_computed:
-            return True
-        return self.write(seq, target)
-
-    def write(self, seq: Sequence, target: int) -> bool:
-        """Grow and commit `seq` to `target` tokens, finishing the oldest for room."""
-        while True:
-            if self.client.grow_commit(seq, target) is not None:
-                return True
-            if not self.inflight:
-                return False
-            self.finish_oldest()
-
-    def fork(self, parent: Sequence, child: Sequence) -> bool:
-        """Fork `child` from `parent`, finishing the oldest for room; False if no room."""
-        while True:
-            if self.client.fork(parent, child) is not None:
-                return True
-            if not self.inflight:
-                return False
-            self.finish_oldest()
-
-    def beam(self, root: Sequence, parents_by_step: np.ndarray) -> list[Sequence] | None:
-        """Follow a beam schedule from the computed prompt; the live beams at the end, or None
-        (all released) when even alone there is no room."""
-        beams, forks = [root], 0
-        for t, parents in enumerate(parents_by_step):
-            counts = np.bincount(np.asarray(parents, dtype=np.int64), minlength=len(beams)).tolist()
-            self.release([b for b, k in zip(beams, counts, strict=True) if k == 0])  # pruned first
-            kept: list[Sequence] = []
-            for i, (b, k) in enumerate(zip(beams, counts, strict=True)):
-                if k:
-                    kept.append(b)
-                for _ in range(k - 1):
-                    forks += 1
-                    child = b.fork(f"{root.request_id}/b{forks}")
-                    if not self.fork(b, child):
-                        self.release(kept + [x for x, c in zip(beams[i + 1 :], counts[i + 1 :], strict=True) if c])
-                        return None
-                    kept.append(child)
-            beams = kept
-            if t + 1 < len(parents_by_step) and not self.extend_beams(beams):  # last step: never fed back
-                return None
-        return beams
-
-    def extend_beams(self, beams: list[Sequence]) -> bool:
-        """One fresh token on every beam, with KV; False (all released) when there is no room."""
-        for b in beams:
-            b.append_token(self.tokens.take_one())
-            if not self.write(b, len(b)):
-                self.release(beams)
-                return False
-        return True
-
-    def finish_oldest(self) -> None:
-        self.release(self.inflight.popleft())
-
-    def release(self, seqs: list[Sequence]) -> None:
-        for seq in seqs:
-            self.client.release(seq)
+        scheduler.run_to_completion(r)
+        self.truncated += r.truncated
 
     def result(self, num_requests: int) -> dict[str, Any]:
         """The replay's outcome as a JSON-able dict."""

@@ -15,6 +15,13 @@ metrics. `step()` is one engine step on the shared `VirtualClock`:
 While nothing but decoding happens, `window_size` / `run_window` simulate a stretch of
 decode steps in one go (cost model only), with exactly the outcome of taking them one by
 one (tests/test_serving.py checks it).
+
+The replay protocol (DESIGN §6, driven by `experiments/engine/replay.py`) uses the same
+requests, running list and cache client, one request at a time: `admit_prompt` (match,
+admit and commit the whole prompt), `run_to_completion` (its samples or its beam schedule
+decoded at once, then it joins the running list). Memory pressure is answered by a named
+decision per protocol: serving preempts the latest admitted (`preempt_latest`), replay
+finishes the oldest running request (`finish_oldest`) and retries.
 """
 
 from __future__ import annotations
@@ -72,6 +79,8 @@ class Request:
     lag: int = 0  # decode tokens computed but not yet committed (batched commits)
     sample_of: str | None = None  # parallel sampling: the request this sample was forked from
     forced: list[int] | None = None  # the spec's forced output as ints (the request itself only)
+    group: list[Sequence] | None = None  # replay: what it releases at finish (None: just `seq`)
+    truncated: int = 0  # replay: outputs (its own, its samples') cut short for want of room
 
     def __post_init__(self) -> None:
         if not self.target:
@@ -191,13 +200,7 @@ class Scheduler:
         `r` itself was preempted or, alone and still without room, aborted."""
         self.flush(r)
         ops = self.client.grow(r.seq, num_tokens)
-        while ops is None:
-            victim = self.running[-1]
-            if victim is r and len(self.running) == 1:
-                break  # alone and still no room: it can never finish
-            self.preempt(victim)
-            if victim is r:
-                break
+        while ops is None and self.preempt_latest(r):
             ops = self.client.grow(r.seq, num_tokens)
         if ops is None:
             if id(r) not in self._gone:
@@ -274,6 +277,23 @@ class Scheduler:
 
     # -- decisions ------------------------------------------------------------------
 
+    def preempt_latest(self, r: Request) -> bool:
+        """Serving's answer to memory pressure (vLLM V1): preempt the most recently admitted
+        request; False (no retry) when that was `r` itself, or `r` is alone."""
+        victim = self.running[-1]
+        if victim is r and len(self.running) == 1:
+            return False  # alone and still no room: it can never finish
+        self.preempt(victim)
+        return victim is not r
+
+    def finish_oldest(self) -> bool:
+        """Replay's answer to memory pressure: the oldest running request finishes, its pages
+        become evictable; False when nothing is running."""
+        if not self.running:
+            return False
+        self.finish(self.running.pop(0), self.clock.now)
+        return True
+
     def preempt(self, r: Request) -> None:
         """Preempt `r` by recompute: release its pages; a fresh sequence holding every token
         so far waits at the front of the queue."""
@@ -292,7 +312,8 @@ class Scheduler:
         """`r` is done (or given up on) at `at`: release it, record it, let its followers arrive."""
         if admitted:
             self.flush(r)
-            self.client.release(r.seq)
+            for seq in (r.seq,) if r.group is None else r.group:
+                self.client.release(seq)
         r.finished_at = at
         if self.keep_outputs:
             self.result.outputs[r.spec.request_id] = r.output
@@ -403,6 +424,130 @@ class Scheduler:
                 r.seq.append_token(r.output[-1])
         self.record_pages(end)
         return end
+
+    # -- the replay protocol (DESIGN §6): one request at a time, run to completion ----
+
+    def request(self, spec: RequestSpec) -> Request:
+        """`spec` as a request of this scheduler, not queued (the replay driver admits it)."""
+        seq = Sequence(spec.request_id, spec.prompt, spec.extra, prefix_id=spec.prefix_id)
+        return Request(spec, seq, arrival=self.clock.now)
+
+    def admit_prompt(self, r: Request) -> bool:
+        """Match and admit `r`'s whole prompt and commit it (replay prefills at once),
+        finishing the oldest for room; False when it does not fit even with nothing running."""
+        client, seq = self.client, r.seq
+        while True:
+            m = client.match(seq)
+            ops = client.admit(seq, m, len(seq))
+            if ops is not None:
+                break
+            if not self.finish_oldest():
+                return False
+        self.executor.apply_copies(ops)
+        r.first_admit_hit = m.num_tokens
+        r.hit_tokens += m.num_tokens
+        r.computed_tokens += len(seq) - m.num_tokens
+        client.commit(seq, len(seq))
+        return True
+
+    def run_to_completion(self, r: Request) -> None:
+        """Decode `r`'s whole plan (its samples, or its beam schedule) at once; it then joins
+        the running list, unless even alone there was no room for its beams."""
+        if r.spec.beam_width > 1:
+            if not self.run_beams(r):
+                r.truncated += 1  # ran out of room even alone: the request stops early
+                return
+        else:
+            self.run_samples(r)
+        self.running.append(r)
+
+    def run_samples(self, r: Request) -> None:
+        """Fork the `n - 1` samples, decode each, then the request itself; `r.group` is the
+        request and the samples that forked."""
+        spec, seq = r.spec, r.seq
+        lens = spec.output_lens
+        group = r.group = [seq]
+        for j in range(1, spec.n):
+            child = seq.fork(f"{spec.request_id}/{j}")
+            if not self.fork_for_room(seq, child):
+                r.truncated += 1  # no room even for this sample: it is dropped
+                continue
+            group.append(child)
+            # Even alone a sample that cannot hold its output stops early.
+            r.truncated += not self.decode_all(child, lens[j])
+        r.truncated += not self.decode_all(seq, lens[0], spec.forced_output)
+        r.generated = lens[0]
+
+    def decode_all(self, seq: Sequence, output_len: int, forced: np.ndarray | None = None) -> bool:
+        """Append `output_len` tokens (`forced` ones first, then fresh ids) and give all but
+        the last KV (it is never fed back, as in vLLM); False if no room."""
+        start = len(seq)
+        if output_len > 0:
+            given = np.asarray(forced[:output_len] if forced is not None else (), dtype=np.int32)
+            fresh = np.asarray(self.executor.fresh_tokens(output_len - len(given)), dtype=np.int32)
+            seq.append(np.concatenate([given, fresh]))
+        target = start + max(output_len - 1, 0)
+        if target <= seq.num_computed:
+            return True
+        return self.write_for_room(seq, target)
+
+    def write_for_room(self, seq: Sequence, target: int) -> bool:
+        """Grow and commit `seq` to `target` tokens, finishing the oldest for room."""
+        while True:
+            ops = self.client.grow_commit(seq, target)
+            if ops is not None:
+                self.executor.apply_copies(ops)
+                return True
+            if not self.finish_oldest():
+                return False
+
+    def fork_for_room(self, parent: Sequence, child: Sequence) -> bool:
+        """Fork `child` from `parent`, finishing the oldest for room; False if no room."""
+        while True:
+            ops = self.client.fork(parent, child)
+            if ops is not None:
+                self.executor.apply_copies(ops)
+                return True
+            if not self.finish_oldest():
+                return False
+
+    def run_beams(self, r: Request) -> bool:
+        """Follow `r`'s beam schedule from its computed prompt: `r.group` is the live beams at
+        the end; False (all released) when even alone there is no room."""
+        beams, forks = [r.seq], 0
+        schedule = r.spec.beam_parents
+        for t, parents in enumerate(schedule):
+            counts = np.bincount(np.asarray(parents, dtype=np.int64), minlength=len(beams)).tolist()
+            self.release_all([b for b, k in zip(beams, counts, strict=True) if k == 0])  # pruned first
+            kept: list[Sequence] = []
+            for i, (b, k) in enumerate(zip(beams, counts, strict=True)):
+                if k:
+                    kept.append(b)
+                for _ in range(k - 1):
+                    forks += 1
+                    child = b.fork(f"{r.spec.request_id}/b{forks}")
+                    if not self.fork_for_room(b, child):
+                        self.release_all(kept + [x for x, c in zip(beams[i + 1 :], counts[i + 1 :], strict=True) if c])
+                        return False
+                    kept.append(child)
+            beams = kept
+            if t + 1 < len(schedule) and not self.extend_beams(beams):  # last step: never fed back
+                return False
+        r.group = beams
+        return True
+
+    def extend_beams(self, beams: list[Sequence]) -> bool:
+        """One fresh token on every beam, with KV; False (all released) when there is no room."""
+        for b in beams:
+            b.append_token(self.executor.fresh_tokens(1)[0])
+            if not self.write_for_room(b, len(b)):
+                self.release_all(beams)
+                return False
+        return True
+
+    def release_all(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            self.client.release(seq)
 
 
 def _pages_limit(computed: np.ndarray, pages: np.ndarray, page_size: int, spare: int, k: int) -> int:
