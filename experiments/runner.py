@@ -24,7 +24,7 @@ from cachelib import create_cache
 from cachelib.interface import PrefixCache
 from experiments import defaults
 from experiments.backend_options import variant_label
-from experiments.engine import CostModelExecutor, Executor, ModelExecutor, ServingConfig, replay, serve
+from experiments.engine import CacheClient, CostModelExecutor, Executor, ModelExecutor, ServingConfig, replay, serve
 from experiments.engine.executors import DEVICE_PROFILES
 from experiments.errors import InputError
 from experiments.metrics import serving_metrics
@@ -131,16 +131,18 @@ def _declare_prefixes(cache: PrefixCache, workload: Workload, executor: Executor
     if not cache.declares_prefixes:
         # automatic backends find the prefix themselves; the ids mean nothing to them
         return [dataclasses.replace(s, prefix_id=None) for s in requests], 0.0
+    # a client of its own: the call order is checked, and set-up is not the run's cache time
+    client = CacheClient(cache)
     mapping: dict[int, int] = {}
     seconds = 0.0
     for wid, tokens in workload.declared_prefixes.items():
-        pid = cache.register_prefix(tokens, workload.extra_of_prefix(wid))
-        if pid is None:
+        declared = client.register_prefix(tokens, workload.extra_of_prefix(wid))
+        if declared is None:
             raise CapacityError(f"declared prefix {wid} ({len(tokens)} tokens) does not fit the capacity")
-        pseq = cache.prefix_sequence(pid)
+        pid, pseq = declared
         step_seconds, _ = executor.step([(pseq, len(pseq), 0)])
         seconds += step_seconds
-        cache.commit(pseq, len(pseq))
+        client.commit(pseq, len(pseq))
         mapping[wid] = pid
     remapped = [s if s.prefix_id is None else dataclasses.replace(s, prefix_id=mapping[s.prefix_id]) for s in requests]
     return remapped, seconds

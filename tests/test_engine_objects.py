@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from cachelib import Sequence, create_cache
+from cachelib.types import NO_EXTRA
 from experiments.engine import (
     CacheClient,
     CallOrderError,
@@ -110,3 +111,32 @@ def test_drive_is_what_serve_runs():
     ref = serve(create_cache("radix", num_pages=100, page_size=16), specs, CostModelExecutor(), ServingConfig(128, 8))
     assert scheduler.result.requests == ref.requests and scheduler.result.steps == ref.steps
     assert clock.now == ref.makespan
+
+
+def test_a_declared_prefix_is_live_in_the_client_once_registered():
+    cache = create_cache("paged", num_pages=8, page_size=4)
+    client = CacheClient(cache)
+    assert client.register_prefix(np.arange(40, dtype=np.int32), NO_EXTRA) is None  # does not fit
+    pid, pseq = client.register_prefix(np.arange(8, dtype=np.int32), NO_EXTRA)
+    assert pseq is cache.prefix_sequence(pid) and client.is_live(pseq)
+    client.commit(pseq, len(pseq))
+    cache.check_invariants()
+
+
+def test_a_cell_with_declared_prefixes_registers_them_through_a_client():
+    """paged shares only declared prefixes: the runner registers and computes them first
+    (through a `CacheClient`, so the call order is checked), then every request hits them."""
+    from experiments.runner import CellConfig, run_cell
+    from experiments.workloads.generators import Workload
+
+    rng = np.random.default_rng(3)
+    prefix = rng.integers(0, 500, 32, dtype=np.int32)
+    specs = [
+        RequestSpec(
+            f"q{i}", np.concatenate([prefix, rng.integers(0, 500, 8, dtype=np.int32)]), 4, i * 0.01, prefix_id=7
+        )
+        for i in range(6)
+    ]
+    workload = Workload("declared", specs, declared_prefixes={7: prefix})
+    out = run_cell(CellConfig("paged", "declared", 4096, page_size=16, protocol="both"), workload)
+    assert out["replay"]["hit_tokens"] == 6 * 32 and out["serving"]

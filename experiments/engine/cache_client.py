@@ -15,8 +15,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from cachelib.interface import PrefixCache
-from cachelib.types import CopyOp, Match, Sequence
+from cachelib.types import CopyOp, ExtraKeys, Match, Sequence
 
 
 class CallOrderError(RuntimeError):
@@ -99,6 +101,19 @@ class CacheClient:
         self.cache.release(seq)
         self.seconds += self._clock() - t0
         self._live.discard(id(seq))
+
+    def register_prefix(self, tokens: np.ndarray, extra: ExtraKeys) -> tuple[int, Sequence] | None:
+        """Declare a shared prefix (a backend that `declares_prefixes`): its id and the
+        sequence that holds its pages, live from here (commit its KV through this client;
+        it stays pinned, never released), or None when it does not fit."""
+        t0 = self._clock()
+        pid = self.cache.register_prefix(tokens, extra)  # type: ignore[attr-defined]
+        seq = None if pid is None else self.cache.prefix_sequence(pid)  # type: ignore[attr-defined]
+        self.seconds += self._clock() - t0
+        if seq is None:
+            return None
+        self._live.add(id(seq))
+        return pid, seq
 
     # -- helpers --------------------------------------------------------------------
 
