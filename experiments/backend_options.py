@@ -29,8 +29,7 @@ from typing import Any
 from cachelib import create_cache, get_backend
 from cachelib.errors import InvalidRequestError, UnknownBackendError
 from experiments.errors import InputError, UsageError
-from experiments.workloads.registry import WorkloadError
-from experiments.workloads.registry import _coerce as coerce_knob  # the knob rules, not a copy
+from experiments.workloads.registry import WorkloadError, coerce_knob  # the knob rules, not a copy
 
 #: constructor parameters that are the cache's geometry, not options
 GEOMETRY = ("num_pages", "page_size")

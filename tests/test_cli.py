@@ -116,9 +116,8 @@ CLI_MODULES = [
     "experiments.report", "experiments.cell_pool", "experiments.cell_store", "experiments.output_dir",
     "experiments.provenance", "experiments.errors", "experiments.defaults", "experiments.ray_runner",
 ]  # fmt: skip
-#: a private name imported across modules on purpose: the workload knobs' coercion rules,
-#: reused for backend options rather than copied (to become public in workloads/registry.py)
-ALLOWED_PRIVATE = {("experiments.backend_options", "experiments.workloads.registry", "_coerce")}
+#: private names a CLI module may import across modules: none
+ALLOWED_PRIVATE: set[tuple[str, str, str]] = set()
 
 
 def _module_file(name: str) -> Path:

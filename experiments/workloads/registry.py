@@ -106,7 +106,7 @@ def make_workload(name: str, seed: int = 0, **knobs: Any) -> Workload:
     if missing:
         raise WorkloadError(f"workload {name!r} needs knob(s) {', '.join(missing)}")
     check_seed(seed)
-    typed = {k: _coerce(name, k, v, valid[k]) for k, v in knobs.items()}
+    typed = {k: coerce_knob(name, k, v, valid[k]) for k, v in knobs.items()}
     workload = WORKLOADS[name](seed, **typed)
     _check_requests(workload, knobs)
     return workload
@@ -178,8 +178,10 @@ def _knob_help(doc: str) -> dict[str, str]:
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 
-def _coerce(name: str, knob: str, value: Any, default: Any) -> Any:
-    """A command-line string converted to the type of the knob's default; other values as given."""
+def coerce_knob(name: str, knob: str, value: Any, default: Any) -> Any:
+    """A command-line string converted to the type of the knob's default; other values as given.
+    `name` and `knob` only name what was wrong in the error. Backend options follow the same
+    rules (experiments/backend_options.py)."""
     if not isinstance(value, str) or default is REQUIRED or isinstance(default, str):
         return value
     try:
