@@ -184,7 +184,7 @@ def run_cell(cfg: CellConfig, workload: Workload | None = None, *, progress: boo
     out: dict[str, Any] = {"config": cfg.as_dict(), "workload_config": workload.config, "num_pages": num_pages}
     started = time.perf_counter()
     if cfg.protocol != "replay" and any(s.beam_width > 1 for s in workload.requests):
-        raise ValueError(
+        raise ConfigError(
             "beam search runs under the replay protocol only (--protocol replay); the serving engine forks parallel samples"
         )
     if cfg.protocol in ("replay", "both"):

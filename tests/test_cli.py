@@ -73,17 +73,29 @@ def test_an_internal_error_shows_its_traceback(tmp_path, monkeypatch):
         main(["compare", *FAST, "--backend", "apc", "--output-dir", str(tmp_path / "out")])
 
 
-def test_a_bug_inside_a_cell_shows_its_traceback(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("error", [AttributeError, ValueError])  # a bare ValueError is a bug too
+def test_a_bug_inside_a_cell_shows_its_traceback(tmp_path, monkeypatch, capsys, error):
     def bug(*args, **kwargs):
-        raise AttributeError("'NoneType' object has no attribute 'requests'")
+        raise error("'NoneType' object has no attribute 'requests'")
 
     monkeypatch.setattr("experiments.cell_runs.run_cell", bug)
     assert main(["compare", *FAST, "--backend", "apc", "--output-dir", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and "in bug" in err
     assert (
-        err.strip().splitlines()[-1].startswith("error: cell apc @ 20,000 tokens, page 16, no_sharing: AttributeError")
+        err.strip()
+        .splitlines()[-1]
+        .startswith(f"error: cell apc @ 20,000 tokens, page 16, no_sharing: {error.__name__}")
     )
+
+
+def test_a_setting_a_cell_does_not_run_is_bad_input(tmp_path, capsys):
+    """Beam search under serving: the cell refuses it with a `ConfigError`, one line, exit 3."""
+    argv = ["compare", "--workload", "beam_search", "--knob", "num_requests=3", "--protocol", "serving"]
+    argv += ["--no-bounds", "--capacity-tokens", "20000", "--no-progress", "--backend", "apc"]
+    assert main([*argv, "--output-dir", str(tmp_path / "out")]) == 3
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "beam search runs under the replay protocol only" in err
 
 
 def test_an_internal_error_from_the_command_line_is_a_traceback(tmp_path):

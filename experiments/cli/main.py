@@ -29,11 +29,10 @@ from experiments.errors import (
 from experiments.workloads.registry import WorkloadError
 from experiments.workloads.spec import TraceFormatError
 
-#: bad input raised in this process: one line, exit 3
+#: bad input, raised in this process or in a cell: one line, exit 3. A cell refuses a
+#: setting it does not run (e.g. beam search under serving) with a `runner.ConfigError`, an
+#: `InputError`; any other error inside a cell (a bare ValueError, a CacheError) is a bug
 INPUT_ERRORS = (InputError, WorkloadError, TraceFormatError)
-#: a cell that raised one of these was refused its input (a ValueError: a setting the engine
-#: does not run, e.g. beam search under serving); a CacheError inside a cell is a bug
-CELL_INPUT_ERRORS = (*INPUT_ERRORS, ValueError)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _is_input_error(error: BaseException | None) -> bool:
-    return isinstance(error, CELL_INPUT_ERRORS) and not isinstance(error, CacheError)
+    return isinstance(error, INPUT_ERRORS) and not isinstance(error, CacheError)
 
 
 def _cells_failed(exc: TasksFailed) -> int:
