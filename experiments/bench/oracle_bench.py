@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from cachelib import create_cache
+from experiments import defaults
 from experiments.engine import replay, unlimited_pages
 from experiments.oracle import belady_hits, infinite_hits, page_keys
 from experiments.workloads.mooncake import load_mooncake
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     ap.add_argument("--limit", type=int, default=2000)
-    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--page-size", type=int, default=defaults.PAGE_SIZE)
     ap.add_argument("--capacity-tokens", nargs="+", default=["200000", "unlimited"])
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--backend", nargs="*", default=[])

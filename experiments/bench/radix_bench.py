@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from cachelib import create_cache
+from experiments import defaults
 from experiments.engine import CacheClient, replay
 from experiments.workloads.mooncake import load_mooncake
 from experiments.workloads.spec import RequestSpec
@@ -66,7 +67,7 @@ def bench_one(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--page-size", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--page-size", type=int, nargs="+", default=[1, defaults.PAGE_SIZE])
     p.add_argument("--policy", nargs="+", default=["lru"], choices=["lru", "lfu", "fifo", "mru", "filo"])
     p.add_argument("--capacity-tokens", type=int, default=200_000)
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)

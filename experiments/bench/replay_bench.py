@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from cachelib import create_cache
+from experiments import defaults
 from experiments.engine import replay
 from experiments.results import git_commit
 from experiments.workloads.mooncake import load_mooncake
@@ -58,7 +59,7 @@ def bench(
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backend", nargs="+", default=["apc"])
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=defaults.PAGE_SIZE)
     p.add_argument("--capacity-tokens", type=int, default=200_000)
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     p.add_argument("--limit", type=int, default=2000)
