@@ -58,7 +58,7 @@ def first_tokens_in_eviction_order(cache) -> list[int]:
 def test_registered_and_covered_by_the_generic_tests():
     assert "radix-aged" in available_backends()
     assert get_backend("radix-aged") is AgedRadixCache
-    # the CLI passes --eviction-policy only to backends whose __init__ takes it
+    # it takes no eviction policy: the CLI's --eviction-policy with radix-aged selected is an error
     assert "eviction_policy" not in AgedRadixCache.__init__.__code__.co_varnames
 
 
