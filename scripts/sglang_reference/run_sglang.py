@@ -53,7 +53,7 @@ What is stubbed or patched (nothing in the cache / allocator / eviction code)
 Replay protocol -> SGLang 0.5.23 calls (sglang/srt/...)
 ------------------------------------------------------
 Requests in trace order, at most C in flight, the oldest finishing first
-(experiments/engine.py `replay`). Per request:
+(experiments/engine/replay.py `replay`). Per request:
 
 0. `while len(inflight) >= C: finish(oldest)`.
 1. Match: a real `managers/schedule_batch.py` `Req` (sampling `max_new_tokens=output_len`,
