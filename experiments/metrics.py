@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from cachelib.types import CacheStats
-from experiments.engine.scheduler import ServingResult
+from experiments.engine.request import ServingResult
 
 #: points kept of the pages-in-use timeline and of the TTFT distribution in result JSON
 SERIES_POINTS = 400

@@ -17,7 +17,8 @@ from experiments.engine.cache_client import CacheClient, CallOrderError
 from experiments.engine.clock import VirtualClock
 from experiments.engine.executors import CostModelExecutor, Executor, FreshTokens, ModelExecutor, ReplayExecutor
 from experiments.engine.replay import Replay, replay, unlimited_pages
-from experiments.engine.scheduler import Request, Scheduler, ServingConfig, ServingResult
+from experiments.engine.request import Request, ServingConfig, ServingResult
+from experiments.engine.scheduler import Scheduler
 from experiments.engine.serving import serve
 from experiments.workloads.spec import GENERATED_TOKEN_BASE
 

@@ -25,7 +25,8 @@ from cachelib.interface import PrefixCache
 from experiments.engine.cache_client import CacheClient
 from experiments.engine.clock import VirtualClock
 from experiments.engine.executors import ReplayExecutor
-from experiments.engine.scheduler import Scheduler, ServingConfig
+from experiments.engine.request import ServingConfig
+from experiments.engine.scheduler import Scheduler
 from experiments.workloads.spec import RequestSpec
 
 

@@ -15,7 +15,8 @@ from cachelib.interface import PrefixCache
 from experiments.engine.cache_client import CacheClient
 from experiments.engine.clock import VirtualClock
 from experiments.engine.executors import Executor
-from experiments.engine.scheduler import Scheduler, ServingConfig, ServingResult
+from experiments.engine.request import ServingConfig, ServingResult
+from experiments.engine.scheduler import Scheduler
 from experiments.workloads.spec import RequestSpec
 
 DEFAULT_CONFIG = ServingConfig()

@@ -1,0 +1,101 @@
+"""What a `Scheduler` schedules and reports: its knobs, a request's state, the run's result."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from cachelib.types import Sequence
+from experiments.workloads.spec import RequestSpec
+
+ORDERINGS = ("fcfs", "lpf")
+
+
+@dataclass(frozen=True, slots=True)
+class ServingConfig:
+    """Scheduler knobs. `token_budget`: tokens computed per step (decodes + prefill chunks);
+    `max_running`: requests in the batch at most; `ordering`: fcfs | lpf (longest prefix first)."""
+
+    token_budget: int = 8192
+    max_running: int = 256
+    ordering: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        if self.token_budget < 1 or self.max_running < 1:
+            raise ValueError("token_budget and max_running must be positive")
+        if self.ordering not in ORDERINGS:
+            raise ValueError(f"unknown ordering {self.ordering!r}; choose one of {', '.join(ORDERINGS)}")
+
+
+@dataclass(slots=True, eq=False)  # identity: `in running` must not compare fields
+class Request:
+    """A request inside the scheduler: its sequence and what happened to it so far."""
+
+    spec: RequestSpec
+    seq: Sequence
+    generated: int = 0
+    first_admit_hit: int | None = None
+    hit_tokens: int = 0  # over every admission, re-admissions after preemption included
+    computed_tokens: int = 0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    preempted: int = 0
+    output: list[int] = field(default_factory=list)
+    arrival: float = 0.0  # when it joined the queue (after its predecessor, for a dependent turn)
+    target: int = 0  # tokens to generate (0: the spec's output_len)
+    lag: int = 0  # decode tokens computed but not yet committed (batched commits)
+    sample_of: str | None = None  # parallel sampling: the request this sample was forked from
+    forced: list[int] | None = None  # the spec's forced output as ints (the request itself only)
+    group: list[Sequence] | None = None  # replay: what it releases at finish (None: just `seq`)
+    truncated: int = 0  # replay: outputs (its own, its samples') cut short for want of room
+
+    def __post_init__(self) -> None:
+        if not self.target:
+            self.target = max(self.spec.output_len, 1)
+        if self.forced is None and self.sample_of is None and self.spec.forced_output is not None:
+            self.forced = np.asarray(self.spec.forced_output, dtype=np.int64).tolist()
+
+
+@dataclass
+class ServingResult:
+    """Per-request outcomes and the run's timeline."""
+
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    timeline: list[tuple[float, int]] = field(default_factory=list)  # (time, pages pinned)
+    steps: int = 0
+    preemptions: int = 0
+    aborted: int = 0
+    cache_seconds: float = 0.0
+    makespan: float = 0.0
+    peak_pages: int = 0
+    outputs: dict[str, list[int]] = field(default_factory=dict)  # with keep_outputs=True
+
+
+#: a step's batch: each request and the tokens it computes this step
+Batch = list[tuple[Request, int]]
+
+
+def request_record(r: Request, aborted: bool) -> dict[str, Any]:
+    """One finished (or aborted) request as the results record it."""
+    spec = r.spec
+    ttft = None if r.first_token_at is None else r.first_token_at - r.arrival
+    tpot = None
+    if r.first_token_at is not None and r.finished_at is not None and r.generated > 1:
+        tpot = (r.finished_at - r.first_token_at) / (r.generated - 1)
+    return {
+        "request_id": spec.request_id,
+        "arrival": r.arrival,
+        "prompt_tokens": spec.prompt_len,
+        "hit_tokens": r.first_admit_hit or 0,
+        "hit_tokens_all_admissions": r.hit_tokens,
+        "computed_tokens": r.computed_tokens,
+        "generated": r.generated,
+        "ttft": ttft,
+        "tpot": tpot,
+        "finished_at": r.finished_at,
+        "preempted": r.preempted,
+        "aborted": aborted,
+        "sample_of": r.sample_of,
+    }
