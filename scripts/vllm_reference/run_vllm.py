@@ -91,7 +91,6 @@ import argparse
 import gzip
 import hashlib
 import json
-import os
 import sys
 import time
 from collections import deque
@@ -123,6 +122,7 @@ class Clock:
 
     def ms(self, t) -> float:
         return t / 1000 if self.mode == "exact" else t * 1000.0
+
 
 OUT_BASE = 2_000_000_000
 
@@ -227,7 +227,9 @@ def make_scheduler(capacity_tokens: int, block_size: int, budget: int, max_seqs:
         grammar_bitmask=lambda *a, **k: None,
     )
     cls = AsyncScheduler if async_sched else Scheduler
-    sched = cls(vllm_config=vc, kv_cache_config=kv, structured_output_manager=som, block_size=block_size, log_stats=False)
+    sched = cls(
+        vllm_config=vc, kv_cache_config=kv, structured_output_manager=som, block_size=block_size, log_stats=False
+    )
     return sched, vc, num_blocks
 
 
@@ -246,9 +248,20 @@ def run(reqs, capacity, block_size=16, budget=8192, max_seqs=256, async_sched=Fa
     order = sorted(range(n), key=lambda i: (reqs[i][2], i))
     objs: list = [None] * n
     rec = [
-        dict(request_index=i, arrival_ms=clk.ms(reqs[i][2]), prompt_tokens=len(reqs[i][0]), output_tokens=reqs[i][1],
-             hit_tokens_first=None, preemptions=0, first_token_step=None, finish_step=None,
-             first_token_ms=None, ttft_ms=None, finish_ms=None, outputs_seen=0)
+        dict(
+            request_index=i,
+            arrival_ms=clk.ms(reqs[i][2]),
+            prompt_tokens=len(reqs[i][0]),
+            output_tokens=reqs[i][1],
+            hit_tokens_first=None,
+            preemptions=0,
+            first_token_step=None,
+            finish_step=None,
+            first_token_ms=None,
+            ttft_ms=None,
+            finish_ms=None,
+            outputs_seen=0,
+        )
         for i in range(n)
     ]
     counter = [0]
@@ -258,8 +271,14 @@ def run(reqs, capacity, block_size=16, budget=8192, max_seqs=256, async_sched=Fa
         while state["nxt"] < n and reqs[order[state["nxt"]]][2] <= state["clock"]:
             i = order[state["nxt"]]
             p, out_len, arr = reqs[i]
-            r = Request(str(i), p, SamplingParams(max_tokens=out_len, ignore_eos=True), None,
-                        arrival_time=clk.seconds(arr), block_hasher=hasher)
+            r = Request(
+                str(i),
+                p,
+                SamplingParams(max_tokens=out_len, ignore_eos=True),
+                None,
+                arrival_time=clk.seconds(arr),
+                block_hasher=hasher,
+            )
             objs[i] = r
             sched.add_request(r)
             state["nxt"] += 1
@@ -290,13 +309,14 @@ def run(reqs, capacity, block_size=16, budget=8192, max_seqs=256, async_sched=Fa
                 counter[0] += 1
             else:
                 sampled.append([])
-        out = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: k for k, r in enumerate(req_ids)},
-                                sampled_token_ids=sampled)
+        out = ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: k for k, r in enumerate(req_ids)}, sampled_token_ids=sampled
+        )
         return out, end, step_idx
 
     def update(so, out, end, step_idx):
         sched.update_from_output(so, out)
-        for rid, toks in zip(out.req_ids, out.sampled_token_ids):
+        for rid, toks in zip(out.req_ids, out.sampled_token_ids, strict=True):
             if not toks:
                 continue
             i = int(rid)
@@ -311,7 +331,9 @@ def run(reqs, capacity, block_size=16, budget=8192, max_seqs=256, async_sched=Fa
                 R["finish_step"] = step_idx
                 R["finish_ms"] = clk.ms(end)
 
-    done = lambda: state["nxt"] >= n and not sched.has_requests()
+    def done() -> bool:
+        return state["nxt"] >= n and not sched.has_requests()
+
     t0 = time.time()
     last = t0
     if not async_sched:
@@ -326,7 +348,10 @@ def run(reqs, capacity, block_size=16, budget=8192, max_seqs=256, async_sched=Fa
             update(so, out, end, si)
             if progress and time.time() - last > 10:
                 last = time.time()
-                print(f"  step {state['steps']} clock {clk.seconds(state['clock']):.1f}s added {state['nxt']}", file=sys.stderr)
+                print(
+                    f"  step {state['steps']} clock {clk.seconds(state['clock']):.1f}s added {state['nxt']}",
+                    file=sys.stderr,
+                )
     else:
         qsize = vc.max_concurrent_batches
         assert qsize == 2, qsize
@@ -352,7 +377,10 @@ def run(reqs, capacity, block_size=16, budget=8192, max_seqs=256, async_sched=Fa
             update(so, out, end, si)
             if progress and time.time() - last > 10:
                 last = time.time()
-                print(f"  step {state['steps']} clock {clk.seconds(state['clock']):.1f}s added {state['nxt']}", file=sys.stderr)
+                print(
+                    f"  step {state['steps']} clock {clk.seconds(state['clock']):.1f}s added {state['nxt']}",
+                    file=sys.stderr,
+                )
 
     for i in range(n):
         R = rec[i]
@@ -403,7 +431,9 @@ def main():
 
     clk = Clock(a.clock)
     kind, path, reqs = load_trace(a.trace, a.limit, clk)
-    rec, totals, num_blocks = run(reqs, a.capacity, a.block_size, a.budget, a.max_seqs, a.async_scheduling, a.progress, clk)
+    rec, totals, num_blocks = run(
+        reqs, a.capacity, a.block_size, a.budget, a.max_seqs, a.async_scheduling, a.progress, clk
+    )
     rt = totals.pop("runtime_s")
     try:
         rel = str(path.relative_to(REPO))
@@ -413,14 +443,33 @@ def main():
         vllm_version=vllm.__version__,
         generator="scripts/vllm_reference/run_vllm.py",
         command="run_vllm.py " + " ".join(sys.argv[1:]),
-        trace=dict(name=a.name or path.name.split(".")[0], kind=kind, path=rel, sha256=sha256_file(path),
-                   requests=len(reqs), limit=a.limit, prompt_tokens=sum(len(r[0]) for r in reqs),
-                   output_tokens=sum(r[1] for r in reqs)),
-        config=dict(capacity_tokens=a.capacity, block_size=a.block_size, num_gpu_blocks=num_blocks,
-                    usable_blocks=num_blocks - 1, max_num_batched_tokens=a.budget, max_num_seqs=a.max_seqs,
-                    async_scheduling=a.async_scheduling, batch_queue_size=2 if a.async_scheduling else 1,
-                    enable_prefix_caching=True, enable_chunked_prefill=True, policy="fcfs",
-                    step_ms=STEP_MS, clock=a.clock, speculative_decoding=None, ignore_eos=True),
+        trace=dict(
+            name=a.name or path.name.split(".")[0],
+            kind=kind,
+            path=rel,
+            sha256=sha256_file(path),
+            requests=len(reqs),
+            limit=a.limit,
+            prompt_tokens=sum(len(r[0]) for r in reqs),
+            output_tokens=sum(r[1] for r in reqs),
+        ),
+        config=dict(
+            capacity_tokens=a.capacity,
+            block_size=a.block_size,
+            num_gpu_blocks=num_blocks,
+            usable_blocks=num_blocks - 1,
+            max_num_batched_tokens=a.budget,
+            max_num_seqs=a.max_seqs,
+            async_scheduling=a.async_scheduling,
+            batch_queue_size=2 if a.async_scheduling else 1,
+            enable_prefix_caching=True,
+            enable_chunked_prefill=True,
+            policy="fcfs",
+            step_ms=STEP_MS,
+            clock=a.clock,
+            speculative_decoding=None,
+            ignore_eos=True,
+        ),
         totals=totals,
         requests=rec,
     )
