@@ -56,17 +56,23 @@ TRACES = {
 }
 
 
-def export(name: str, out_dir: Path) -> Path:
+def export(name: str, out_dir: Path, *, arrivals: bool = False) -> Path:
+    """Write trace `name` as `<name>.jsonl.gz` (or `<name>.arrivals.jsonl.gz` with each
+    request's `arrival` in seconds, for timed goldens) and its generator call as `.meta.json`."""
     workload, seed, knobs = TRACES[name]
     w = make_workload(workload, seed, **knobs)
-    path = out_dir / f"{name}.jsonl.gz"
+    path = out_dir / f"{name}{'.arrivals' if arrivals else ''}.jsonl.gz"
     with gzip.GzipFile(path, "wb", compresslevel=9, mtime=0) as raw:
         for spec in w.requests:
             assert spec.n == 1 and spec.beam_width == 1 and spec.prefix_id is None
             assert spec.extra.cache_salt is None and spec.extra.lora_id is None
             obj = {"id": spec.request_id, "prompt": spec.prompt.tolist(), "output_len": int(spec.output_len)}
+            if arrivals:
+                obj["arrival"] = float(spec.arrival)
             raw.write((json.dumps(obj, separators=(",", ":")) + "\n").encode())
     meta = {"workload": workload, "seed": seed, "knobs": knobs, "requests": len(w.requests)}
+    if arrivals:
+        meta["arrivals"] = True
     (out_dir / f"{name}.meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     return path
 
