@@ -21,12 +21,18 @@ def _fail(msg: str) -> None:
 
 def check_radix(cache: RadixCache) -> None:
     """Raise `InvariantViolation` on the first broken invariant. Read-only."""
-    tree = cache.tree
-    ps = cache.page_size
     if cache._num_free != len(cache._free_pages()) or any(not run for run in cache._free_runs):
         _fail(f"free count {cache._num_free}, actual {len(cache._free_pages())} (or an empty run)")
+    _check_tree(cache)
+    _check_sequences(cache)
+    if cache._contents is not None:
+        _check_contents(cache, cache._contents)
 
-    # the tree: keys, maps, pages, lock refs, sizes, candidates
+
+def _check_tree(cache: RadixCache) -> None:
+    """Keys, children maps, pages, lock refs, the evictable/protected sizes, the candidates."""
+    tree = cache.tree
+    ps = cache.page_size
     evictable = protected = nodes = 0
     candidates = set()
     for ns, root in tree.roots.items():
@@ -66,7 +72,11 @@ def check_radix(cache: RadixCache) -> None:
     if len(tree.candidates) != len(candidates) or {k[-1].node_id for k in tree.candidates} != candidates:
         _fail("candidate list differs from the unlocked leaves")
 
-    # sequences: locks, tables, private pages
+
+def _check_sequences(cache: RadixCache) -> None:
+    """Each live sequence's lock path, table and protected length; lock refs = holders."""
+    tree = cache.tree
+    ps = cache.page_size
     expected_locks: dict[int, int] = {}
     for rid, held in cache._live.items():
         seq = held.seq
@@ -95,16 +105,18 @@ def check_radix(cache: RadixCache) -> None:
         if node.lock_ref != expected_locks.get(node.node_id, 0):
             _fail(f"{node}: lock_ref {node.lock_ref}, held by {expected_locks.get(node.node_id, 0)} sequences")
 
-    # contents: tree entries and tables point only at pages holding their tokens
-    contents = cache._contents
-    if contents is not None:
-        for node in tree.nodes():
-            slots = (np.asarray(node.pages, dtype=np.int64)[:, None] * ps + np.arange(ps)).reshape(-1)
-            if not np.array_equal(contents[slots], node.key):
-                _fail(f"{node}: its pages hold other tokens than its key")
-        for rid, held in cache._live.items():
-            seq = held.seq
-            t = np.arange(seq.num_computed)
-            pages = np.asarray(seq.page_table, dtype=np.int64)[t // ps] if t.size else t
-            if not np.array_equal(contents[pages * ps + t % ps], seq.tokens[: seq.num_computed]):
-                _fail(f"{rid}: its table points at pages holding other tokens")
+
+def _check_contents(cache: RadixCache, contents: np.ndarray) -> None:
+    """Tree entries and tables point only at pages holding their tokens (`track_contents`)."""
+    tree = cache.tree
+    ps = cache.page_size
+    for node in tree.nodes():
+        slots = (np.asarray(node.pages, dtype=np.int64)[:, None] * ps + np.arange(ps)).reshape(-1)
+        if not np.array_equal(contents[slots], node.key):
+            _fail(f"{node}: its pages hold other tokens than its key")
+    for rid, held in cache._live.items():
+        seq = held.seq
+        t = np.arange(seq.num_computed)
+        pages = np.asarray(seq.page_table, dtype=np.int64)[t // ps] if t.size else t
+        if not np.array_equal(contents[pages * ps + t % ps], seq.tokens[: seq.num_computed]):
+            _fail(f"{rid}: its table points at pages holding other tokens")
