@@ -30,7 +30,7 @@ def serving_metrics(res: ServingResult, stats: CacheStats, *, setup_seconds: flo
     done = [r for r in res.requests if not r["aborted"] and r.get("sample_of") is None]
     rows = [r for r in res.requests if not r["aborted"]]
     prompt = sum(r["prompt_tokens"] for r in done)
-    hits = sum(r["hit_tokens"] for r in done)
+    hits = sum(r["hit_tokens_first"] for r in done)
     decoded = sum(max(r["generated"] - 1, 0) for r in rows)
     computed = sum(r["computed_tokens"] for r in res.requests)
     generated = sum(r["generated"] for r in rows)

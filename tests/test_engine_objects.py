@@ -99,7 +99,7 @@ def test_two_schedulers_share_one_clock_and_each_equals_serving_alone():
         assert sorted(r["request_id"] for r in got.requests) == sorted(s.request_id for s in specs)
         key = lambda r: r["request_id"]  # noqa: E731
         for x, y in zip(sorted(got.requests, key=key), sorted(alone.requests, key=key), strict=True):
-            assert x["hit_tokens"] == y["hit_tokens"] and x["computed_tokens"] == y["computed_tokens"]
+            assert x["hit_tokens_first"] == y["hit_tokens_first"] and x["computed_tokens"] == y["computed_tokens"]
 
 
 def test_drive_is_what_serve_runs():

@@ -63,7 +63,7 @@ def test_chunked_prefill_and_lpf_give_the_same_outputs(tiny_model, docs_workload
             cache,
             docs_workload.requests,
             ModelExecutor(tiny_model, 200, 4),
-            ServingConfig(token_budget=24, ordering=ordering),
+            ServingConfig(token_budget=24, ordering=ordering, scheduler="legacy"),
             keep_outputs=True,
         )
         assert res.outputs == alone_outputs
@@ -90,7 +90,7 @@ def test_cost_model_run_accounts_for_every_token(backend):
     for r in res.requests:
         assert r["generated"] == 20
         # computed = prompt - first hit + recomputation + decoded tokens (the last gets no KV)
-        assert r["computed_tokens"] >= r["prompt_tokens"] - r["hit_tokens"] + 19
+        assert r["computed_tokens"] >= r["prompt_tokens"] - r["hit_tokens_first"] + 19
     assert all(t1 >= t0 for (t0, _), (t1, _) in zip(res.timeline, res.timeline[1:], strict=False))
     assert res.peak_pages <= 120
     assert cache.stats().pages_pinned == 0
@@ -124,7 +124,7 @@ def test_decode_windows_and_batched_commits_change_nothing_but_speed(backend, nu
         assert sa.evicted_pages == st.evicted_pages
         assert a.makespan == pytest.approx(other.makespan, rel=1e-9)
         for x, y in zip(sorted(a.requests, key=key), sorted(other.requests, key=key), strict=True):
-            assert x["hit_tokens"] == y["hit_tokens"] and x["computed_tokens"] == y["computed_tokens"]
+            assert x["hit_tokens_first"] == y["hit_tokens_first"] and x["computed_tokens"] == y["computed_tokens"]
             assert x["ttft"] == pytest.approx(y["ttft"], rel=1e-9)
             assert x["finished_at"] == pytest.approx(y["finished_at"], rel=1e-9)
 
@@ -204,4 +204,4 @@ def test_recorded_outputs_are_generated_and_reused_by_the_next_turn():
         prev = rows[spec.after]
         # it arrives its think time after the previous turn finished, and reuses that history
         assert rows[spec.request_id]["arrival"] == pytest.approx(prev["finished_at"] + spec.think_time)
-        assert rows[spec.request_id]["hit_tokens"] >= prev["prompt_tokens"] // 16 * 16
+        assert rows[spec.request_id]["hit_tokens_first"] >= prev["prompt_tokens"] // 16 * 16

@@ -15,7 +15,14 @@ from __future__ import annotations
 
 from experiments.engine.cache_client import CacheClient, CallOrderError
 from experiments.engine.clock import VirtualClock
-from experiments.engine.executors import CostModelExecutor, Executor, FreshTokens, ModelExecutor, ReplayExecutor
+from experiments.engine.executors import (
+    CostModelExecutor,
+    Executor,
+    FixedStepExecutor,
+    FreshTokens,
+    ModelExecutor,
+    ReplayExecutor,
+)
 from experiments.engine.replay import Replay, replay, unlimited_pages
 from experiments.engine.request import Request, ServingConfig, ServingResult
 from experiments.engine.scheduler import Scheduler
@@ -28,6 +35,7 @@ __all__ = [
     "CallOrderError",
     "CostModelExecutor",
     "Executor",
+    "FixedStepExecutor",
     "FreshTokens",
     "ModelExecutor",
     "Replay",

@@ -3,6 +3,8 @@
 - `CostModelExecutor`: virtual time from a roofline of the model's shape on a device
   profile (peak FLOP/s and memory bandwidth, scaled by achievable fractions). Generated
   tokens are fresh ids no prompt uses. Fast: for traces and sweeps.
+- `FixedStepExecutor`: a constant time per non-empty step (decisions compared with a real
+  scheduler's, independently of any cost model); fresh ids.
 - `ReplayExecutor`: the replay protocol's (no time, no tensors, fresh ids).
 - `ModelExecutor`: the real forward pass (torch reference on CPU, FlashInfer on GPU) over
   the paged KV cache the backend's page tables address; time is measured; greedy tokens.
@@ -194,6 +196,37 @@ class CostModelExecutor:
         take = self.tokens.take_one
         out: list[int | None] = [take() if start + n == len(seq) else None for seq, n, start in batch]
         return self.step_seconds(batch), out
+
+
+class FixedStepExecutor:
+    """A constant `step_seconds` per non-empty step, whatever the batch (`--executor fixed
+    --step-ms X`): scheduling decisions can then be compared with a real scheduler run with
+    the same constant (tests/fixtures/vllm_0_33: 20 ms) independently of any cost model.
+    Tokens are fresh ids, as the cost model's."""
+
+    kind: ClassVar[str] = "fixed"
+    supports_decode_windows: ClassVar[bool] = True
+    samples_fresh_tokens: ClassVar[bool] = True
+
+    def __init__(self, step_seconds: float) -> None:
+        if not step_seconds > 0:  # also refuses NaN
+            raise ValueError(f"step time must be positive, got {step_seconds!r} s")
+        self.step_seconds = float(step_seconds)
+        self.tokens = FreshTokens()
+
+    def apply_copies(self, ops: list[CopyOp]) -> None:
+        pass  # part of the constant step
+
+    def decode_step_seconds(self, contexts: np.ndarray, k: int) -> np.ndarray:
+        return np.full(k, self.step_seconds)
+
+    def fresh_tokens(self, k: int) -> list[int]:
+        return self.tokens.take(k)
+
+    def step(self, batch: list[BatchItem]) -> tuple[float, list[int | None]]:
+        take = self.tokens.take_one
+        out: list[int | None] = [take() if start + n == len(seq) else None for seq, n, start in batch]
+        return (self.step_seconds if batch else 0.0), out
 
 
 class ReplayExecutor:

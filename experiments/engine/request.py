@@ -11,22 +11,36 @@ from cachelib.types import Sequence
 from experiments.workloads.spec import RequestSpec
 
 ORDERINGS = ("fcfs", "lpf")
+#: scheduling policies (`--scheduler`): `vllm` makes vLLM 0.33's V1 decisions (the default);
+#: `legacy` is this project's scheduler before it (kept to reproduce older reports; it alone
+#: takes `ordering="lpf"`)
+SCHEDULERS = ("vllm", "legacy")
 
 
 @dataclass(frozen=True, slots=True)
 class ServingConfig:
     """Scheduler knobs. `token_budget`: tokens computed per step (decodes + prefill chunks);
-    `max_running`: requests in the batch at most; `ordering`: fcfs | lpf (longest prefix first)."""
+    `max_running`: requests in the batch at most; `ordering`: fcfs | lpf (longest prefix
+    first, `legacy` only); `scheduler`: the policy (`SCHEDULERS`); `async_scheduling`: vLLM's
+    two batches in flight (`vllm` only)."""
 
     token_budget: int = 8192
     max_running: int = 256
     ordering: str = "fcfs"
+    scheduler: str = "vllm"
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.token_budget < 1 or self.max_running < 1:
             raise ValueError("token_budget and max_running must be positive")
         if self.ordering not in ORDERINGS:
             raise ValueError(f"unknown ordering {self.ordering!r}; choose one of {', '.join(ORDERINGS)}")
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"unknown scheduler {self.scheduler!r}; choose one of {', '.join(SCHEDULERS)}")
+        if self.scheduler == "vllm" and self.ordering != "fcfs":
+            raise ValueError(f"the vllm scheduler is FCFS (vLLM's default policy); ordering {self.ordering!r} needs --scheduler legacy")
+        if self.async_scheduling and self.scheduler != "vllm":
+            raise ValueError("async scheduling is vLLM's engine loop: it needs --scheduler vllm")
 
 
 @dataclass(slots=True, eq=False)  # identity: `in running` must not compare fields
@@ -50,6 +64,9 @@ class Request:
     forced: list[int] | None = None  # the spec's forced output as ints (the request itself only)
     group: list[Sequence] | None = None  # replay: what it releases at finish (None: just `seq`)
     truncated: int = 0  # replay: outputs (its own, its samples') cut short for want of room
+    index: int = -1  # position in the requests given to the engine (trace line); samples: their parent's
+    first_token_step: int | None = None  # 0-based index among non-empty steps that sampled its first token
+    finish_step: int | None = None  # ... and its last
 
     def __post_init__(self) -> None:
         if not self.target:
@@ -85,17 +102,22 @@ def request_record(r: Request, aborted: bool) -> dict[str, Any]:
     if r.first_token_at is not None and r.finished_at is not None and r.generated > 1:
         tpot = (r.finished_at - r.first_token_at) / (r.generated - 1)
     return {
+        "request_index": r.index,
         "request_id": spec.request_id,
         "arrival": r.arrival,
         "prompt_tokens": spec.prompt_len,
-        "hit_tokens": r.first_admit_hit or 0,
+        "output_tokens": r.target,
+        "hit_tokens_first": r.first_admit_hit or 0,
         "hit_tokens_all_admissions": r.hit_tokens,
         "computed_tokens": r.computed_tokens,
         "generated": r.generated,
+        "first_token_step": r.first_token_step,
+        "finish_step": r.finish_step,
+        "first_token_at": r.first_token_at,
         "ttft": ttft,
         "tpot": tpot,
         "finished_at": r.finished_at,
-        "preempted": r.preempted,
+        "preemptions": r.preempted,
         "aborted": aborted,
         "sample_of": r.sample_of,
     }
