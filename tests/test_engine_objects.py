@@ -13,12 +13,12 @@ from experiments.engine import (
     CallOrderError,
     CostModelExecutor,
     ModelExecutor,
-    Scheduler,
     ServingConfig,
     VirtualClock,
     serve,
 )
 from experiments.engine.serving import drive
+from experiments.engine.vllm_scheduler import VllmScheduler
 from experiments.workloads.spec import RequestSpec
 
 
@@ -73,7 +73,7 @@ def test_two_schedulers_share_one_clock_and_each_equals_serving_alone():
     specs_a, specs_b = _specs("a", 12), _specs("b", 12)
     clock = VirtualClock(specs_a + specs_b)
     replicas = {
-        p: Scheduler(CacheClient(create_cache("apc", num_pages=200, page_size=16)), CostModelExecutor(), cfg, clock)
+        p: VllmScheduler(CacheClient(create_cache("apc", num_pages=200, page_size=16)), CostModelExecutor(), cfg, clock)
         for p, cfg in (("a", ServingConfig(256, 4)), ("b", ServingConfig(256, 4)))
     }
     busy_until = dict.fromkeys(replicas, 0.0)
@@ -106,8 +106,8 @@ def test_drive_is_what_serve_runs():
     specs = _specs("r", 20)
     cache = create_cache("radix", num_pages=100, page_size=16)
     clock = VirtualClock(specs)
-    scheduler = Scheduler(CacheClient(cache), CostModelExecutor(), ServingConfig(128, 8), clock)
-    drive(clock, scheduler)
+    scheduler = VllmScheduler(CacheClient(cache), CostModelExecutor(), ServingConfig(128, 8), clock)
+    drive(clock, scheduler, {s.request_id: i for i, s in enumerate(specs)})
     ref = serve(create_cache("radix", num_pages=100, page_size=16), specs, CostModelExecutor(), ServingConfig(128, 8))
     assert scheduler.result.requests == ref.requests and scheduler.result.steps == ref.steps
     assert clock.now == ref.makespan

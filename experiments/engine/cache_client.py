@@ -3,7 +3,7 @@
 It times every contract call (only time inside the cache counts, hashing included) into
 `seconds`, and holds each sequence to the contract's call order::
 
-    match -> admit -> (grow | commit | fork)* -> release
+    match -> can_admit* -> admit -> (grow | commit | fork)* -> release
 
 An `admit` of a sequence already admitted, a `grow`/`commit`/`fork`/`release` of one that
 is not, or a `fork` into a child that is live raises `CallOrderError` before the cache is
@@ -47,6 +47,15 @@ class CacheClient:
         m = self.cache.match(seq)
         self.seconds += self._clock() - t0
         return m
+
+    def can_admit(self, seq: Sequence, match: Match, num_tokens: int) -> bool:
+        """`cache.can_admit`: would `admit(seq, match, num_tokens)` fit now? Read-only."""
+        if id(seq) in self._live:
+            raise CallOrderError(f"can_admit {seq.request_id!r}: already admitted; release it first")
+        t0 = self._clock()
+        fits = self.cache.can_admit(seq, match, num_tokens)
+        self.seconds += self._clock() - t0
+        return fits
 
     def admit(self, seq: Sequence, match: Match, num_tokens: int) -> list[CopyOp] | None:
         """`cache.admit`; the sequence is live from here when it fits."""

@@ -38,7 +38,9 @@ class ServingConfig:
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"unknown scheduler {self.scheduler!r}; choose one of {', '.join(SCHEDULERS)}")
         if self.scheduler == "vllm" and self.ordering != "fcfs":
-            raise ValueError(f"the vllm scheduler is FCFS (vLLM's default policy); ordering {self.ordering!r} needs --scheduler legacy")
+            raise ValueError(
+                f"the vllm scheduler is FCFS (vLLM's default policy); ordering {self.ordering!r} needs --scheduler legacy"
+            )
         if self.async_scheduling and self.scheduler != "vllm":
             raise ValueError("async scheduling is vLLM's engine loop: it needs --scheduler vllm")
 
@@ -67,6 +69,7 @@ class Request:
     index: int = -1  # position in the requests given to the engine (trace line); samples: their parent's
     first_token_step: int | None = None  # 0-based index among non-empty steps that sampled its first token
     finish_step: int | None = None  # ... and its last
+    vllm: Any = None  # the vllm policy's counters (`vllm_scheduler.VllmCounters`)
 
     def __post_init__(self) -> None:
         if not self.target:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from typing import ClassVar
 
 import numpy as np
 
@@ -43,7 +44,14 @@ MAX_WINDOW = 4096
 
 
 class Scheduler:
-    """One replica: waiting and running queues over one cache (through `client`) and one executor."""
+    """One replica: waiting and running queues over one cache (through `client`) and one
+    executor. As a serving policy this is `legacy`: the project's scheduler before the
+    `vllm` policy (`vllm_scheduler.VllmScheduler`), kept so older reports can be reproduced
+    and for SGLang-style longest-prefix-first ordering. It differs from vLLM's rules: it
+    admits in a step that preempted, allocates only the first chunk without a whole-prompt
+    fit test, publishes pages after the step, and aborts a request that cannot grow alone."""
+
+    policy: ClassVar[str] = "legacy"
 
     def __init__(
         self,
@@ -74,10 +82,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def add(self, spec: RequestSpec, arrival: float) -> None:
-        """A request arrives: it joins the back of the waiting queue."""
+    def add(self, spec: RequestSpec, arrival: float, index: int = -1) -> None:
+        """A request arrives: it joins the back of the waiting queue (`index`: its trace line)."""
         seq = Sequence(spec.request_id, spec.prompt, spec.extra, prefix_id=spec.prefix_id)
-        self.waiting.append(Request(spec, seq, arrival=arrival))
+        self.waiting.append(Request(spec, seq, arrival=arrival, index=index))
 
     # -- one step -------------------------------------------------------------------
 
@@ -202,8 +210,9 @@ class Scheduler:
         r.generated += 1
         r.output.append(tok)
         if r.first_token_at is None:
-            r.first_token_at = end
+            r.first_token_at, r.first_token_step = end, self.result.steps - 1
         if r.generated >= r.target:
+            r.finish_step = self.result.steps - 1
             self.running.remove(r)
             self.finish(r, end)
         else:
@@ -275,7 +284,7 @@ class Scheduler:
                 spec, r.seq.fork(spec.request_id), sample_of=r.spec.request_id, first_admit_hit=0, arrival=r.arrival
             )
             ops = self.client.fork(r.seq, child.seq)
-            child.generated, child.first_token_at = 1, now
+            child.generated, child.first_token_at, child.first_token_step = 1, now, self.result.steps - 1
             child.output.append(first)
             if ops is None:
                 child.seq = Sequence(spec.request_id, np.append(r.seq.tokens, np.int32(first)), r.seq.extra)
@@ -352,6 +361,7 @@ class Scheduler:
         self.result.steps += k
         for r, _ in batch:
             if r.generated >= r.target:
+                r.finish_step = self.result.steps - 1
                 self.running.remove(r)
                 self.finish(r, end)
             else:

@@ -8,6 +8,7 @@ run, the clock jumps to the next arrival. What a step decides is the scheduler's
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -17,9 +18,14 @@ from experiments.engine.clock import VirtualClock
 from experiments.engine.executors import Executor
 from experiments.engine.request import ServingConfig, ServingResult
 from experiments.engine.scheduler import Scheduler
+from experiments.engine.vllm_scheduler import StepPlan, VllmScheduler
 from experiments.workloads.spec import RequestSpec
 
 DEFAULT_CONFIG = ServingConfig()
+#: vLLM's `max_concurrent_batches` with async scheduling (batch queue size)
+ASYNC_BATCHES = 2
+#: `ServingConfig.scheduler` -> the policy's class
+SCHEDULER_POLICIES: dict[str, type[Scheduler]] = {"vllm": VllmScheduler, "legacy": Scheduler}
 
 
 def serve(
@@ -40,6 +46,9 @@ def serve(
     under the replay protocol and in `experiments/bench/sharing_memory.py`. A request's
     `forced_output` is what it generates (whatever the executor samples), so that a
     conversation's next turn can reuse its KV.
+
+    Under the `vllm` policy (the default) a request with `n > 1` arrives as `n` requests
+    sharing its prompt through the cache, as vLLM's front end fans it out.
     """
     beams = [s.request_id for s in requests if s.beam_width > 1]
     if beams:
@@ -48,9 +57,13 @@ def serve(
         )
     client = cache if isinstance(cache, CacheClient) else CacheClient(cache)
     clock = VirtualClock(requests)
-    scheduler = Scheduler(client, executor, config, clock, keep_outputs=keep_outputs)
+    scheduler = SCHEDULER_POLICIES[config.scheduler](client, executor, config, clock, keep_outputs=keep_outputs)
     bar = _progress_bar(len(requests), f"serve {client.cache.name}") if progress else None
-    drive(clock, scheduler, bar)
+    index_of = {s.request_id: i for i, s in enumerate(requests)}
+    if config.async_scheduling:
+        drive_async(clock, scheduler, index_of, bar)  # type: ignore[arg-type]  # async is vllm only (ServingConfig)
+    else:
+        drive(clock, scheduler, index_of, bar)
     if bar is not None:
         bar.close()
     res = scheduler.result
@@ -59,11 +72,13 @@ def serve(
     return res
 
 
-def drive(clock: VirtualClock, scheduler: Scheduler, bar: Any = None) -> None:
-    """Step `scheduler` until every request, arrived or not, has finished."""
+def drive(clock: VirtualClock, scheduler: Scheduler, index_of: dict[str, int], bar: Any = None) -> None:
+    """Step `scheduler` until every request, arrived or not, has finished (vLLM's
+    `EngineCore.step` loop: arrivals due by now join before each step; an idle engine
+    jumps to the next arrival). `index_of`: request id -> trace line."""
     while clock.has_arrivals or scheduler.has_work:
         for arrival, spec in clock.arrived():
-            scheduler.add(spec, arrival)
+            scheduler.add(spec, arrival, index_of.get(spec.request_id, -1))
         if not scheduler.has_work:
             clock.now = clock.next_arrival()  # type: ignore[assignment]  # idle: jump ahead
             continue
@@ -74,6 +89,35 @@ def drive(clock: VirtualClock, scheduler: Scheduler, bar: Any = None) -> None:
             clock.now = end
         elif clock.has_arrivals:
             clock.now = max(clock.now, clock.next_arrival())  # type: ignore[type-var]
+
+
+def drive_async(clock: VirtualClock, scheduler: VllmScheduler, index_of: dict[str, int], bar: Any = None) -> None:
+    """vLLM's async loop (`EngineCore.step_with_batch_queue`, two batches in flight): a
+    step is scheduled and launched while the previous one runs; the loop blocks on the
+    oldest only when both slots are taken, or when there is nothing more to schedule."""
+    queue: deque[StepPlan] = deque()  # in flight, newest first
+    while clock.has_arrivals or scheduler.has_requests or queue:
+        for arrival, spec in clock.arrived():
+            scheduler.add(spec, arrival, index_of.get(spec.request_id, -1))
+        if not scheduler.has_requests and not queue:
+            clock.now = max(clock.now, clock.next_arrival())  # type: ignore[type-var]  # idle: jump ahead
+            continue
+        if scheduler.has_requests:
+            plan = scheduler.schedule()
+            if not queue and scheduler.stuck(plan):
+                scheduler.give_up_on_head()
+                continue
+            scheduler.execute(plan)
+            queue.appendleft(plan)
+            if len(queue) < ASYNC_BATCHES and (plan.items or scheduler.has_requests):
+                continue  # launch the next one before waiting on this
+        elif not queue:
+            continue
+        plan = queue.pop()
+        clock.now = max(clock.now, plan.end)
+        scheduler.process(plan)
+        if bar is not None and len(scheduler.result.requests) > bar.n:
+            bar.update(len(scheduler.result.requests) - bar.n)
 
 
 def _progress_bar(total: int, desc: str) -> Any:
