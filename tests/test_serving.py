@@ -38,14 +38,24 @@ def alone_outputs(tiny_model, docs_workload):
     }
 
 
+#: every scheduling policy: (scheduler, async_scheduling)
+POLICIES = [("vllm", False), ("vllm", True), ("legacy", False)]
+
+
+@pytest.mark.parametrize("scheduler,async_scheduling", POLICIES)
 @pytest.mark.parametrize("backend", available_backends())
-def test_memory_pressure_preempts_and_outputs_equal_no_cache(backend, tiny_model, docs_workload, alone_outputs):
+def test_memory_pressure_preempts_and_outputs_equal_no_cache(
+    backend, scheduler, async_scheduling, tiny_model, docs_workload, alone_outputs
+):
+    """Same-step hits, pages published before their KV is computed, preemption and (async)
+    tokens decoded before they are known: the greedy outputs stay those of each request run
+    alone without a cache."""
     cache = create_cache(backend, num_pages=35, page_size=4)
     res = serve(
         cache,
         docs_workload.requests,
         ModelExecutor(tiny_model, 35, 4),
-        ServingConfig(token_budget=1024, max_running=8),
+        ServingConfig(token_budget=1024, max_running=8, scheduler=scheduler, async_scheduling=async_scheduling),
         keep_outputs=True,
     )
     assert res.preemptions > 0, "the test must exercise preemption"
@@ -132,12 +142,21 @@ def test_decode_windows_and_batched_commits_change_nothing_but_speed(backend, nu
 def test_bad_serving_config():
     with pytest.raises(ValueError, match="unknown ordering"):
         ServingConfig(ordering="random")
+    with pytest.raises(ValueError, match="unknown scheduler"):
+        ServingConfig(scheduler="sglang")
+    with pytest.raises(ValueError, match="FCFS"):
+        ServingConfig(ordering="lpf")  # the vllm policy is FCFS
+    with pytest.raises(ValueError, match="needs --scheduler vllm"):
+        ServingConfig(scheduler="legacy", async_scheduling=True)
     with pytest.raises(ValueError, match="positive"):
         ServingConfig(token_budget=0)
 
 
+@pytest.mark.parametrize("scheduler,async_scheduling", POLICIES)
 @pytest.mark.parametrize("backend", available_backends())
-def test_parallel_sampling_forks_and_every_sample_equals_its_uncached_run(backend, tiny_model):
+def test_parallel_sampling_every_sample_equals_its_uncached_run(backend, scheduler, async_scheduling, tiny_model):
+    """legacy forks the samples from the prompt; vllm fans them out into requests that
+    share the prompt through the cache, as vLLM's front end does."""
     from tests.cached_runner import run_alone
 
     rng = np.random.default_rng(3)
@@ -146,7 +165,8 @@ def test_parallel_sampling_forks_and_every_sample_equals_its_uncached_run(backen
         RequestSpec(f"q{i}", rng.integers(0, 512, 21, dtype=np.int32), 7, 0.0, n=3, sample_lens=lens) for i in range(3)
     ]
     cache = create_cache(backend, num_pages=120, page_size=4)
-    res = serve(cache, specs, ModelExecutor(tiny_model, 120, 4), ServingConfig(256, 16), keep_outputs=True)
+    config = ServingConfig(256, 16, scheduler=scheduler, async_scheduling=async_scheduling)
+    res = serve(cache, specs, ModelExecutor(tiny_model, 120, 4), config, keep_outputs=True)
     assert len(res.requests) == 9 and res.aborted == 0
     for s in specs:
         greedy = run_alone(tiny_model, s.prompt, 7, page_size=4).tokens
