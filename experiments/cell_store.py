@@ -5,8 +5,9 @@ them in `OUT.partial/` while it runs and removes that folder once the report is 
 so a compare that was interrupted or lost a worker reruns only the cells it had not
 finished. A file is named by `CellConfig.key()`, which hashes the whole configuration
 including its provenance (code version, input file digests): stale cells are never
-reused. A file counts only if it parses and holds the results its protocol produces; a
-torn, empty or error file is run again.
+reused. A file counts only if it parses and holds the results its protocol produces (under
+serving, every request's record too: `runner.PER_REQUEST`); a torn, empty or error file is
+run again.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.output_dir import write_file_atomically
-from experiments.runner import CellConfig
+from experiments.runner import PER_REQUEST, CellConfig
 
 #: the result sections each protocol produces
 SECTIONS = {"replay": ("replay",), "serving": ("serving",), "both": ("replay", "serving")}
@@ -42,6 +43,8 @@ class CellStore:
             return None
         if not all(isinstance(res.get(s), dict) for s in SECTIONS[cfg.protocol]):
             return None
+        if "serving" in SECTIONS[cfg.protocol] and not isinstance(res.get(PER_REQUEST), list):
+            return None  # per_request.jsonl needs every request's record
         return res
 
     def save(self, cfg: CellConfig, result: dict[str, Any]) -> None:

@@ -19,6 +19,8 @@ ATTENTION = "auto"
 TOKEN_BUDGET = 8192
 MAX_RUNNING = 256
 ORDERING = "fcfs"
+#: serving's scheduling policy: vLLM 0.33 V1's decisions (`legacy`: the one before issue 11)
+SCHEDULER = "vllm"
 JOBS = 1
 OUTPUT_DIR = Path("reports/latest")
 #: `replay`: requests in flight at most

@@ -186,9 +186,9 @@ class StagedDir:
             if target.exists() or any(fnmatch.fnmatch(entry.name, p) for p in self.owned):
                 continue
             if entry.is_dir() and not entry.is_symlink():
-                shutil.copytree(entry, target, symlinks=True, copy_function=_link_or_copy)
+                shutil.copytree(entry, target, symlinks=True, copy_function=link_or_copy)
             else:
-                _link_or_copy(entry, target)
+                link_or_copy(entry, target)
 
     def _swap(self) -> Path | None:
         """Move the staged folder to `final`; returns where the previous output now is."""
@@ -203,7 +203,8 @@ class StagedDir:
         return aside
 
 
-def _link_or_copy(src: str | Path, dst: str | Path) -> None:
+def link_or_copy(src: str | Path, dst: str | Path) -> None:
+    """Hard-link `src` at `dst` (no bytes copied), or copy it where links fail."""
     try:
         os.link(src, dst, follow_symlinks=False)
     except OSError:

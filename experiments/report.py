@@ -29,10 +29,15 @@ COLUMNS = [
 ]
 
 #: the configuration columns of results.csv; `label` is the backend with its non-default
-#: options (`radix[eviction_policy=lfu]`), `backend_options` those options as JSON
+#: options (`radix[eviction_policy=lfu]`), `backend_options` those options as JSON; the
+#: others are the cell's `config` keys (`step_ms` empty but for the fixed executor)
 CSV_CONFIG = (
-    "backend", "label", "backend_options", "workload", "capacity_tokens", "page_size", "executor", "device", "ordering"
+    "backend", "label", "backend_options", "workload", "capacity_tokens", "page_size", "executor", "device", "ordering",
+    "scheduler", "async_scheduling", "step_ms",
 )  # fmt: skip
+#: a document written before the settings existed: every serving cell then ran the scheduler
+#: now called `legacy`, synchronously, on a cost model or the real model
+_BEFORE_SCHEDULERS = {"scheduler": "legacy", "async_scheduling": False, "step_ms": None}
 CSV_FIELDS = [
     (
         "replay",
@@ -120,31 +125,32 @@ def write_csv(results: dict[str, Any], path: Path) -> None:
         w = csv.writer(fh)
         w.writerow(header)
         for cell in results["cells"]:
-            cfg = cell["config"]
-            row = [
-                cfg["backend"],
-                label(cell),
-                json.dumps(cfg.get("backend_options") or {}),
-                cfg["workload"],
-                cfg["capacity_tokens"],
-                cfg["page_size"],
-                cfg["executor"],
-                cfg["device"],
-                cfg["ordering"],
-            ]
+            cfg = {**_BEFORE_SCHEDULERS, **cell["config"]}
+            given = {"label": label(cell), "backend_options": json.dumps(cfg.get("backend_options") or {})}
+            row = [given[k] if k in given else cfg[k] for k in CSV_CONFIG]
             for section, keys in CSV_FIELDS:
                 row += [_get(cell, section, k) for k in keys]
             w.writerow(row)
 
 
+def _executor(cfg: dict[str, Any]) -> str:
+    if cfg["executor"] == "fixed":
+        return f"executor fixed ({cfg['step_ms']:g} ms per step)"
+    return f"executor {cfg['executor']} ({cfg['model']} on {cfg['device']})"
+
+
+def _scheduler(cfg: dict[str, Any]) -> str:
+    return f"scheduler {cfg['scheduler']}" + (" with async scheduling" if cfg["async_scheduling"] else "")
+
+
 def markdown(results: dict[str, Any], figures: list[str]) -> str:
-    cfg = results["settings"]
+    cfg = {**_BEFORE_SCHEDULERS, **results["settings"]}
     lines = [
         f"# Prefix-cache comparison: {results['workload']['name']}",
         "",
         f"Command: `{results['command']}`  ",
         f"Created {results['created']} at commit `{results['commit']}`; page size {cfg['page_size']}, "
-        f"executor {cfg['executor']} ({cfg['model']} on {cfg['device']}), token budget {cfg['token_budget']}, "
+        f"{_executor(cfg)}, {_scheduler(cfg)}, token budget {cfg['token_budget']}, "
         f"ordering {cfg['ordering']}; workload knobs `{json.dumps(results['workload']['config'])}`.",
         "",
         "Replay hit rates come from the sequential replay protocol, the one the bounds are defined for;",

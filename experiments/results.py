@@ -5,28 +5,39 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from experiments.provenance import code_version, git_commit
 from experiments.report import render
-from experiments.runner import CellConfig
+from experiments.runner import PER_REQUEST, CellConfig
 from experiments.workloads.generators import Workload
 
 #: CellConfig fields shared by every cell of a document, shown in the report's header
-SETTINGS = ("page_size", "executor", "device", "model", "token_budget", "max_running", "ordering", "protocol", "seed")
-#: what `write` puts in a report folder (glob patterns): replaced as a whole by the next run
-REPORT_ENTRIES = ("results.json", "report.md", "results.csv", "*.png")
+SETTINGS = (
+    "page_size", "executor", "step_ms", "device", "model", "token_budget", "max_running", "scheduler",
+    "async_scheduling", "ordering", "protocol", "seed",
+)  # fmt: skip
+#: the per-request results of a run's serving cells, one JSON object a line (`write_per_request`)
+PER_REQUEST_FILE = "per_request.jsonl"
+#: what a run puts in a report folder (glob patterns): replaced as a whole by the next run
+REPORT_ENTRIES = ("results.json", "report.md", "results.csv", "*.png", PER_REQUEST_FILE)
+#: the engine's per-request times (seconds, on the run's clock), as per_request.jsonl names them
+TIME_KEYS = {"arrival": "arrival_s", "first_token_at": "first_token_at_s", "finished_at": "finished_at_s",
+             "ttft": "ttft_s", "tpot": "tpot_s"}  # fmt: skip
 
 
 __all__ = [
+    "PER_REQUEST_FILE",
     "REPORT_ENTRIES",
     "code_version",
     "command_line",
     "document",
     "git_commit",
+    "per_request_rows",
     "write",
+    "write_per_request",
 ]  # git_commit: bench scripts import it here
 
 
@@ -46,7 +57,8 @@ def document(
     """Every number of a comparison plus the configuration that produced it.
 
     `backends` are the variants' labels (`radix`, `radix[eviction_policy=lfu]`), in the
-    order of the cells; report.py draws one line per label."""
+    order of the cells; report.py draws one line per label. The cells' per-request records
+    (`runner.PER_REQUEST`) are left out: they go to per_request.jsonl (`write_per_request`)."""
     return {
         "command": command_line(argv),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -57,7 +69,7 @@ def document(
         "backends": backends,
         "capacities": capacities,
         "bounds": bounds,
-        "cells": results,
+        "cells": [{k: v for k, v in r.items() if k != PER_REQUEST} for r in results],
     }
 
 
@@ -67,3 +79,29 @@ def write(doc: dict[str, Any], out_dir: str | Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(doc, indent=1) + "\n")
     return [out / "results.json", *render(doc, out)]
+
+
+def per_request_rows(cells: list[CellConfig], results: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """Every request of every serving cell, by cell then `request_index` (its line in the
+    trace, its position in the workload's requests; a parallel sample shares its parent's
+    and follows it): the cell's `backend` label, `capacity_tokens` and `page_size`, then
+    every key of the engine's per-request record, times renamed with their unit (`TIME_KEYS`)."""
+    for cfg, res in zip(cells, results, strict=True):
+        records = res.get(PER_REQUEST)
+        if records is None:
+            continue  # replay only
+        head = {"backend": cfg.backend_label, "capacity_tokens": cfg.capacity_tokens, "page_size": cfg.page_size}
+        for rec in sorted(records, key=lambda r: (r["request_index"], r.get("sample_of") is not None)):
+            yield {**head, **{TIME_KEYS.get(k, k): v for k, v in rec.items()}}
+
+
+def write_per_request(cells: list[CellConfig], results: list[dict[str, Any]], out_dir: str | Path) -> Path | None:
+    """`per_request.jsonl` in `out_dir` (a run's staging folder: it is published with the
+    report), or None when no cell ran the serving protocol."""
+    if not any(PER_REQUEST in r for r in results):
+        return None
+    path = Path(out_dir) / PER_REQUEST_FILE
+    with path.open("w") as fh:
+        for row in per_request_rows(cells, results):
+            fh.write(json.dumps(row, separators=(",", ":"), allow_nan=False) + "\n")
+    return path

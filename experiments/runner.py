@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import signal
 import time
@@ -24,15 +25,29 @@ from cachelib import create_cache
 from cachelib.interface import PrefixCache
 from experiments import defaults
 from experiments.backend_options import variant_label
-from experiments.engine import CacheClient, CostModelExecutor, Executor, ModelExecutor, ServingConfig, replay, serve
+from experiments.engine import (
+    CacheClient,
+    CostModelExecutor,
+    Executor,
+    FixedStepExecutor,
+    ModelExecutor,
+    ServingConfig,
+    replay,
+    serve,
+)
 from experiments.engine.executors import DEVICE_PROFILES
+from experiments.engine.request import ORDERINGS, SCHEDULERS
 from experiments.errors import InputError
 from experiments.metrics import serving_metrics
 from experiments.workloads.generators import Workload
 from experiments.workloads.registry import make_workload
 
 PROTOCOLS = ("replay", "serving", "both")
-EXECUTORS = ("cost", "model")
+#: cost: the roofline cost model; model: the real model; fixed: a constant `step_ms` per non-empty step
+EXECUTORS = ("cost", "model", "fixed")
+#: where a cell's per-request serving records travel, beside its summary (`run_cell`); the
+#: results document leaves them out, `results.write_per_request` writes them as JSON lines
+PER_REQUEST = "per_request"
 #: Test seam, declared: when this environment variable is `<backend>@<capacity_tokens>`,
 #: `run_cell` kills its own process with SIGKILL as that cell starts, which is what an
 #: out-of-memory kill looks like to the parent. tests/test_outputs.py uses it to check that
@@ -45,7 +60,9 @@ class CapacityError(InputError, ValueError):
 
 
 class ConfigError(InputError, ValueError):
-    """A cell setting that names nothing known (a protocol, executor, device or model)."""
+    """A cell setting that names nothing known (a protocol, executor, device, scheduler or
+    model), or settings that contradict each other (`--ordering lpf` with the vllm scheduler,
+    async scheduling with the legacy one, a step time without the fixed executor or its lack)."""
 
 
 class WorkloadInputError(InputError, ValueError):
@@ -71,6 +88,12 @@ class CellConfig:
     token_budget: int = defaults.TOKEN_BUDGET
     max_running: int = defaults.MAX_RUNNING
     ordering: str = defaults.ORDERING
+    #: serving's scheduling policy (`SCHEDULERS`): vllm | legacy (the only one taking ordering lpf)
+    scheduler: str = defaults.SCHEDULER
+    #: vLLM's async scheduling, two batches in flight (vllm scheduler only)
+    async_scheduling: bool = False
+    #: milliseconds per non-empty step of the fixed executor; required with it, refused otherwise
+    step_ms: float | None = None
     #: the backend's non-default constructor options (experiments/backend_options.py)
     backend_options: dict[str, Any] = field(default_factory=dict)
     #: what the numbers depend on beyond the settings (experiments/provenance.py): the code
@@ -84,6 +107,37 @@ class CellConfig:
             raise ConfigError(f"unknown executor {self.executor!r}; choose one of {', '.join(EXECUTORS)}")
         if self.device not in DEVICE_PROFILES:
             raise ConfigError(f"unknown device {self.device!r}; choose one of {', '.join(DEVICE_PROFILES)}")
+        self._check_serving()
+
+    def _check_serving(self) -> None:
+        """The scheduler and step settings agree with each other (before any work: a cell's
+        `ServingConfig` would refuse them only once it runs)."""
+        if self.ordering not in ORDERINGS:
+            raise ConfigError(f"unknown ordering {self.ordering!r}; choose one of {', '.join(ORDERINGS)}")
+        if self.scheduler not in SCHEDULERS:
+            raise ConfigError(f"unknown scheduler {self.scheduler!r}; choose one of {', '.join(SCHEDULERS)}")
+        if self.executor == "fixed":
+            step = self.step_ms
+            if step is None:
+                raise ConfigError("executor 'fixed' needs --step-ms MS, the milliseconds each non-empty step takes")
+            if isinstance(step, bool) or not isinstance(step, int | float) or not math.isfinite(step) or step <= 0:
+                raise ConfigError(f"executor 'fixed' needs a positive, finite step time (--step-ms MS), got {step!r}")
+        elif self.step_ms is not None:
+            raise ConfigError(
+                f"a step time (--step-ms {self.step_ms!r}) is for executor 'fixed' only; "
+                f"executor {self.executor!r} times its steps itself (add --executor fixed, or drop --step-ms)"
+            )
+        if self.scheduler == "vllm" and self.ordering != "fcfs":
+            raise ConfigError(
+                f"ordering {self.ordering!r} needs --scheduler legacy: the vllm scheduler is FCFS, as vLLM's default policy"
+            )
+        if not isinstance(self.async_scheduling, bool):
+            raise ConfigError(f"async_scheduling is true or false, got {self.async_scheduling!r}")
+        if self.async_scheduling and self.scheduler != "vllm":
+            raise ConfigError(
+                f"async scheduling (--async-scheduling) is vLLM's engine loop: it needs --scheduler vllm, "
+                f"not {self.scheduler!r}"
+            )
 
     @property
     def backend_label(self) -> str:
@@ -149,6 +203,8 @@ def _declare_prefixes(cache: PrefixCache, workload: Workload, executor: Executor
 
 
 def make_executor(cfg: CellConfig, num_pages: int):
+    if cfg.executor == "fixed":
+        return FixedStepExecutor(cfg.step_ms / 1000)  # type: ignore[operator]  # checked in CellConfig
     if cfg.executor == "cost":
         from experiments.engine.executors import ModelShape, llama3_8b_shape
 
@@ -176,7 +232,9 @@ def _cuda() -> bool:
 
 
 def run_cell(cfg: CellConfig, workload: Workload | None = None, *, progress: bool = False) -> dict[str, Any]:
-    """Run one cell; returns config, metrics and the series the plots need."""
+    """Run one cell; returns config, metrics and the series the plots need, and under the
+    serving protocol every request's record (`PER_REQUEST`: the engine's per-request dicts,
+    for per_request.jsonl; the results document leaves them out)."""
     if os.environ.get(KILL_CELL_ENV) == f"{cfg.backend}@{cfg.capacity_tokens}":
         os.kill(os.getpid(), signal.SIGKILL)
     workload = workload or build_workload(cfg)
@@ -198,9 +256,16 @@ def run_cell(cfg: CellConfig, workload: Workload | None = None, *, progress: boo
         cache = create_cache(cfg.backend, num_pages=num_pages, page_size=cfg.page_size, **cfg.backend_options)
         executor = make_executor(cfg, num_pages)
         requests, setup = _declare_prefixes(cache, workload, executor)
-        sc = ServingConfig(cfg.token_budget, cfg.max_running, cfg.ordering)
+        sc = ServingConfig(
+            cfg.token_budget,
+            cfg.max_running,
+            cfg.ordering,
+            scheduler=cfg.scheduler,
+            async_scheduling=cfg.async_scheduling,
+        )
         res = serve(cache, requests, executor, sc, progress=progress)
         out["serving"] = serving_metrics(res, cache.stats(), setup_seconds=setup)
+        out[PER_REQUEST] = res.requests
     out["wall_seconds"] = time.perf_counter() - started
     return out
 

@@ -11,8 +11,8 @@ new cells rather than reusing stale ones.
 How this fits "outputs never mixed": OUT itself is not replaced as a whole, since its cells
 are the sweep's resumable cache; each cell file is atomic, and each report folder
 `OUT/<workload>-p<page>/` is written into a temporary sibling and swapped in whole
-(experiments/output_dir.py), so its `results.json`, `report.md` and `results.csv` always
-come from one run. `OUT.lock` keeps a second sweep out of OUT while one runs.
+(experiments/output_dir.py), so its `results.json`, `report.md`, `results.csv` and
+`per_request.jsonl` always come from one run. `OUT.lock` keeps a second sweep out of OUT while one runs.
 
 Cells run in local processes (`--jobs N`) or on Ray (`--ray local|ADDRESS`, see
 `experiments/ray_runner.py`).
@@ -33,7 +33,7 @@ from experiments.cell_runs import cells_for, run_cells
 from experiments.cell_store import CellStore
 from experiments.output_dir import OutputLock, StagedDir, check_writable_dir
 from experiments.provenance import provenance
-from experiments.results import REPORT_ENTRIES, document, write
+from experiments.results import REPORT_ENTRIES, document, write, write_per_request
 from experiments.runner import CellConfig, bounds, build_workload, check_capacity
 
 
@@ -93,10 +93,12 @@ def _sweep_locked(plan: SweepPlan, out_dir: Path) -> int:
     for wname, page, cells in grid:
         wl = build_workload(cells[0])
         found = bounds(wl, page, plan.capacities) if plan.with_bounds else None
-        doc = document(plan.argv, wl, cells, [store.load(c) for c in cells], labels, plan.capacities, found)
+        results = [store.load(c) for c in cells]
+        doc = document(plan.argv, wl, cells, results, labels, plan.capacities, found)
         sub = out_dir / f"{wname}-p{page}"
         with StagedDir(sub, owned=REPORT_ENTRIES) as stage:
             write(doc, stage.path)
+            write_per_request(cells, results, stage.path)
             stage.publish()
         print(f"wrote {sub}/report.md")
     print(f"sweep done in {time.perf_counter() - started:.1f}s", file=sys.stderr)

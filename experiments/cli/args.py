@@ -7,6 +7,7 @@ experiments/backend_options.py (`--backend-opt`, its aliases, `NAME[KEY=VALUE,..
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,9 @@ from experiments.backend_options import (
     resolve_variants,
     split_backend_list,
 )
+from experiments.engine.request import ORDERINGS, SCHEDULERS
 from experiments.errors import InputError, UsageError
-from experiments.runner import CellConfig
+from experiments.runner import EXECUTORS, CellConfig
 
 #: named flags that are aliases of `--backend-opt KEY=VALUE` (every selected backend)
 OPTION_ALIASES = {
@@ -36,6 +38,16 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive and finite, got {text}")
     return value
 
 
@@ -89,7 +101,19 @@ def add_run_arguments(p: argparse.ArgumentParser, many_backends: bool) -> None:
     p.add_argument("--seed", type=int, default=defaults.SEED)
     p.add_argument("--capacity-tokens", type=positive_int, nargs="+", help="KV capacities in tokens")
     p.add_argument("--protocol", default=defaults.PROTOCOL, choices=["replay", "serving", "both"])
-    p.add_argument("--executor", default=defaults.EXECUTOR, choices=["cost", "model"], help="cost model or real model")
+    p.add_argument(
+        "--executor",
+        default=defaults.EXECUTOR,
+        choices=EXECUTORS,
+        help="serving's step times: cost = roofline cost model, model = the real model (measured), "
+        "fixed = a constant --step-ms per non-empty step",
+    )
+    p.add_argument(
+        "--step-ms",
+        type=positive_float,
+        metavar="MS",
+        help="--executor fixed: milliseconds per non-empty step (required with it, refused with another executor)",
+    )
     p.add_argument("--device", default=defaults.DEVICE, help="cost-model device profile: h200 | h100 | cpu")
     p.add_argument("--model", default=defaults.MODEL, help="model shape: llama3-8b | tiny (model executor: tiny)")
     p.add_argument(
@@ -101,7 +125,24 @@ def add_run_arguments(p: argparse.ArgumentParser, many_backends: bool) -> None:
     p.add_argument("--device-calibration", metavar="JSON", help="calibrate the cost model from a GPU benchmark JSON")
     p.add_argument("--token-budget", type=positive_int, default=defaults.TOKEN_BUDGET)
     p.add_argument("--max-running", type=positive_int, default=defaults.MAX_RUNNING)
-    p.add_argument("--ordering", default=defaults.ORDERING, choices=["fcfs", "lpf"])
+    p.add_argument(
+        "--scheduler",
+        default=defaults.SCHEDULER,
+        choices=SCHEDULERS,
+        help="serving's scheduling policy: vllm = vLLM 0.33 V1 scheduler's decisions (the default); "
+        "legacy = this project's scheduler before issue 11, the only one taking --ordering lpf",
+    )
+    p.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="vLLM's async scheduling: two batches in flight, admissions slip a step (--scheduler vllm only)",
+    )
+    p.add_argument(
+        "--ordering",
+        default=defaults.ORDERING,
+        choices=ORDERINGS,
+        help="waiting queue: fcfs, or lpf = longest cached prefix first (--scheduler legacy only)",
+    )
     add_backend_options(p)
     p.add_argument("--jobs", type=positive_int, default=defaults.JOBS, help="cells run in this many local processes")
     p.add_argument("--output-dir", default=str(defaults.OUTPUT_DIR))
@@ -158,4 +199,7 @@ def cell_template(args: argparse.Namespace, workload: str, knobs: dict[str, Any]
         token_budget=args.token_budget,
         max_running=args.max_running,
         ordering=args.ordering,
+        scheduler=args.scheduler,
+        async_scheduling=args.async_scheduling,
+        step_ms=args.step_ms,
     )

@@ -2,7 +2,8 @@
 
 Outputs are never mixed or half-written (experiments/output_dir.py): the output folder is
 checked writable before any work, locked (`OUT.lock`) for the whole run, and the report is
-written into a temporary sibling that replaces OUT in one swap at the end. `compare` saves
+written into a temporary sibling that replaces OUT in one swap at the end, with
+per_request.jsonl (every request of every serving cell) beside it. `compare` saves
 each finished cell in `OUT.partial/` (experiments/cell_store.py) until the report is in
 place, so a run that is interrupted or loses a worker keeps its finished cells and a rerun
 of the same command resumes; it never writes a report that lacks cells.
@@ -36,7 +37,7 @@ from experiments.cli.args import (
 from experiments.errors import UsageError
 from experiments.output_dir import OutputLock, StagedDir, check_replaceable, check_writable_dir
 from experiments.provenance import provenance
-from experiments.results import REPORT_ENTRIES, document, write
+from experiments.results import REPORT_ENTRIES, document, write, write_per_request
 from experiments.runner import CellConfig, build_workload, check_capacity
 
 
@@ -125,6 +126,8 @@ def _compare_locked(plan: Comparison) -> int:
     out["wall_seconds"] = time.perf_counter() - started
     with StagedDir(plan.out_dir, owned=REPORT_ENTRIES) as stage:
         names = [p.name for p in write(out, stage.path)]
+        rows = write_per_request(cells, results, stage.path)
+        names += [rows.name] if rows else []
         stage.publish()
     store.discard()
     _summary(out, cells, results)

@@ -1,4 +1,5 @@
-"""`report`: re-render Markdown, plots and CSV from a results JSON."""
+"""`report`: re-render Markdown, plots and CSV from a results JSON (the per_request.jsonl
+beside it goes along unchanged)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from experiments.errors import InputError
-from experiments.output_dir import OutputLock, StagedDir, check_replaceable, check_writable_dir
+from experiments.output_dir import OutputLock, StagedDir, check_replaceable, check_writable_dir, link_or_copy
 from experiments.report import load
-from experiments.results import REPORT_ENTRIES, write
+from experiments.results import PER_REQUEST_FILE, REPORT_ENTRIES, write
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -26,9 +27,13 @@ def cmd_report(args: argparse.Namespace) -> int:
     check_writable_dir(out_dir)
     check_replaceable(out_dir, "results.json")
     # rendered in place or elsewhere, the folder is swapped in whole like compare's, and
-    # holds the results it was drawn from
+    # holds the results it was drawn from, with their per-request file (never another run's)
     with OutputLock(out_dir), StagedDir(out_dir, owned=REPORT_ENTRIES) as stage:
         names = [p.name for p in write(results, stage.path)]
+        rows = (source if source.is_dir() else source.parent) / PER_REQUEST_FILE
+        if (source.is_dir() or source.name == "results.json") and rows.is_file():
+            link_or_copy(rows, stage.path / PER_REQUEST_FILE)
+            names.append(PER_REQUEST_FILE)
         stage.publish()
     print("wrote " + ", ".join(str(out_dir / n) for n in names))
     return 0
