@@ -225,3 +225,19 @@ def test_recorded_outputs_are_generated_and_reused_by_the_next_turn():
         # it arrives its think time after the previous turn finished, and reuses that history
         assert rows[spec.request_id]["arrival"] == pytest.approx(prev["finished_at"] + spec.think_time)
         assert rows[spec.request_id]["hit_tokens_first"] >= prev["prompt_tokens"] // 16 * 16
+
+
+@pytest.mark.parametrize("scheduler,async_scheduling", POLICIES)
+def test_samples_carry_their_requests_trace_line(scheduler, async_scheduling):
+    specs = [RequestSpec(f"q{i}", np.arange(40, dtype=np.int32) + 100 * i, 5, 0.01 * i, n=3) for i in range(4)]
+    cache = create_cache("apc", num_pages=100, page_size=16)
+    res = serve(
+        cache,
+        specs,
+        CostModelExecutor(),
+        ServingConfig(256, 16, scheduler=scheduler, async_scheduling=async_scheduling),
+    )
+    by_id = {r["request_id"]: r for r in res.requests}
+    for i, s in enumerate(specs):
+        for rid in (s.request_id, f"{s.request_id}/1", f"{s.request_id}/2"):
+            assert by_id[rid]["request_index"] == i, rid

@@ -281,7 +281,12 @@ class Scheduler:
             )
             first = self.executor.fresh_tokens(1)[0] if self.executor.samples_fresh_tokens else tok
             child = Request(
-                spec, r.seq.fork(spec.request_id), sample_of=r.spec.request_id, first_admit_hit=0, arrival=r.arrival
+                spec,
+                r.seq.fork(spec.request_id),
+                sample_of=r.spec.request_id,
+                first_admit_hit=0,
+                arrival=r.arrival,
+                index=r.index,
             )
             ops = self.client.fork(r.seq, child.seq)
             child.generated, child.first_token_at, child.first_token_step = 1, now, self.result.steps - 1
