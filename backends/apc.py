@@ -194,13 +194,18 @@ class APCCache(PrefixCache):
                 f"request {seq.request_id!r}: the match's blocks hold other tokens (a match made for another sequence)"
             )
 
+    def _can_admit(self, seq: Sequence, match: Match, num_tokens: int) -> bool:
+        """vLLM's `allocate_slots` check: the new blocks fit in the free queue, less the hit
+        blocks still in it (they are about to leave it: they are not free for us)."""
+        hit: list[KVBlock] = match.handle if match.num_tokens else []
+        num_free_hit = sum(1 for b in hit if b.ref_cnt == 0)
+        return self.pages_for(num_tokens) - len(hit) <= self.free_queue.num_free - num_free_hit
+
     def _admit(self, seq: Sequence, match: Match, num_tokens: int) -> tuple[_Held, list[CopyOp]] | None:
+        if not self._can_admit(seq, match, num_tokens):
+            return None
         hit: list[KVBlock] = match.handle if match.num_tokens else []
         num_new = self.pages_for(num_tokens) - len(hit)
-        # Hit blocks still in the free queue are about to leave it: they are not free for us.
-        num_free_hit = sum(1 for b in hit if b.ref_cnt == 0)
-        if num_new > self.free_queue.num_free - num_free_hit:
-            return None
         queue = self.free_queue
         for block in hit:
             if block.ref_cnt == 0:

@@ -28,11 +28,13 @@ class NoCache(PrefixCache):
     def _match(self, seq: Sequence) -> tuple[int, tuple[int, ...], None]:
         return 0, (), None
 
+    def _can_admit(self, seq: Sequence, match: Match, num_tokens: int) -> bool:
+        return self.pages_for(num_tokens) <= len(self._free)
+
     def _admit(self, seq: Sequence, match: Match, num_tokens: int) -> tuple[LiveState, list[CopyOp]] | None:
-        need = self.pages_for(num_tokens)
-        if need > len(self._free):
+        if not self._can_admit(seq, match, num_tokens):
             return None
-        seq.page_table = self._free.take(need)
+        seq.page_table = self._free.take(self.pages_for(num_tokens))
         seq.num_computed = 0
         return LiveState(seq), []
 

@@ -186,13 +186,26 @@ class PagedCache(PrefixCache):
                 f"request {seq.request_id!r}: the match's pages are not prefix {prefix.prefix_id}'s (forged?)"
             )
 
-    def _admit(self, seq: Sequence, match: Match, num_tokens: int) -> tuple[_Table, list[CopyOp]] | None:
-        hit = list(match.pages)
-        num_new = self.pages_for(num_tokens) - len(hit)
+    def _admit_plan(self, match: Match, num_tokens: int) -> tuple[int, list[int]] | None:
+        """(new blocks, indices of hit blocks to copy on write) for admitting `match` over
+        `num_tokens` tokens, or `None` when they do not fit: the one fit test of `_admit`
+        and `_can_admit`."""
+        num_new = self.pages_for(num_tokens) - len(match.pages)
         # a hit block always has ref >= 1 (the registration), so with us it is shared
-        cow = self._shared_in(hit, match.num_tokens, num_tokens, extra_ref=1)
+        cow = self._shared_in(match.pages, match.num_tokens, num_tokens, extra_ref=1)
         if num_new + len(cow) > len(self._free):
             return None
+        return num_new, cow
+
+    def _can_admit(self, seq: Sequence, match: Match, num_tokens: int) -> bool:
+        return self._admit_plan(match, num_tokens) is not None
+
+    def _admit(self, seq: Sequence, match: Match, num_tokens: int) -> tuple[_Table, list[CopyOp]] | None:
+        plan = self._admit_plan(match, num_tokens)
+        if plan is None:
+            return None
+        num_new, cow = plan
+        hit = list(match.pages)
         for b in hit:
             self._ref[b] += 1
         table = _Table(seq, hit, match.num_tokens, match.handle)
@@ -274,7 +287,7 @@ class PagedCache(PrefixCache):
                 freed.append(b)
         self._free.give(freed)
 
-    def _shared_in(self, blocks: list[int], lo: int, hi: int, extra_ref: int = 0) -> list[int]:
+    def _shared_in(self, blocks: list[int] | tuple[int, ...], lo: int, hi: int, extra_ref: int = 0) -> list[int]:
         """Indices of `blocks` overlapping tokens `[lo, hi)` whose ref (plus `extra_ref`) > 1."""
         if hi <= lo:
             return []

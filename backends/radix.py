@@ -235,16 +235,23 @@ class RadixCache(PrefixCache):
             pages = tuple(p for run in runs for p in run)
         return hit, pages, node
 
-    def _admit(self, seq: Sequence, match: Match, num_tokens: int) -> tuple[_Held, list[CopyOp]] | None:
-        node: RadixNode | None = match.handle  # proven live and on seq's path by _verify_match
-        tree = self.tree
-        hit_pages = match.num_tokens // self.page_size
-        need = self.pages_for(num_tokens) - hit_pages
+    def _can_admit(self, seq: Sequence, match: Match, num_tokens: int) -> bool:
+        """The new pages fit in free pages plus evictable ones, less the unlocked pages on
+        the hit's own path (admission locks them: they cannot be evicted for it)."""
+        need = self.pages_for(num_tokens) - match.num_tokens // self.page_size
         free = self._num_free
-        if need > free:
-            on_path = tree.unlocked_on_path(node) // self.page_size if node is not None else 0
-            if free + self._evictable_pages() - on_path < need:
-                return None
+        if need <= free:
+            return True
+        node: RadixNode | None = match.handle  # proven live and on seq's path by _verify_match
+        on_path = self.tree.unlocked_on_path(node) // self.page_size if node is not None else 0
+        return free + self._evictable_pages() - on_path >= need
+
+    def _admit(self, seq: Sequence, match: Match, num_tokens: int) -> tuple[_Held, list[CopyOp]] | None:
+        if not self._can_admit(seq, match, num_tokens):
+            return None
+        node: RadixNode | None = match.handle
+        tree = self.tree
+        need = self.pages_for(num_tokens) - match.num_tokens // self.page_size
         if node is None:
             node = tree.root(self._namespace(seq), create=True)
         tree.lock(node)

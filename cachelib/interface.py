@@ -8,6 +8,7 @@ Every call either succeeds or leaves the cache exactly as it was (an error, or `
 "does not fit"). Calls on one sequence come in this order::
 
     m = cache.match(seq)              # read-only lookup
+    cache.can_admit(seq, m, n)        # optional, any number of times: would admit fit now?
     cache.admit(seq, m, n)            # pin the hit, allocate pages for n tokens
     cache.commit(seq, k)              # KV of the first k tokens is written: publish it
     cache.grow(seq, n2); cache.commit(seq, k2) ...   # decode / next prefill chunk
@@ -16,8 +17,17 @@ Every call either succeeds or leaves the cache exactly as it was (an error, or `
 The public calls are template methods: this class validates the arguments, finds the
 sequence's live state (the exact `Sequence` object admitted), refuses a stale, foreign or
 forged `Match`, keeps the counters every backend keeps alike, and only then calls the
-backend's hook (`_match`, `_admit`, `_grow`, `_commit`, `_fork`, `_release`, `_evict`,
-`_occupancy`, `_check_invariants`). A hook gets arguments that are already proven sane.
+backend's hook (`_match`, `_can_admit`, `_admit`, `_grow`, `_commit`, `_fork`, `_release`,
+`_evict`, `_occupancy`, `_check_invariants`). A hook gets arguments that are already proven sane.
+
+`can_admit(seq, m, n)` is a read-only query, allowed between `match` and `admit` any number
+of times (and skipped freely): `True` iff `admit(seq, m, n)` would succeed now (return a
+list, not `None`). It validates exactly as `admit` does, so it raises the same errors, and
+changes nothing: no eviction, no recency refresh, no counter. A scheduler uses it for an
+admission rule stricter than the allocation it makes: vLLM V1 admits a waiting request only
+if its whole prompt fits (`can_admit(seq, m, len(seq))`) while it allocates the first chunk
+(`admit(seq, m, chunk)`). Each backend's `_admit` decides fit through the same predicate
+(`_can_admit`, or one helper both call), so the two never disagree.
 """
 
 from __future__ import annotations
@@ -137,6 +147,20 @@ class PrefixCache(ABC):
             c["copied_pages"] += len(ops)
         return ops
 
+    def can_admit(self, seq: Sequence, match: Match, num_tokens: int) -> bool:
+        """Would `admit(seq, match, num_tokens)` succeed right now (return copies, not `None`)?
+
+        Read-only: it evicts nothing, refreshes no recency, moves no counter, so it may be
+        called between `match` and `admit` any number of times. It validates exactly as
+        `admit` does and raises the same errors (`StaleMatchError` for a stale match,
+        `InvalidRequestError` for an admitted sequence, a foreign or forged match, or
+        `num_tokens` outside `[max(hit, 1), len(seq)]`).
+        """
+        self._check_new(seq)
+        self._check_match(seq, match)
+        self._check_num_tokens(seq, num_tokens, match.num_tokens or 1)
+        return self._can_admit(seq, match, num_tokens)
+
     def grow(self, seq: Sequence, num_tokens: int) -> list[CopyOp] | None:
         """Extend an admitted sequence's table to cover `num_tokens` tokens; `None` if no room."""
         state = self._check_live(seq)
@@ -239,9 +263,16 @@ class PrefixCache(ABC):
         request id, the epoch and this cache's `match_token` on the `Match`."""
 
     @abstractmethod
+    def _can_admit(self, seq: Sequence, match: Match, num_tokens: int) -> bool:
+        """Whether `_admit(seq, match, num_tokens)` (arguments proven sane) would succeed
+        now. Read-only. `_admit` must decide fit through this same predicate (call it, or a
+        helper both call), so that `can_admit` and `admit` never disagree."""
+
+    @abstractmethod
     def _admit(self, seq: Sequence, match: Match, num_tokens: int) -> tuple[LiveState, list[CopyOp]] | None:
         """Pin the proven `match`, set `seq.page_table` over `num_tokens` tokens and
-        `seq.num_computed`; return (the new live state, copies), or `None` changing nothing."""
+        `seq.num_computed`; return (the new live state, copies), or `None` changing nothing
+        (exactly when `_can_admit` says no)."""
 
     @abstractmethod
     def _grow(self, seq: Sequence, state: LiveState, num_tokens: int) -> list[CopyOp] | None:

@@ -9,6 +9,7 @@ must return pages holding exactly the matched prefix. Copy-on-write bugs, wrong 
 pages and KV shared across salts or adapters all show up here.
 
 Besides the ordinary calls the machine
+- asks `can_admit` before every admit: it must give admit's answer (or raise admit's error),
 - admits matches made many steps earlier (stale: `StaleMatchError`, or a hit still exact),
 - misuses the contract every way a caller can (an impostor `Sequence` with a live id, a
   match made for other tokens / by another cache / forged, a fork into a child under other
@@ -60,7 +61,18 @@ OTHER_EXTRAS = [ExtraKeys(cache_salt="t2"), ExtraKeys(lora_id=7), ExtraKeys(cach
 #: the calls counted: the contract's operations (DESIGN §3) and paged's prefix declarations;
 #: `stats` and `check_invariants` (after every step) are tallied apart, as observation
 OPERATIONS = frozenset(
-    {"match", "admit", "grow", "commit", "fork", "release", "evict", "register_prefix", "unregister_prefix"}
+    {
+        "match",
+        "can_admit",
+        "admit",
+        "grow",
+        "commit",
+        "fork",
+        "release",
+        "evict",
+        "register_prefix",
+        "unregister_prefix",
+    }
 )
 OBSERVATIONS = frozenset({"stats", "check_invariants"})
 MIN_CONTRACT_CALLS = 100_000
@@ -174,9 +186,17 @@ class CacheMachine(RuleBasedStateMachine):
         return Sequence(rid or self._new_id(), tokens, extra, prefix_id=pid)
 
     def _admit(self, s: Sequence, m, n: int) -> bool:
-        """Admit with `m`; on success check the hit, write and commit. False if it did not fit."""
+        """Admit with `m`; on success check the hit, write and commit. False if it did not fit.
+        `can_admit` first: the same answer, or the same error."""
         hit_ok = self._reads_back(s, m.pages, m.num_tokens)
+        try:
+            fits = self.cache.can_admit(s, m, n)
+        except CacheError as exc:
+            with pytest.raises(type(exc)):
+                self.cache.admit(s, m, n)
+            raise
         ops = self.cache.admit(s, m, n)
+        assert (ops is not None) == fits, f"can_admit said {fits}, admit returned {ops!r}"
         if ops is None:
             return False
         assert hit_ok, "admit accepted a match whose pages hold other KV"
