@@ -165,8 +165,11 @@ class RadixCache(PrefixCache):
     def _take(self, n: int) -> list[int]:
         """Hand out `n` free pages (the caller checked there are that many): recycled first.
 
-        Page order within a table is free to choose, so runs are joined by copying the
-        shorter list into the longer one: the per-page work is the smaller side only.
+        Page ids are Python ints in lists, and copying a list costs a reference-count update
+        per page, so this copies as little as it can: whole runs move as they are, a run is
+        split by copying its smaller side off its end (never shifting a list's head), and
+        runs are joined by appending the shorter one to the longer (page order within a
+        table is free to choose).
         """
         if n <= 0:
             return []
@@ -176,19 +179,19 @@ class RadixCache(PrefixCache):
         while n and runs:
             run = runs[-1]
             k = len(run)
-            if k <= n:
+            if k <= n:  # the whole run
                 runs.pop()
                 n -= k
-            elif n <= k - n:
-                part = run[-n:]
-                del run[-n:]
+            elif n <= k - n:  # its last n pages go, the rest stays
+                part = run[k - n :]
+                del run[k - n :]
                 run, n = part, 0
-            else:  # keep the short remainder in the pool, hand out the long rest in place
-                runs[-1] = run[: k - n]
-                del run[: k - n]
+            else:  # its first n pages go in place, the short rest stays as a new run
+                runs[-1] = run[n:]
+                del run[n:]
                 n = 0
             if len(run) > len(out):
-                run[0:0] = out
+                run += out
                 out = run
             else:
                 out += run

@@ -46,7 +46,7 @@ def _check_tree(cache: RadixCache) -> None:
             _fail(f"{node}: key length {n} is not a positive multiple of {ps}")
         if node.pages is None or len(node.pages) != n // ps:
             _fail(f"{node}: {n} tokens but pages {node.pages!r:.60}")
-        if parent.children.get(tree._child_key(node.key, 0)) is not node:
+        if node.edge != tree._child_key(node.key, 0) or parent.children.get(node.edge) is not node:
             _fail(f"{node}: not under its own first page in its parent's children map")
         if node.start != parent.start + len(parent.key) or node.namespace != parent.namespace:
             _fail(f"{node}: start {node.start} / namespace do not follow its parent")
@@ -69,7 +69,21 @@ def _check_tree(cache: RadixCache) -> None:
         _fail(f"node count {tree.num_nodes}, actual {nodes}")
     if (evictable, protected) != (tree.evictable_tokens, tree.protected_tokens):
         _fail(f"evictable/protected {tree.evictable_tokens}/{tree.protected_tokens}, actual {evictable}/{protected}")
-    if len(tree.candidates) != len(candidates) or {k[-1].node_id for k in tree.candidates} != candidates:
+    _check_queue(tree.candidates, candidates)
+
+
+def _check_queue(queue, candidates: set[int]) -> None:
+    """The eviction queue: a heap whose current entries (each node's `cand_key`, by identity)
+    are exactly the unlocked leaves, once each, and number what it counts."""
+    heap = queue.entries()
+    for i in range(1, len(heap)):
+        if heap[i] < heap[(i - 1) // 2]:
+            _fail(f"eviction queue is not a heap at entry {i}")
+    current = [k for k in heap if k[-1].cand_key is k]
+    ids = [k[-1].node_id for k in current]
+    if len(ids) != len(set(ids)) or len(ids) != len(queue):
+        _fail(f"eviction queue: {len(ids)} current entries for {len(set(ids))} nodes, counted {len(queue)}")
+    if set(ids) != candidates:
         _fail("candidate list differs from the unlocked leaves")
 
 

@@ -7,7 +7,7 @@ namespace (`cache_salt`, `lora_id`) has its own root, so two namespaces never sh
 What the tree keeps exact at every step (SGLang's `inc_lock_ref` / `dec_lock_ref`):
 `lock_ref` counts the holders of a node and of every node below it on their paths;
 `evictable_tokens` sums unlocked nodes, `protected_tokens` locked ones. The eviction
-candidates are the unlocked leaves, kept in a `SortedList` by policy key and updated
+candidates are the unlocked leaves, kept in an `EvictionQueue` by policy key and updated
 incrementally (a node enters when it becomes an unlocked leaf, leaves when it is locked,
 gains a child or is evicted, and is re-keyed when touched), never rebuilt per eviction.
 
@@ -24,9 +24,9 @@ walk lie on one root path, so at most one of them is a leaf), so the order is SG
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from heapq import heapify, heappop, heappush
 
 import numpy as np
-from sortedcontainers import SortedList
 
 from backends.radix_policy import EvictionPolicy
 
@@ -36,6 +36,7 @@ class RadixNode:
 
     __slots__ = (
         "key",
+        "edge",
         "pages",
         "children",
         "parent",
@@ -51,9 +52,10 @@ class RadixNode:
     )
 
     def __init__(
-        self, key: np.ndarray, pages: list[int] | None, parent: RadixNode | None, tick: int, node_id: int
+        self, key: np.ndarray, pages: list[int] | None, parent: RadixNode | None, tick: int, node_id: int, edge=None
     ) -> None:
         self.key = key
+        self.edge = edge  # its key in the parent's children map (its first page of tokens)
         self.pages = pages
         self.children: dict = {}
         self.parent = parent
@@ -63,12 +65,77 @@ class RadixNode:
         self.hit_count = 0
         self.node_id = node_id
         self.start = 0 if parent is None else parent.start + len(parent.key)  # token offset
-        self.cand_key: tuple | None = None  # its entry in the candidate list, if there
+        self.cand_key: tuple | None = None  # its current entry in the eviction queue, if there
         self.namespace = None if parent is None else parent.namespace
         self.policy_state: object = None  # what the eviction policy keeps per node, if anything
 
     def __repr__(self) -> str:
         return f"RadixNode(#{self.node_id}, start={self.start}, len={len(self.key)}, lock={self.lock_ref})"
+
+
+class EvictionQueue:
+    """The eviction candidates (unlocked leaves), smallest policy key first.
+
+    A binary heap of policy keys (tuples ending with their node) with lazy deletion: a node's
+    current entry is the very tuple in `node.cand_key`; re-keying pushes a new tuple and
+    removing clears `cand_key`, so the old entries go stale and are skipped when they reach
+    the top. Every operation is O(log n) (a sorted list would pay a Python-level insert and
+    search on each of the several re-keys per request). Keys are unique (they end with the
+    node id), so the pop order is exactly the sorted order of the current keys. Stale entries
+    are dropped whenever they outnumber the current ones (amortised O(1) per push).
+    """
+
+    __slots__ = ("_heap", "_live")
+
+    def __init__(self) -> None:
+        self._heap: list[tuple] = []
+        self._live = 0  # current entries (candidates); the rest of the heap is stale
+
+    def add(self, node: RadixNode, key: tuple) -> None:
+        """`node` (not a candidate) becomes one, under `key`."""
+        node.cand_key = key
+        self._live += 1
+        self._push(key)
+
+    def rekey(self, node: RadixNode, key: tuple) -> None:
+        """Candidate `node`'s key is now `key` (its old entry goes stale)."""
+        node.cand_key = key
+        self._push(key)
+
+    def remove(self, node: RadixNode) -> None:
+        """Candidate `node` is no longer one (its entry goes stale)."""
+        node.cand_key = None
+        self._live -= 1
+
+    def pop(self) -> RadixNode | None:
+        """Remove and return the candidate with the smallest key (None when there is none)."""
+        heap = self._heap
+        while heap:
+            key = heappop(heap)
+            node = key[-1]
+            if node.cand_key is key:
+                node.cand_key = None
+                self._live -= 1
+                return node
+        return None
+
+    def _push(self, key: tuple) -> None:
+        heap = self._heap
+        heappush(heap, key)
+        if len(heap) > 2 * self._live + 64:  # mostly stale: keep only the current entries
+            heap[:] = [k for k in heap if k[-1].cand_key is k]
+            heapify(heap)
+
+    def __len__(self) -> int:
+        return self._live
+
+    def __iter__(self) -> Iterator[tuple]:
+        """The current keys, next evicted first (O(n log n): observation and tests)."""
+        return iter(sorted(k for k in self._heap if k[-1].cand_key is k))
+
+    def entries(self) -> list[tuple]:
+        """The raw heap, stale entries included (for the invariant check)."""
+        return self._heap
 
 
 class RadixTree:
@@ -79,7 +146,7 @@ class RadixTree:
         self.policy = policy
         self._key: Callable[[RadixNode], tuple] = policy.key  # bound once: called on every re-key
         self.roots: dict[tuple, RadixNode] = {}
-        self.candidates: SortedList = SortedList()
+        self.candidates = EvictionQueue()
         self.evictable_tokens = 0
         self.protected_tokens = 0
         self.num_nodes = 0  # excluding roots
@@ -92,8 +159,23 @@ class RadixTree:
     def _child_key(self, tokens: np.ndarray, pos: int):
         """The children-map key of the run starting at `pos`: its first page of tokens."""
         if self.page_size == 1:
-            return int(tokens[pos])
+            return tokens.item(pos)
         return tokens[pos : pos + self.page_size].tobytes()
+
+    @staticmethod
+    def _node_key(tokens: np.ndarray, pos: int, end: int) -> np.ndarray:
+        """The token key of a new node for `tokens[pos:end]`.
+
+        A read-only view of the sequence's token buffer when it covers at least half of that
+        buffer (a `Sequence` only ever appends: tokens it holds are never rewritten, and the
+        view keeps no more than twice its size alive), else a copy, so a short key never pins
+        a long buffer. A prompt's first insert is the common case: a view, no copy.
+        """
+        key = tokens[pos:end]
+        base = key.base
+        if base is None or 2 * key.size < base.size:
+            return key.copy()
+        return key
 
     def tick(self) -> int:
         self.clock += 1
@@ -108,34 +190,25 @@ class RadixTree:
             self.roots[namespace] = node
         return node
 
-    def _new_node(self, key: np.ndarray, pages: list[int], parent: RadixNode, tick: int) -> RadixNode:
+    def _new_node(self, key: np.ndarray, pages: list[int], parent: RadixNode, tick: int, edge) -> RadixNode:
         self._next_id += 1
         self.num_nodes += 1
-        node = RadixNode(key, pages, parent, tick, self._next_id)
+        node = RadixNode(key, pages, parent, tick, self._next_id, edge)
+        parent.children[edge] = node
         self.policy.created(node)
         return node
 
     def _rekey(self, node: RadixNode) -> None:
         """The policy key of candidate `node` may have moved: re-sort it."""
-        self.candidates.remove(node.cand_key)
-        node.cand_key = key = self._key(node)
-        self.candidates.add(key)
-
-    def _uncandidate(self, node: RadixNode) -> None:
-        if node.cand_key is not None:
-            self.candidates.remove(node.cand_key)
-            node.cand_key = None
+        self.candidates.rekey(node, self._key(node))
 
     def _update_leaf_status(self, node: RadixNode) -> None:
         """Make `node` a candidate iff it is an unlocked leaf (roots are always locked)."""
         if node.lock_ref == 0 and not node.children:
             if node.cand_key is None:
-                key = self._key(node)
-                node.cand_key = key
-                self.candidates.add(key)
+                self.candidates.add(node, self._key(node))
         elif node.cand_key is not None:
-            self.candidates.remove(node.cand_key)
-            node.cand_key = None
+            self.candidates.remove(node)
 
     def _touch(self, node: RadixNode, tick: int) -> None:
         node.last_access = tick
@@ -159,16 +232,16 @@ class RadixTree:
         hit count and is created now (SGLang's `_split_node`).
         """
         parent = child.parent
-        new = self._new_node(child.key[:m], child.pages[: m // self.page_size], parent, tick)
+        new = self._new_node(child.key[:m], child.pages[: m // self.page_size], parent, tick, child.edge)
         new.lock_ref = child.lock_ref
         new.hit_count = child.hit_count
         new.last_access = child.last_access
-        parent.children[self._child_key(child.key, 0)] = new
+        child.edge = self._child_key(child.key, m)
         child.key = child.key[m:]
         child.pages = child.pages[m // self.page_size :]
         child.start += m
         child.parent = new
-        new.children[self._child_key(child.key, 0)] = child
+        new.children[child.edge] = child
         self.policy.split(new, child)
         if self.policy.rekey_on_split and child.cand_key is not None:
             self._rekey(child)  # it starts deeper now
@@ -241,7 +314,8 @@ class RadixTree:
         ps = self.page_size
         runs: list[list[int]] = []
         while pos < end:
-            child = node.children.get(self._child_key(tokens, pos))
+            edge = self._child_key(tokens, pos)
+            child = node.children.get(edge)
             if child is None:
                 break
             klen = len(child.key)
@@ -258,10 +332,9 @@ class RadixTree:
             node = child
             pos += m
         matched = pos
-        if pos < end:
-            leaf = self._new_node(tokens[pos:end].copy(), pages[pos // ps : end // ps], node, t)
+        if pos < end:  # the walk stopped at a missing child: `edge` is the new leaf's
+            leaf = self._new_node(self._node_key(tokens, pos, end), pages[pos // ps : end // ps], node, t, edge)
             leaf.hit_count = 1 if end > count_from else 0
-            node.children[self._child_key(leaf.key, 0)] = leaf
             self.evictable_tokens += end - pos
             self._update_leaf_status(node)
             self._update_leaf_status(leaf)
@@ -278,8 +351,7 @@ class RadixTree:
                 self.evictable_tokens -= n
                 self.protected_tokens += n
                 if node.cand_key is not None:
-                    self.candidates.remove(node.cand_key)
-                    node.cand_key = None
+                    self.candidates.remove(node)
             node.lock_ref += 1
             node = node.parent
 
@@ -311,12 +383,13 @@ class RadixTree:
         Returns tokens freed."""
         freed = 0
         cands = self.candidates
-        while freed < num_tokens and cands:
-            node = cands.pop(0)[-1]
+        while freed < num_tokens:
+            node = cands.pop()
+            if node is None:
+                break
             assert node.lock_ref == 0 and not node.children, f"radix: evicting {node}, locked or not a leaf"
-            node.cand_key = None
             parent = node.parent
-            del parent.children[self._child_key(node.key, 0)]
+            del parent.children[node.edge]
             n = len(node.key)
             freed += n
             self.evictable_tokens -= n
