@@ -57,12 +57,14 @@ class NoWindows(FixedStepExecutor):
     supports_decode_windows: ClassVar[bool] = False
 
 
-def serve_like(golden: dict, specs: list[RequestSpec], executor: FixedStepExecutor | None = None):
+def serve_like(golden: dict, specs: list[RequestSpec], executor: FixedStepExecutor | None = None, eager: bool = False):
     cfg = golden["config"]
     assert cfg["block_size"] == 16 and cfg["step_ms"] == 20 and cfg["policy"] == "fcfs"
     # vLLM had capacity/16 + 1 blocks, one of them BlockPool's null block: the same usable pages
     assert cfg["num_gpu_blocks"] == cfg["capacity_tokens"] // 16 + 1
     cache = create_cache("apc", num_pages=cfg["capacity_tokens"] // 16, page_size=16)
+    if eager:
+        cache.decode_steps_are_noops = False  # a grow and a commit every decode step
     config = ServingConfig(
         cfg["max_num_batched_tokens"], cfg["max_num_seqs"], scheduler="vllm", async_scheduling=cfg["async_scheduling"]
     )
@@ -93,11 +95,12 @@ def test_every_request_decides_as_vllm(name):
 
 
 @pytest.mark.parametrize("name", [g for g in GOLDENS if g.endswith(".sync")][:2])
-def test_decode_windows_change_nothing(name):
-    """Decode windows (many decode steps priced at once) decide exactly as single steps."""
+def test_decode_windows_and_batched_commits_change_nothing(name):
+    """Decode windows (many decode steps priced at once) and batched decode commits decide
+    exactly as single steps with a grow and a commit each."""
     golden, specs = load(name)
     windowed, a = serve_like(golden, specs)
-    single, b = serve_like(golden, specs, NoWindows(0.02))
+    single, b = serve_like(golden, specs, NoWindows(0.02), eager=True)
     assert windowed == single and a.steps == b.steps and a.makespan == b.makespan
 
 

@@ -83,7 +83,11 @@ class VllmScheduler(Scheduler):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.lazy = False  # pages are published at allocation, every step
+        # A decode step inside a page the table already holds publishes nothing on backends
+        # that promise so: its grow and commit are skipped and the commit batched (`r.lag`)
+        # until the page fills or the request is released (synchronous loop only: async
+        # publishes known tokens only, which the batched count does not track).
+        self.lazy = self.cache.decode_steps_are_noops and not self.config.async_scheduling
         self.gpu_free = 0.0  # when the last non-empty step ends
         self.finished_pending = False  # vLLM's finished_req_ids: one more schedule() after a finish
         self.async_scheduling = self.config.async_scheduling
@@ -177,6 +181,12 @@ class VllmScheduler(Scheduler):
         """`allocate_slots` for a running request, preempting the last running request
         until it fits; False when `r` itself was preempted."""
         v = r.vllm
+        end = v.computed + n
+        seq = r.seq
+        if self.lazy and n == 1 and end % self.cache.page_size and end <= len(seq.page_table) * self.cache.page_size:
+            r.lag = end - seq.num_computed  # no new page and none fills: nothing to call
+            return True
+        self.flush(r)
         while True:
             ops = self.client.grow(r.seq, v.computed + n)
             if ops is not None:
@@ -239,6 +249,7 @@ class VllmScheduler(Scheduler):
     def preempt_request(self, r: Request) -> None:
         """`_preempt_request`: release its pages; it waits at the front with every token
         so far, its in-flight output marked stale."""
+        self.flush(r)
         self.client.release(r.seq)
         old = r.seq
         r.seq = Sequence(old.request_id, old.tokens.copy(), old.extra, prefix_id=old.prefix_id)
@@ -367,6 +378,7 @@ class VllmScheduler(Scheduler):
         end = float(ends[-1])
         self.gpu_free = end
         for r, _, start in items:
+            self.flush(r)
             tokens = self.executor.fresh_tokens(k)
             if r.forced is not None:  # the request's recorded output overrides what was sampled
                 lo = r.generated
