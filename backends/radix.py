@@ -69,6 +69,8 @@ Remaining differences from SGLang 0.5.23, all deliberate:
 
 from __future__ import annotations
 
+from itertools import chain
+
 import numpy as np
 
 from backends.radix_match import verify_radix_match
@@ -90,6 +92,11 @@ ADMISSION_EVICTION = ("shortfall", "extend")
 _NODE_BYTES = 48
 _TOKEN_BYTES = 4
 _PAGE_ID_BYTES = 4
+
+#: a page list returned to the pool shorter than this joins the pool's last run instead of
+#: standing alone (a request's partial last page, a short decode leaf): copying a few ids
+#: is cheaper than the turn of `_take`'s loop that a run of its own would cost later
+_SHORT_RUN = 64
 
 
 class _Held(LiveState):
@@ -201,10 +208,16 @@ class RadixCache(PrefixCache):
         return out
 
     def _give(self, pages: list[int]) -> None:
-        """Return pages to the pool (the list is kept as one run, not copied)."""
-        if pages:
-            self._free_runs.append(pages)
-            self._num_free += len(pages)
+        """Return pages to the pool: a long list is kept as one run (not copied), a short
+        one joins the last run. The pool owns the list from here."""
+        n = len(pages)
+        if n:
+            runs = self._free_runs
+            if n < _SHORT_RUN and runs:
+                runs[-1] += pages
+            else:
+                runs.append(pages)
+            self._num_free += n
 
     def _free_pages(self) -> list[int]:
         """Every free page id (for invariants and tests)."""
@@ -213,8 +226,7 @@ class RadixCache(PrefixCache):
         return out
 
     def _evict_tokens(self, num_tokens: int) -> int:
-        freed = self.tree.evict(num_tokens, self._free_runs) // self.page_size
-        self._num_free += freed
+        freed = self.tree.evict(num_tokens, self._give) // self.page_size
         self._counters["evicted_pages"] += freed
         return freed
 
@@ -232,10 +244,7 @@ class RadixCache(PrefixCache):
         if limit <= 0:
             return 0, (), None
         node, hit, runs = self.tree.match(self._namespace(seq), seq.tokens, limit)
-        if len(runs) == 1:
-            pages = tuple(runs[0])
-        else:
-            pages = tuple(p for run in runs for p in run)
+        pages = tuple(runs[0]) if len(runs) == 1 else tuple(chain.from_iterable(runs))
         return hit, pages, node
 
     def _can_admit(self, seq: Sequence, match: Match, num_tokens: int) -> bool:
@@ -349,12 +358,10 @@ class RadixCache(PrefixCache):
             # the tree already held [start, matched): our pages there are duplicates
             lo, hi = start // ps, matched // ps
             dups = table[lo:hi]
-            tree_pages = runs[0] if len(runs) == 1 else [p for run in runs for p in run]
+            tree_pages = runs[0] if len(runs) == 1 else list(chain.from_iterable(runs))
             table[lo:hi] = tree_pages[: hi - lo]
             self._give(dups)
-        if new is not old:
-            tree.lock(new, stop=old)  # old..root stay locked by us: only the new part changes
-            held.node = new
+        held.node = new  # the insert moved our lock down to it
         held.protected = end
 
     def _fork(self, parent: Sequence, held: _Held, child: Sequence) -> tuple[_Held, list[CopyOp]] | None:

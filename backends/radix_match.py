@@ -10,6 +10,7 @@ path's pages and tokens are the match's pages and the sequence's first tokens.
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -54,7 +55,7 @@ def verify_radix_match(cache: RadixCache, seq: Sequence, match: Match) -> None:
         pages, key = node.pages, node.key
     else:
         path.reverse()
-        pages = [p for y in path for p in y.pages]
+        pages = list(chain.from_iterable(y.pages for y in path))
         key = np.concatenate([y.key for y in path])
     if tuple(pages) != match.pages or key.tobytes() != seq.tokens[:n].tobytes():
         raise InvalidRequestError(

@@ -294,6 +294,11 @@ class RadixTree:
         """Insert `tokens[pos:end]` below `node` (which ends at `pos`); `pages[i]` holds page i of
         the whole sequence. Stamps the root..node path and what it walks, splits where needed.
 
+        The caller holds `node` (root..node is locked by it), and the insert moves that hold
+        down to the node it returns: every node the walk enters or creates gains one lock
+        (SGLang's `inc_lock_ref(new)` then `dec_lock_ref(old)`, net). A new leaf is therefore
+        born locked and never passes through the eviction queue on its way.
+
         LFU hits follow SGLang 0.5.23's `_insert_helper`: a node on the walk (or created by it)
         gains one hit iff it ends beyond `count_from`, the length this request already
         inserted (`cache_inserted_len`), so one request counts each node once however many
@@ -305,11 +310,9 @@ class RadixTree:
         t = self.tick()
         x = node
         while x is not None:  # the path SGLang's walk from the root would take down to `node`
-            x.last_access = t
+            x.last_access = t  # held by the caller: locked, so not in the eviction queue
             if x.parent is not None and x.start + len(x.key) > count_from:
                 x.hit_count += 1
-            if x.cand_key is not None:
-                self._touch(x, t)
             x = x.parent
         ps = self.page_size
         runs: list[list[int]] = []
@@ -319,15 +322,15 @@ class RadixTree:
             if child is None:
                 break
             klen = len(child.key)
-            n = min(klen, end - pos)
-            m = self._first_mismatch(child.key, tokens, pos, n)
-            self._touch(child, t)
+            m = self._first_mismatch(child.key, tokens, pos, min(klen, end - pos))
             if m < klen:
+                self._touch(child, t)  # the part below the split keeps its place in the queue
                 child = self._split(child, m, t)  # copies the hit count before this walk's
+            else:
+                child.last_access = t  # held next: it leaves the queue if it is there
             if pos + m > count_from:
                 child.hit_count += 1
-                if child.cand_key is not None:
-                    self._touch(child, t)
+            self._hold(child)
             runs.append(child.pages)
             node = child
             pos += m
@@ -335,13 +338,22 @@ class RadixTree:
         if pos < end:  # the walk stopped at a missing child: `edge` is the new leaf's
             leaf = self._new_node(self._node_key(tokens, pos, end), pages[pos // ps : end // ps], node, t, edge)
             leaf.hit_count = 1 if end > count_from else 0
-            self.evictable_tokens += end - pos
-            self._update_leaf_status(node)
-            self._update_leaf_status(leaf)
+            leaf.lock_ref = 1  # held by the caller from birth; `node` is held too (no candidate)
+            self.protected_tokens += end - pos
             node = leaf
         return node, matched, runs
 
     # -- locks ------------------------------------------------------------------------
+
+    def _hold(self, node: RadixNode) -> None:
+        """lock_ref + 1 on `node` alone (its parent is held already)."""
+        if node.lock_ref == 0:
+            n = len(node.key)
+            self.evictable_tokens -= n
+            self.protected_tokens += n
+            if node.cand_key is not None:
+                self.candidates.remove(node)
+        node.lock_ref += 1
 
     def lock(self, node: RadixNode, stop: RadixNode | None = None) -> None:
         """lock_ref + 1 from `node` up to the root (or up to, not including, `stop`)."""
@@ -377,9 +389,9 @@ class RadixTree:
 
     # -- eviction ---------------------------------------------------------------------
 
-    def evict(self, num_tokens: int, free_runs: list[list[int]]) -> int:
+    def evict(self, num_tokens: int, give: Callable[[list[int]], None]) -> int:
         """Pop unlocked leaves in policy order until `num_tokens` tokens are freed (whole
-        nodes, so possibly more); each one's page list is appended to `free_runs`.
+        nodes, so possibly more); each one's page list is handed to `give` (the pool).
         Returns tokens freed."""
         freed = 0
         cands = self.candidates
@@ -394,7 +406,7 @@ class RadixTree:
             freed += n
             self.evictable_tokens -= n
             self.num_nodes -= 1
-            free_runs.append(node.pages)
+            give(node.pages)
             if self.on_evict is not None:
                 self.on_evict(node.namespace, node.start, node.key)
             node.pages = None
