@@ -50,15 +50,11 @@ def serve(
     Under the `vllm` policy (the default) a request with `n > 1` arrives as `n` requests
     sharing its prompt through the cache, as vLLM's front end fans it out.
     """
-    beams = [s.request_id for s in requests if s.beam_width > 1]
-    if beams:
-        raise ValueError(
-            f"the serving engine runs parallel sampling, not beam search (request {beams[0]!r}); use experiments.bench.sharing_memory"
-        )
+    refuse_beams(requests)
     client = cache if isinstance(cache, CacheClient) else CacheClient(cache)
     clock = VirtualClock(requests)
     scheduler = SCHEDULER_POLICIES[config.scheduler](client, executor, config, clock, keep_outputs=keep_outputs)
-    bar = _progress_bar(len(requests), f"serve {client.cache.name}") if progress else None
+    bar = progress_bar(len(requests), f"serve {client.cache.name}") if progress else None
     index_of = {s.request_id: i for i, s in enumerate(requests)}
     if config.async_scheduling:
         drive_async(clock, scheduler, index_of, bar)  # type: ignore[arg-type]  # async is vllm only (ServingConfig)
@@ -120,7 +116,16 @@ def drive_async(clock: VirtualClock, scheduler: VllmScheduler, index_of: dict[st
             bar.update(len(scheduler.result.requests) - bar.n)
 
 
-def _progress_bar(total: int, desc: str) -> Any:
+def refuse_beams(requests: Seq[RequestSpec]) -> None:
+    """Beam search is not served (see `serve`): refused before any work."""
+    beams = [s.request_id for s in requests if s.beam_width > 1]
+    if beams:
+        raise ValueError(
+            f"the serving engine runs parallel sampling, not beam search (request {beams[0]!r}); use experiments.bench.sharing_memory"
+        )
+
+
+def progress_bar(total: int, desc: str) -> Any:
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit="req", leave=False, mininterval=0.5)

@@ -1,0 +1,29 @@
+"""Routers: which replica of a cluster serves each request (issue 13; docs/architecture.md).
+
+- `base`: the contract, `Router.route(request, view) -> replica index`, and `ClusterView`,
+  what a router can see (per replica: queue length, running count, outstanding tokens, KV
+  usage; the request's tokens and session; the time).
+- `load`: `round_robin`, `random`, `least_load`, `power_of_two`.
+- `affinity`: `consistent_hash` (a prefix key, bounded loads), `session`.
+- `cache_aware`: SGLang's cache-aware router over an approximate tree (`approx_tree`).
+- `registry`: the routers by name and their typed options (`--router`, `--router-opt`).
+
+Nothing here imports the engine: the cluster driver (experiments/engine/cluster.py) calls
+a router through this contract.
+"""
+
+from __future__ import annotations
+
+from experiments.routers.base import ClusterView, Router, RouterError, StaticView
+from experiments.routers.registry import ROUTERS, RouterVariant, make_router, resolve_routers
+
+__all__ = [
+    "ROUTERS",
+    "ClusterView",
+    "Router",
+    "RouterError",
+    "RouterVariant",
+    "StaticView",
+    "make_router",
+    "resolve_routers",
+]
