@@ -1,16 +1,29 @@
-"""A doubly linked queue of free blocks whose order is the eviction (LRU) order.
+"""The free-block queue: free blocks in eviction (LRU) order, head evicted first.
 
-The links live on the blocks themselves, between two sentinels, so a cache hit can take a
-block out of the middle in O(1) (vLLM V1's `FreeKVCacheBlockQueue` design; a `deque`
-would need O(n) `remove`). New blocks are taken from the head; blocks released with
-cached content go to the tail, so the head is always the least recently used.
+New blocks are taken from the head; blocks released with cached content go to the tail,
+so the head is always the least recently used, and a cache hit takes a block out of the
+middle (vLLM V1's `FreeKVCacheBlockQueue`).
+
+Two implementations of the same order:
+
+- `BlockQueue`, what apc uses: block ids in a numpy array, every operation on a whole
+  request's blocks at once (C loops, not a Python loop per block), and the never-used ids
+  held as a range, so a pool of 10**9 blocks costs nothing until its blocks are used.
+- `FreeBlockQueue` over `KVBlock` objects: vLLM's doubly linked list, one Python step per
+  block, kept as the plain reference `BlockQueue` is tested against.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
 
 from cachelib.errors import InvariantViolation
+
+_HOLE = -1  # a slot of `BlockQueue._ring` whose block was removed or taken
 
 
 class KVBlock:
@@ -146,3 +159,215 @@ class FreeBlockQueue:
             prev, node = node, node.next_free
         if self._tail.prev_free is not prev or count != self.num_free:
             raise InvariantViolation(f"free queue holds {count} blocks, count says {self.num_free}")
+
+
+class BlockQueue:
+    """Free block ids `0 .. num_blocks - 1` in eviction order, operated on in bulk.
+
+    Layout: the queued ids sit in `_ring[_head:_tail]` (a numpy array, head first). The
+    never-used ids `_fresh .. num_blocks - 1` are not stored: they are a run that sits, in
+    queue order, at ring index `_fresh_at`, between the ids put at the head (`appendleft_n`,
+    left of it) and those put at the tail (`append_n`, right of it); at first the queue is
+    exactly that run, ids in order. `remove_n` leaves holes (`_HOLE`) that `popleft_n`
+    skips; the ring is compacted (holes dropped, entries re-centred) when an end fills up.
+    `_pos[b]` is block `b`'s ring index, -1 while it is not in the ring; it grows with the
+    ids handed out, so memory follows the blocks used, not `num_blocks`.
+
+    Every operation takes or returns a whole batch: `popleft_n` (the first n, head first),
+    `append_n` (to the tail, in order), `appendleft_n` (to the head, the first of them taken
+    first), `remove_n` (from anywhere). Costs are per call plus a few C-level steps per id.
+    """
+
+    __slots__ = ("num_blocks", "num_free", "_fresh", "_fresh_at", "_ring", "_head", "_tail", "_pos")
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.num_free = num_blocks
+        self._fresh = 0  # the next never-used id
+        self._ring = np.full(64, _HOLE, dtype=np.int64)
+        self._head = self._tail = self._fresh_at = 32
+        self._pos = np.full(0, -1, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return self.num_free
+
+    @property
+    def num_used(self) -> int:
+        """Ids handed out at least once (`0 .. num_used - 1`); the rest were never used."""
+        return self._fresh
+
+    # -- taking ----------------------------------------------------------------------
+
+    def popleft_n(self, n: int) -> np.ndarray:
+        """Take the first `n` ids out, head first. Raises `IndexError` if fewer are free."""
+        if n > self.num_free:
+            raise IndexError(f"asked for {n} blocks, {self.num_free} free")
+        if n <= 0:
+            return np.empty(0, dtype=np.int64)
+        self.num_free -= n
+        if self._fresh == self.num_blocks:  # no never-used ids left: one contiguous run
+            return self._take(self._tail, n)
+        front = self._take(self._fresh_at, n)  # the ids put at the head, before the run
+        n -= front.size
+        if not n:
+            return front
+        k = min(n, self.num_blocks - self._fresh)
+        fresh = np.arange(self._fresh, self._fresh + k, dtype=np.int64)
+        self._fresh += k
+        self._grow_pos()
+        n -= k
+        parts = [front, fresh]
+        if n:  # the run is used up: what was appended after it comes next
+            parts.append(self._take(self._tail, n))
+        return np.concatenate(parts) if front.size or n else fresh
+
+    def _take(self, limit: int, n: int) -> np.ndarray:
+        """Up to `n` queued ids from the head, not past ring index `limit`; the head moves
+        past them (and past the holes before them)."""
+        ring, head = self._ring, self._head
+        parts = []
+        while n and head < limit:
+            stop = min(limit, head + 2 * n + 16)
+            window = ring[head:stop]
+            live = np.flatnonzero(window != _HOLE)
+            if live.size >= n:
+                live = live[:n]
+                stop = head + int(live[-1]) + 1
+            got = window[live]
+            parts.append(got)
+            ring[head:stop] = _HOLE
+            self._pos[got] = -1
+            n -= got.size
+            head = stop
+        self._head = head
+        if len(parts) == 1:
+            return parts[0]
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+
+    def remove_n(self, ids: Any) -> None:
+        """Take `ids` (blocks used before: a cached block a hit takes back) out from wherever
+        they are. Raises `ValueError` (changing nothing) if one is not in the queue, was
+        never used, or is named twice."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if not ids.size:
+            return
+        pos = self._positions(ids)
+        if (pos < 0).any() or np.unique(ids).size != ids.size:
+            bad = ids[pos < 0][:1].tolist() or ids[:1].tolist()
+            raise ValueError(f"block {bad[0]} is not in the free queue (or named twice)")
+        self._ring[pos] = _HOLE
+        self._pos[ids] = -1
+        self.num_free -= ids.size
+
+    # -- putting back ------------------------------------------------------------------
+
+    def append_n(self, ids: Any) -> None:
+        """Put `ids` at the tail in order (the first of them is evicted first)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        k = ids.size
+        if not k:
+            return
+        if self._tail + k > self._ring.size:
+            self._compact(k)
+        tail = self._tail
+        self._ring[tail : tail + k] = ids
+        self._pos[ids] = np.arange(tail, tail + k)
+        self._tail = tail + k
+        self.num_free += k
+
+    def appendleft_n(self, ids: Any) -> None:
+        """Put `ids` at the head, in order: `ids[0]` becomes the head (taken first)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        k = ids.size
+        if not k:
+            return
+        if self._head < k:
+            self._compact(k)
+        head = self._head - k
+        self._ring[head : self._head] = ids
+        self._pos[ids] = np.arange(head, self._head)
+        self._head = head
+        self.num_free += k
+
+    def append(self, block: Any) -> None:
+        """Put one block (an id, or anything with `__index__`) at the tail."""
+        self.append_n([operator.index(block)])
+
+    def appendleft(self, block: Any) -> None:
+        """Put one block at the head."""
+        self.appendleft_n([operator.index(block)])
+
+    # -- reading ---------------------------------------------------------------------
+
+    def ids(self, *, fresh: bool = True) -> np.ndarray:
+        """Every free id, head first; `fresh=False` leaves out the never-used ones."""
+        ring = self._ring
+        if self._fresh == self.num_blocks or not fresh:
+            span = ring[self._head : self._tail]
+            return span[span != _HOLE]
+        front = ring[self._head : self._fresh_at]
+        back = ring[self._fresh_at : self._tail]
+        run = np.arange(self._fresh, self.num_blocks, dtype=np.int64)
+        return np.concatenate([front[front != _HOLE], run, back[back != _HOLE]])
+
+    def __iter__(self) -> Iterator[int]:
+        """Head (evicted first) to tail."""
+        return iter(self.ids().tolist())
+
+    def contains(self, ids: Any) -> np.ndarray:
+        """Per id of `ids`, whether it is in the queue."""
+        ids = np.asarray(ids, dtype=np.int64)
+        return (self._positions(ids) >= 0) | (ids >= self._fresh)
+
+    def check(self) -> None:
+        """Raise `InvariantViolation` if positions, ring and count disagree."""
+        ring, pos = self._ring, self._pos
+        if not 0 <= self._head <= self._tail <= ring.size:
+            raise InvariantViolation(f"free queue head {self._head} / tail {self._tail} outside its ring")
+        if self._fresh < self.num_blocks and not self._head <= self._fresh_at <= self._tail:
+            raise InvariantViolation("free queue: the never-used run lies outside the queue")
+        if (ring[: self._head] != _HOLE).any() or (ring[self._tail :] != _HOLE).any():
+            raise InvariantViolation("free queue: ids outside head..tail")
+        at = np.arange(self._head, self._tail)
+        span = ring[self._head : self._tail]
+        live, where = span[span != _HOLE], at[span != _HOLE]
+        if live.size and (live.min() < 0 or live.max() >= self._fresh):
+            raise InvariantViolation("free queue holds an id that was never handed out")
+        if pos.size != self._fresh:
+            raise InvariantViolation(f"free queue tracks {pos.size} positions, {self._fresh} ids handed out")
+        if not np.array_equal(pos[live], where) or np.count_nonzero(pos >= 0) != live.size:
+            raise InvariantViolation("free queue links broken: a position does not point at its id")
+        count = live.size + self.num_blocks - self._fresh
+        if count != self.num_free:
+            raise InvariantViolation(f"free queue holds {count} blocks, count says {self.num_free}")
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _positions(self, ids: np.ndarray) -> np.ndarray:
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_blocks):
+            raise ValueError(f"block ids must be in [0, {self.num_blocks})")
+        pos = np.full(ids.size, -1, dtype=np.int64)  # never-used ids: no position
+        used = ids < self._fresh
+        pos[used] = self._pos[ids[used]]
+        return pos
+
+    def _grow_pos(self) -> None:
+        """`_pos` covers exactly the ids handed out so far."""
+        extra = self._fresh - self._pos.size
+        if extra > 0:
+            self._pos = np.concatenate([self._pos, np.full(extra, -1, dtype=np.int64)])
+
+    def _compact(self, room: int) -> None:
+        """Drop the holes and re-centre the entries in a ring with `room` free at both ends."""
+        ring = self._ring
+        span = ring[self._head : self._tail]
+        keep = span != _HOLE
+        live = span[keep]
+        before_run = int(np.count_nonzero(keep[: max(self._fresh_at - self._head, 0)]))
+        size = max(64, 4 * (live.size + room))
+        new = np.full(size, _HOLE, dtype=np.int64)
+        head = (size - live.size) // 2
+        new[head : head + live.size] = live
+        self._pos[live] = np.arange(head, head + live.size)
+        self._fresh_at = head + before_run
+        self._ring, self._head, self._tail = new, head, head + live.size
