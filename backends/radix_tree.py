@@ -349,7 +349,8 @@ class RadixTree:
     # -- locks ------------------------------------------------------------------------
 
     def _hold(self, node: RadixNode) -> None:
-        """lock_ref + 1 on `node` alone (its parent is held already)."""
+        """lock_ref + 1 on `node` alone: an unlocked node's tokens turn protected and it
+        leaves the eviction queue."""
         if node.lock_ref == 0:
             n = len(node.key)
             self.evictable_tokens -= n
@@ -358,21 +359,15 @@ class RadixTree:
                 self.candidates.remove(node)
         node.lock_ref += 1
 
-    def lock(self, node: RadixNode, stop: RadixNode | None = None) -> None:
-        """lock_ref + 1 from `node` up to the root (or up to, not including, `stop`)."""
-        while node.parent is not None and node is not stop:
-            if node.lock_ref == 0:
-                n = len(node.key)
-                self.evictable_tokens -= n
-                self.protected_tokens += n
-                if node.cand_key is not None:
-                    self.candidates.remove(node)
-            node.lock_ref += 1
+    def lock(self, node: RadixNode) -> None:
+        """lock_ref + 1 from `node` up to the root (SGLang's `inc_lock_ref`)."""
+        while node.parent is not None:
+            self._hold(node)
             node = node.parent
 
-    def unlock(self, node: RadixNode, stop: RadixNode | None = None) -> None:
-        """lock_ref - 1 from `node` up to the root (or up to, not including, `stop`)."""
-        while node.parent is not None and node is not stop:
+    def unlock(self, node: RadixNode) -> None:
+        """lock_ref - 1 from `node` up to the root (SGLang's `dec_lock_ref`)."""
+        while node.parent is not None:
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 n = len(node.key)
