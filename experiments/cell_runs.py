@@ -38,7 +38,7 @@ def cells_for(
 
 def cell_label(cfg: CellConfig) -> str:
     """A cell as errors and progress lines name it."""
-    return f"cell {cfg.backend_label} @ {cfg.capacity_tokens:,} tokens, page {cfg.page_size}, {cfg.workload}"
+    return f"cell {cfg.label} @ {cfg.capacity_tokens:,} tokens, page {cfg.page_size}, {cfg.workload}"
 
 
 def bounds_of(cfg: CellConfig, page_size: int, capacities: list[int]) -> dict[str, Any]:

@@ -12,7 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from experiments.backend_options import variant_label
+from experiments.labels import cell_label_of
+from experiments.routers.registry import router_label
 
 COLUMNS = [
     ("replay hit rate", lambda c: _get(c, "replay", "hit_rate"), "{:.2%}"),
@@ -28,16 +29,33 @@ COLUMNS = [
     ("preemptions", lambda c: _get(c, "serving", "preemptions"), "{:,}"),
 ]
 
-#: the configuration columns of results.csv; `label` is the backend with its non-default
-#: options (`radix[eviction_policy=lfu]`), `backend_options` those options as JSON; the
+#: the configuration columns of results.csv; `label` is the cell as tables name it (the
+#: backend with its non-default options, `radix[eviction_policy=lfu]`, and for a cluster its
+#: size and router, `apc ×8 cache_aware`), `backend_options` / `router_options` those options
+#: as JSON, `router` the router with its non-default options (empty for one replica); the
 #: others are the cell's `config` keys (`step_ms` empty but for the fixed executor)
 CSV_CONFIG = (
     "backend", "label", "backend_options", "workload", "capacity_tokens", "page_size", "executor", "device", "ordering",
-    "scheduler", "async_scheduling", "step_ms",
+    "scheduler", "async_scheduling", "step_ms", "replicas", "router", "router_options",
 )  # fmt: skip
 #: a document written before the settings existed: every serving cell then ran the scheduler
-#: now called `legacy`, synchronously, on a cost model or the real model
+#: now called `legacy`, synchronously, on a cost model or the real model; and a one-replica
+#: cell's config has no cluster keys (`CellConfig.as_dict`)
 _BEFORE_SCHEDULERS = {"scheduler": "legacy", "async_scheduling": False, "step_ms": None}
+_SINGLE_REPLICA = {"replicas": 1, "router": None, "router_options": {}}
+#: a cluster cell's table (`cluster_markdown`): its cluster section's numbers
+CLUSTER_COLUMNS = [
+    ("hit rate", lambda c: c["hit_rate"], "{:.2%}"),
+    ("TTFT mean (ms)", lambda c: c["ttft_ms"]["mean"], "{:,.0f}"),
+    ("TTFT p50 (ms)", lambda c: c["ttft_ms"]["p50"], "{:,.0f}"),
+    ("TTFT p90 (ms)", lambda c: c["ttft_ms"]["p90"], "{:,.0f}"),
+    ("TTFT p99 (ms)", lambda c: c["ttft_ms"]["p99"], "{:,.0f}"),
+    ("TPOT p50 (ms)", lambda c: c["tpot_ms"]["p50"], "{:.1f}"),
+    ("TPOT p99 (ms)", lambda c: c["tpot_ms"]["p99"], "{:.1f}"),
+    ("load imbalance", lambda c: c["load_imbalance"], "{:.2f}"),
+    ("preemptions", lambda c: c["preemptions"], "{:,}"),
+    ("router µs/decision", lambda c: c["router_us_per_decision"], "{:.1f}"),
+]
 CSV_FIELDS = [
     (
         "replay",
@@ -75,6 +93,7 @@ CSV_FIELDS = [
             "steps",
         ],
     ),
+    ("cluster", ["hit_rate", "load_imbalance", "preemptions", "router_decisions", "router_us_per_decision"]),
 ]
 
 
@@ -88,10 +107,10 @@ def _style(results: dict[str, Any], backend: str) -> dict[str, Any]:
 
 
 def label(cell: dict[str, Any]) -> str:
-    """The cell's backend as tables, plots and the CSV name it: its name and non-default
-    options (`radix[eviction_policy=lfu]`), the entry of the document's `backends`."""
-    cfg = cell["config"]
-    return variant_label(cfg["backend"], cfg.get("backend_options") or {})
+    """The cell as tables, plots and the CSV name it: its backend's name and non-default
+    options (`radix[eviction_policy=lfu]`), and for a cluster its size and router
+    (`apc ×8 cache_aware`); the entry of the document's `backends`."""
+    return cell_label_of(cell["config"])
 
 
 def _get(cell: dict, section: str, key: str) -> Any:
@@ -125,8 +144,13 @@ def write_csv(results: dict[str, Any], path: Path) -> None:
         w = csv.writer(fh)
         w.writerow(header)
         for cell in results["cells"]:
-            cfg = {**_BEFORE_SCHEDULERS, **cell["config"]}
-            given = {"label": label(cell), "backend_options": json.dumps(cfg.get("backend_options") or {})}
+            cfg = {**_BEFORE_SCHEDULERS, **_SINGLE_REPLICA, **cell["config"]}
+            given = {
+                "label": label(cell),
+                "backend_options": json.dumps(cfg.get("backend_options") or {}),
+                "router": "" if cfg["router"] is None else router_label(cfg["router"], cfg["router_options"]),
+                "router_options": json.dumps(cfg["router_options"]),
+            }
             row = [given[k] if k in given else cfg[k] for k in CSV_CONFIG]
             for section, keys in CSV_FIELDS:
                 row += [_get(cell, section, k) for k in keys]
@@ -177,6 +201,7 @@ def markdown(results: dict[str, Any], figures: list[str]) -> str:
             "granularity (a partial last page copy-on-write), so the bounds do not bind it.",
             "",
         ]
+    lines += cluster_markdown(results)
     for fig in figures:
         lines += [f"![{fig}]({fig})", ""]
     lines += [
@@ -187,6 +212,31 @@ def markdown(results: dict[str, Any], figures: list[str]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def cluster_markdown(results: dict[str, Any]) -> list[str]:
+    """Per capacity, a table of the cluster cells (none: no lines): the cluster's numbers
+    from each cell's `cluster` section (each replica's are in results.json)."""
+    lines: list[str] = []
+    for cap in results["capacities"]:
+        cells = [c for c in results["cells"] if c["config"]["capacity_tokens"] == cap and "cluster" in c]
+        if not cells:
+            continue
+        lines += [f"## Clusters at {cap:,} tokens per replica", ""]
+        lines.append("| cell | " + " | ".join(name for name, _, _ in CLUSTER_COLUMNS) + " |")
+        lines.append("|---" * (len(CLUSTER_COLUMNS) + 1) + "|")
+        for c in cells:
+            row = " | ".join(_fmt(get(c["cluster"]), spec) for _, get, spec in CLUSTER_COLUMNS)
+            lines.append(f"| {label(c)} | {row} |")
+        lines.append("")
+    if lines:
+        lines += [
+            "A cluster's replicas each have the capacity above; the tables above count the whole cluster",
+            "(pages, evictions and steps summed over its replicas). *Load imbalance* is the busiest replica's",
+            "tokens served (prompt + generated) over the mean; router µs/decision is CPU time in `route`.",
+            "",
+        ]
+    return lines
 
 
 def plots(results: dict[str, Any], out_dir: Path) -> list[str]:

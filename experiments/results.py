@@ -85,12 +85,16 @@ def per_request_rows(cells: list[CellConfig], results: list[dict[str, Any]]) -> 
     """Every request of every serving cell, by cell then `request_index` (its line in the
     trace, its position in the workload's requests; a parallel sample shares its parent's
     and follows it): the cell's `backend` label, `capacity_tokens` and `page_size`, then
-    every key of the engine's per-request record, times renamed with their unit (`TIME_KEYS`)."""
+    every key of the engine's per-request record, times renamed with their unit (`TIME_KEYS`).
+    A cluster cell's rows also name its `replicas` and `router` after `page_size`, and end
+    with the `replica` that served the request."""
     for cfg, res in zip(cells, results, strict=True):
         records = res.get(PER_REQUEST)
         if records is None:
             continue  # replay only
         head = {"backend": cfg.backend_label, "capacity_tokens": cfg.capacity_tokens, "page_size": cfg.page_size}
+        if cfg.replicas > 1:  # a cluster cell: its shape, and each row its `replica`
+            head.update(replicas=cfg.replicas, router=cfg.router_label)
         for rec in sorted(records, key=lambda r: (r["request_index"], r.get("sample_of") is not None)):
             yield {**head, **{TIME_KEYS.get(k, k): v for k, v in rec.items()}}
 

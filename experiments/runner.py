@@ -38,7 +38,9 @@ from experiments.engine import (
 from experiments.engine.executors import DEVICE_PROFILES
 from experiments.engine.request import ORDERINGS, SCHEDULERS
 from experiments.errors import InputError
+from experiments.labels import cell_label_of
 from experiments.metrics import serving_metrics
+from experiments.routers.registry import make_router, router_label
 from experiments.workloads.generators import Workload
 from experiments.workloads.registry import make_workload
 
@@ -96,6 +98,13 @@ class CellConfig:
     step_ms: float | None = None
     #: the backend's non-default constructor options (experiments/backend_options.py)
     backend_options: dict[str, Any] = field(default_factory=dict)
+    #: serving replicas, each with its own cache of `capacity_tokens` and its own executor,
+    #: behind `router` (experiments/engine/cluster.py); 1 is single-replica serving
+    replicas: int = 1
+    #: the router of a cluster (`experiments.routers.ROUTERS`); None with one replica
+    router: str | None = None
+    #: the router's non-default constructor options (experiments/routers/registry.py)
+    router_options: dict[str, Any] = field(default_factory=dict)
     #: what the numbers depend on beyond the settings (experiments/provenance.py): the code
     #: version and input file digests; part of `key()`, so stale cells are never reused
     provenance: dict[str, str] = field(default_factory=dict)
@@ -108,6 +117,7 @@ class CellConfig:
         if self.device not in DEVICE_PROFILES:
             raise ConfigError(f"unknown device {self.device!r}; choose one of {', '.join(DEVICE_PROFILES)}")
         self._check_serving()
+        self._check_cluster()
 
     def _check_serving(self) -> None:
         """The scheduler and step settings agree with each other (before any work: a cell's
@@ -139,17 +149,63 @@ class CellConfig:
                 f"not {self.scheduler!r}"
             )
 
+    def _check_cluster(self) -> None:
+        """A cluster has at least one replica, a router exactly when it has more than one,
+        and the synchronous engine loop (before any work)."""
+        n = self.replicas
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ConfigError(f"replicas (--replicas) must be an integer >= 1, got {n!r}")
+        if n == 1:
+            if self.router is not None or self.router_options:
+                raise ConfigError(f"a router (--router {self.router}) needs a cluster: --replicas N with N > 1")
+            return
+        if self.router is None:
+            raise ConfigError(f"a cluster of {n} replicas needs a router (--router NAME)")
+        make_router(self.router, n, self.router_options)  # an unknown router or a refused option fails here
+        if self.protocol != "serving":
+            raise ConfigError(
+                f"a cluster of {n} replicas runs the serving protocol only (--protocol serving); the replay "
+                f"protocol replays one cache, not {self.protocol!r}"
+            )
+        if self.async_scheduling:
+            raise ConfigError(
+                f"async scheduling (--async-scheduling) runs one replica's engine loop; a cluster of {n} replicas "
+                "runs the synchronous loop (drop it, or use --replicas 1)"
+            )
+
+    @property
+    def router_label(self) -> str | None:
+        """The router and its non-default options, as `--router` takes it (None: one replica)."""
+        return None if self.router is None else router_label(self.router, self.router_options)
+
+    @property
+    def label(self) -> str:
+        """The cell as tables and plots name it: its backend label, and for a cluster its
+        size and router: `apc ×8 cache_aware`."""
+        return cell_label_of(self.as_dict())
+
     @property
     def backend_label(self) -> str:
         """The backend and its non-default options, as tables name it: `radix[eviction_policy=lfu]`."""
         return variant_label(self.backend, self.backend_options)
 
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every field, except the cluster's for a single replica: a one-replica cell reads
+        (and is keyed, `key()`) exactly as before clusters existed."""
+        out = dataclasses.asdict(self)
+        if self.replicas == 1:
+            for name in SINGLE_REPLICA:
+                out.pop(name)
+        return out
 
     def key(self) -> str:
         blob = json.dumps(self.as_dict(), sort_keys=True, default=str).encode()
         return f"{self.workload}-{self.backend}-c{self.capacity_tokens}-p{self.page_size}-{hashlib.sha1(blob).hexdigest()[:10]}"
+
+
+#: the cluster fields of a `CellConfig` and their single-replica values, left out of
+#: `as_dict` for one replica (and filled back in by readers of older documents)
+SINGLE_REPLICA: dict[str, Any] = {"replicas": 1, "router": None, "router_options": {}}
 
 
 def build_workload(cfg: CellConfig) -> Workload:
@@ -253,21 +309,51 @@ def run_cell(cfg: CellConfig, workload: Workload | None = None, *, progress: boo
         r.pop("per_request_hits")
         out["replay"] = r
     if cfg.protocol in ("serving", "both"):
-        cache = create_cache(cfg.backend, num_pages=num_pages, page_size=cfg.page_size, **cfg.backend_options)
-        executor = make_executor(cfg, num_pages)
-        requests, setup = _declare_prefixes(cache, workload, executor)
-        sc = ServingConfig(
-            cfg.token_budget,
-            cfg.max_running,
-            cfg.ordering,
-            scheduler=cfg.scheduler,
-            async_scheduling=cfg.async_scheduling,
-        )
-        res = serve(cache, requests, executor, sc, progress=progress)
-        out["serving"] = serving_metrics(res, cache.stats(), setup_seconds=setup)
-        out[PER_REQUEST] = res.requests
+        if cfg.replicas > 1:
+            out.update(_serve_cluster(cfg, workload, num_pages, progress))
+        else:
+            cache = create_cache(cfg.backend, num_pages=num_pages, page_size=cfg.page_size, **cfg.backend_options)
+            executor = make_executor(cfg, num_pages)
+            requests, setup = _declare_prefixes(cache, workload, executor)
+            res = serve(cache, requests, executor, _serving_config(cfg), progress=progress)
+            out["serving"] = serving_metrics(res, cache.stats(), setup_seconds=setup)
+            out[PER_REQUEST] = res.requests
     out["wall_seconds"] = time.perf_counter() - started
     return out
+
+
+def _serving_config(cfg: CellConfig) -> ServingConfig:
+    return ServingConfig(
+        cfg.token_budget, cfg.max_running, cfg.ordering, scheduler=cfg.scheduler, async_scheduling=cfg.async_scheduling
+    )
+
+
+def _serve_cluster(cfg: CellConfig, workload: Workload, num_pages: int, progress: bool) -> dict[str, Any]:
+    """The serving protocol on `cfg.replicas` replicas, each with a cache of `num_pages` and
+    its own executor, behind `cfg.router`: the cluster as one `serving` section, the
+    `cluster` section (each replica's numbers, the router's) and every request's record
+    with its `replica`. Each replica sets up the declared prefixes in its own cache."""
+    from experiments.cluster_metrics import cluster_section, merged_result, summed_stats
+    from experiments.engine.cluster import serve_cluster
+
+    n = cfg.replicas
+    caches = [
+        create_cache(cfg.backend, num_pages=num_pages, page_size=cfg.page_size, **cfg.backend_options) for _ in range(n)
+    ]
+    executors = [make_executor(cfg, num_pages) for _ in range(n)]
+    declared = [_declare_prefixes(c, workload, e) for c, e in zip(caches, executors, strict=True)]
+    requests = declared[0][0]
+    if any([s.prefix_id for s in r] != [s.prefix_id for s in requests] for r, _ in declared[1:]):
+        raise RuntimeError("the replicas' caches numbered the declared prefixes differently")
+    router = make_router(cfg.router, n, cfg.router_options)  # type: ignore[arg-type]  # a cluster has one (CellConfig)
+    res = serve_cluster(caches, requests, executors, router, _serving_config(cfg), progress=progress)
+    stats = [c.stats() for c in caches]
+    setup = max(seconds for _, seconds in declared)  # the replicas set up side by side
+    return {
+        "serving": serving_metrics(merged_result(res), summed_stats(stats), setup_seconds=setup),
+        "cluster": cluster_section(res, stats, dict(cfg.router_options)),
+        PER_REQUEST: res.requests,
+    }
 
 
 def bounds(workload: Workload, page_size: int, capacities: list[int]) -> dict[str, Any]:

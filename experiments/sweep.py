@@ -1,4 +1,4 @@
-"""A resumable grid: workloads x page sizes x capacities x backends.
+"""A resumable grid: workloads x page sizes x capacities x cluster shapes x backends.
 
 Each finished cell is written to `OUT/cells/<key>.json` the moment it finishes
 (experiments/cell_store.py: atomically, a temporary file renamed into place, so an
@@ -23,14 +23,16 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from experiments.backend_options import BackendVariant
 from experiments.cell_pool import Failure, TasksFailed
-from experiments.cell_runs import cells_for, run_cells
+from experiments.cell_runs import run_cells
 from experiments.cell_store import CellStore
+from experiments.cluster_grid import SINGLE, ClusterShape, cells_over
 from experiments.output_dir import OutputLock, StagedDir, check_writable_dir
 from experiments.provenance import provenance
 from experiments.results import REPORT_ENTRIES, document, write, write_per_request
@@ -46,6 +48,7 @@ class SweepPlan:
     workloads: dict[str, dict[str, Any]]  # workload name -> its knobs
     capacities: list[int]
     page_sizes: list[int]
+    shapes: Sequence[ClusterShape] = SINGLE  # cluster sizes x routers (experiments/cluster_grid.py)
     jobs: int = 1
     ray: str | None = None  # `local` or a cluster address; None: local processes
     progress: bool = True
@@ -71,7 +74,7 @@ def _grid(plan: SweepPlan) -> list[tuple[str, int, list[CellConfig]]]:
         for page in plan.page_sizes:
             for cap in plan.capacities:
                 check_capacity(wl, cap, page)
-            grid.append((wname, page, cells_for(base, plan.variants, plan.capacities, page)))
+            grid.append((wname, page, cells_over(base, plan.variants, plan.capacities, page, plan.shapes)))
     return grid
 
 
@@ -89,8 +92,8 @@ def _sweep_locked(plan: SweepPlan, out_dir: Path) -> int:
             run_cells(todo, plan.jobs, store, plan.progress)
     except TasksFailed as exc:
         raise TasksFailed(exc.failures, note=f"finished cells are kept in {store.directory}; rerun to resume") from None
-    labels = [v.label for v in plan.variants]
     for wname, page, cells in grid:
+        labels = list(dict.fromkeys(c.label for c in cells))
         wl = build_workload(cells[0])
         found = bounds(wl, page, plan.capacities) if plan.with_bounds else None
         results = [store.load(c) for c in cells]
@@ -117,7 +120,7 @@ class _RaySaver:
         self.finished += 1
         if self.progress:
             print(
-                f"  {self.finished}/{self.total} cells ({cfg.backend_label} @ {cfg.capacity_tokens:,} tokens, "
+                f"  {self.finished}/{self.total} cells ({cfg.label} @ {cfg.capacity_tokens:,} tokens, "
                 f"page {cfg.page_size}, {cfg.workload})",
                 file=sys.stderr,
             )

@@ -20,8 +20,10 @@ from experiments.backend_options import (
     resolve_variants,
     split_backend_list,
 )
+from experiments.cluster_grid import ClusterShape, check_shapes, cluster_shapes
 from experiments.engine.request import ORDERINGS, SCHEDULERS
 from experiments.errors import InputError, UsageError
+from experiments.routers.registry import ROUTERS
 from experiments.runner import EXECUTORS, CellConfig
 
 #: named flags that are aliases of `--backend-opt KEY=VALUE` (every selected backend)
@@ -144,10 +146,45 @@ def add_run_arguments(p: argparse.ArgumentParser, many_backends: bool) -> None:
         help="waiting queue: fcfs, or lpf = longest cached prefix first (--scheduler legacy only)",
     )
     add_backend_options(p)
+    add_cluster_options(p)
     p.add_argument("--jobs", type=positive_int, default=defaults.JOBS, help="cells run in this many local processes")
     p.add_argument("--output-dir", default=str(defaults.OUTPUT_DIR))
     p.add_argument("--no-bounds", action="store_true", help="skip the infinite and Belady bounds")
     p.add_argument("--no-progress", action="store_true")
+
+
+def add_cluster_options(p: argparse.ArgumentParser) -> None:
+    """`--replicas`, `--router` and `--router-opt` (experiments/cluster_grid.py)."""
+    p.add_argument(
+        "--replicas",
+        type=positive_int,
+        nargs="+",
+        default=[1],
+        metavar="N",
+        help="serving replicas behind a router, each with its own cache of --capacity-tokens (several: one cell "
+        "each; default 1, single-replica serving)",
+    )
+    p.add_argument(
+        "--router",
+        action="append",
+        default=[],
+        help="router(s) of a cluster (--replicas N > 1), NAME or NAME[KEY=VALUE,...]; repeat or comma-separate "
+        f"(default: all: {', '.join(ROUTERS)})",
+    )
+    p.add_argument(
+        "--router-opt",
+        action="append",
+        default=[],
+        metavar="[ROUTER.]KEY=VALUE",
+        help="a router constructor option (repeatable); unqualified, every selected router must take it",
+    )
+
+
+def cluster_shapes_of(args: argparse.Namespace, template: CellConfig) -> list[ClusterShape]:
+    """The cluster shapes of the command line, checked with the template's settings."""
+    shapes = cluster_shapes(args.replicas, args.router, args.router_opt)
+    check_shapes(template, shapes)
+    return shapes
 
 
 def knobs(args: argparse.Namespace) -> dict[str, Any]:

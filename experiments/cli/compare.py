@@ -23,7 +23,7 @@ from typing import Any
 from experiments import defaults
 from experiments.backend_options import BackendVariant
 from experiments.cell_pool import Task, TasksFailed
-from experiments.cell_runs import bounds_of, cells_for, run_cells
+from experiments.cell_runs import bounds_of, run_cells
 from experiments.cell_store import CellStore
 from experiments.cli.args import (
     add_run_arguments,
@@ -31,9 +31,11 @@ from experiments.cli.args import (
     cell_template,
     check_calibration,
     check_model,
+    cluster_shapes_of,
     knobs,
     positive_int,
 )
+from experiments.cluster_grid import ClusterShape, cells_over
 from experiments.errors import UsageError
 from experiments.output_dir import OutputLock, StagedDir, check_replaceable, check_writable_dir
 from experiments.provenance import provenance
@@ -47,6 +49,7 @@ class Comparison:
 
     template: CellConfig
     variants: list[BackendVariant]
+    shapes: list[ClusterShape]
     capacities: list[int]
     out_dir: Path
     jobs: int
@@ -83,9 +86,11 @@ def _compare(args: argparse.Namespace, single: bool) -> int:
     check_model(args.model)
     check_calibration(args.device_calibration)
     workload_name = "mooncake" if args.trace else args.workload
+    template = cell_template(args, workload_name, knobs(args), args.page_size)
     plan = Comparison(
-        template=cell_template(args, workload_name, knobs(args), args.page_size),
+        template=template,
         variants=variants,
+        shapes=cluster_shapes_of(args, template),
         capacities=args.capacity_tokens or list(defaults.CAPACITIES),
         out_dir=Path(os.path.abspath(args.output_dir)),  # "." has no name to put OUT.partial beside
         jobs=args.jobs,
@@ -106,7 +111,7 @@ def _compare_locked(plan: Comparison) -> int:
         check_capacity(workload, cap, page_size)
     started = time.perf_counter()
     template = dataclasses.replace(plan.template, provenance=provenance(workload.config))
-    cells = cells_for(template, plan.variants, plan.capacities, page_size)
+    cells = cells_over(template, plan.variants, plan.capacities, page_size, plan.shapes)
     store = CellStore(plan.out_dir.with_name(plan.out_dir.name + ".partial"))
     reused = sum(store.load(c) is not None for c in cells)
     if reused:
@@ -121,7 +126,7 @@ def _compare_locked(plan: Comparison) -> int:
             note=f"{plan.out_dir} is unchanged; {kept} finished cell(s) of {len(cells)} are kept in "
             f"{store.directory}, and rerunning the same command resumes from them",
         ) from None
-    labels = [v.label for v in plan.variants]
+    labels = list(dict.fromkeys(c.label for c in cells))
     out = document(plan.argv, workload, cells, results, labels, plan.capacities, bound)
     out["wall_seconds"] = time.perf_counter() - started
     with StagedDir(plan.out_dir, owned=REPORT_ENTRIES) as stage:
@@ -142,7 +147,7 @@ def _summary(out: dict[str, Any], cells: list[CellConfig], results: list[dict[st
         bounds = out["bounds"]
         print(
             f"{out['workload']['name']} @ {cap:,} tokens: "
-            + ", ".join(f"{c.backend_label} {_hit(r)}" for c, r in row)
+            + ", ".join(f"{c.label} {_hit(r)}" for c, r in row)
             + (
                 ""
                 if bounds is None

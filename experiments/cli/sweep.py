@@ -15,6 +15,7 @@ from experiments.cli.args import (
     cell_template,
     check_calibration,
     check_model,
+    cluster_shapes_of,
     knobs,
     positive_int,
 )
@@ -39,9 +40,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     check_calibration(args.device_calibration)
     given = knobs(args)
     names = list(dict.fromkeys(args.workloads or (["mooncake"] if args.trace else [args.workload])))
+    template = cell_template(args, names[0], {}, page_sizes[0])
     plan = SweepPlan(
-        template=cell_template(args, names[0], {}, page_sizes[0]),
+        template=template,
         variants=variants,
+        shapes=cluster_shapes_of(args, template),
         workloads=_knobs_per_workload(args, names, given),
         capacities=args.capacity_tokens or list(defaults.CAPACITIES),
         page_sizes=page_sizes,

@@ -1,0 +1,84 @@
+"""Cluster shapes of a grid: `--replicas N [N ...]` x `--router NAME[,NAME...]`.
+
+A shape is a cluster size and, above one replica, a router variant. One replica has no
+router (it is single-replica serving, exactly as before clusters); every size above one is
+paired with every router (default: every registered router). `cells_over` expands a
+template over capacities x shapes x backend variants, capacity first, so a capacity's
+table lists each shape's backends together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from experiments.backend_options import BackendVariant
+from experiments.cell_runs import cells_for
+from experiments.errors import InputError
+from experiments.routers.registry import ROUTERS, RouterVariant, parse_router_opt, resolve_routers, split_router_list
+from experiments.runner import CellConfig
+
+
+@dataclass(frozen=True)
+class ClusterShape:
+    """A cluster size and its router (None for one replica)."""
+
+    replicas: int = 1
+    router: RouterVariant | None = None
+
+    def apply(self, cfg: CellConfig) -> CellConfig:
+        """`cfg` as a cell of this shape (CellConfig checks the combination). A cluster runs
+        the serving protocol only: under `both` its cell is `serving` (the replay numbers are
+        the one-replica cell's, since replay has one cache); `replay` alone is refused."""
+        if self.router is None:
+            return dataclasses.replace(cfg, replicas=self.replicas, router=None, router_options={})
+        protocol = "serving" if cfg.protocol == "both" else cfg.protocol
+        return dataclasses.replace(
+            cfg,
+            replicas=self.replicas,
+            router=self.router.name,
+            router_options=self.router.options_dict(),
+            protocol=protocol,
+        )
+
+
+#: what a grid runs without `--replicas`: single-replica serving
+SINGLE = (ClusterShape(),)
+
+
+def cluster_shapes(replicas: Sequence[int], routers: Sequence[str], router_opts: Sequence[str]) -> list[ClusterShape]:
+    """The shapes of `--replicas`, `--router` (comma lists, variants) and `--router-opt`,
+    checked before any work: a router without a cluster, an unknown router or option, a
+    value of the wrong type or one the router refuses is an `InputError`."""
+    sizes = list(dict.fromkeys(replicas or [1]))
+    specs = [s for item in routers for s in split_router_list(item)]
+    given = [parse_router_opt(text) for text in router_opts]
+    if max(sizes) == 1:
+        if specs or given:
+            raise InputError("--router and --router-opt choose a cluster's router: add --replicas N with N > 1")
+        return [ClusterShape()]
+    variants = resolve_routers(specs or list(ROUTERS), given)
+    return [ClusterShape(n, None if n == 1 else v) for n in sizes for v in ([None] if n == 1 else variants)]
+
+
+def check_shapes(template: CellConfig, shapes: Sequence[ClusterShape]) -> None:
+    """Each shape with the template's settings (async scheduling refuses a cluster), before any work."""
+    for shape in shapes:
+        shape.apply(template)
+
+
+def cells_over(
+    template: CellConfig,
+    variants: Sequence[BackendVariant],
+    capacities: Sequence[int],
+    page_size: int,
+    shapes: Sequence[ClusterShape] = SINGLE,
+) -> list[CellConfig]:
+    """Capacity x shape x backend variant, the rest as in `template`."""
+    return [
+        cell
+        for cap in capacities
+        for shape in shapes
+        for cell in cells_for(shape.apply(template), variants, [cap], page_size)
+    ]
