@@ -22,6 +22,8 @@ ORDERING = "fcfs"
 #: serving's scheduling policy: vLLM 0.33 V1's decisions (`legacy`: the one before issue 11)
 SCHEDULER = "vllm"
 JOBS = 1
+#: serving replicas of a cell (`--replicas`): one, single-replica serving; more run behind a router
+REPLICAS = 1
 OUTPUT_DIR = Path("reports/latest")
 #: `replay`: requests in flight at most
 CONCURRENCY = 1

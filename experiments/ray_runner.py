@@ -42,7 +42,7 @@ class CellFailed(RuntimeError):
 
 
 def describe(cfg: CellConfig) -> str:
-    return f"{cfg.key()} ({cfg.backend_label} on {cfg.workload}, {cfg.capacity_tokens} tokens, page {cfg.page_size})"
+    return f"{cfg.key()} ({cfg.label} on {cfg.workload}, {cfg.capacity_tokens} tokens, page {cfg.page_size})"
 
 
 def _run_cell_dict(config: dict[str, Any]) -> dict[str, Any]:

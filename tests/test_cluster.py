@@ -359,3 +359,17 @@ def test_bad_cluster_input_is_refused_before_any_work(tmp_path, capsys, monkeypa
     else:
         assert main(argv) == code
     assert message in capsys.readouterr().err
+
+
+def test_a_cluster_sweep_on_local_ray_matches_local_processes(tmp_path, capsys):
+    ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install -e '.[ray]')")
+    if ray.is_initialized():
+        ray.shutdown()
+    argv = ["sweep", *TINY, "--replicas", "2", "--router", "round_robin,cache_aware", "--protocol", "serving"]
+    outs = {}
+    for where, extra in (("local", []), ("ray", ["--ray", "local"])):
+        assert main([*argv, *extra, "--output-dir", str(tmp_path / where)]) == 0
+        doc = json.loads((tmp_path / where / "multi_turn_chat-p16" / "results.json").read_text())
+        outs[where] = [(c["config"]["router"], c["cluster"]["hit_rate"], c["cluster"]["ttft_ms"]) for c in doc["cells"]]
+    assert outs["local"] == outs["ray"] and len(outs["ray"]) == 2
+    assert not ray.is_initialized()

@@ -159,7 +159,7 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
         "--replicas",
         type=positive_int,
         nargs="+",
-        default=[1],
+        default=[defaults.REPLICAS],
         metavar="N",
         help="serving replicas behind a router, each with its own cache of --capacity-tokens (several: one cell "
         "each; default 1, single-replica serving)",

@@ -3,6 +3,8 @@
 - `scheduler.Scheduler`: one replica's queues, token budget, chunked prefill, preemption,
   ordering and decode windows; `step()` is one engine step on a shared `clock.VirtualClock`.
 - `serving.serve`: the serving protocol, a driver stepping a scheduler on the clock.
+- `cluster.serve_cluster`: the serving protocol on N replicas (one scheduler, cache client
+  and executor each) on one clock, a router (experiments/routers/) choosing each request's.
 - `replay.replay`: the replay protocol (sequential, exact; fidelity and bounds), a driver
   feeding a scheduler one request at a time (`Scheduler.admit_prompt`, `run_to_completion`,
   `finish_oldest`).
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 from experiments.engine.cache_client import CacheClient, CallOrderError
 from experiments.engine.clock import VirtualClock
+from experiments.engine.cluster import ClusterResult, serve_cluster
 from experiments.engine.executors import (
     CostModelExecutor,
     Executor,
@@ -33,6 +36,7 @@ __all__ = [
     "GENERATED_TOKEN_BASE",
     "CacheClient",
     "CallOrderError",
+    "ClusterResult",
     "CostModelExecutor",
     "Executor",
     "FixedStepExecutor",
@@ -47,5 +51,6 @@ __all__ = [
     "VirtualClock",
     "replay",
     "serve",
+    "serve_cluster",
     "unlimited_pages",
 ]
