@@ -20,6 +20,16 @@ it, so vLLM's pool of P blocks has P - 1 usable ones; compare at equal *usable* 
 `evict(n)` exists for the contract (vLLM only evicts lazily): it clears the first `n` cached
 blocks of the queue in LRU order and moves them to the head.
 
+How the state is kept (speed, not behaviour): per block a ref count, a hash and a
+"hashed" flag in arrays indexed by block id, the free queue a `BlockQueue` of ids
+(`cachelib/free_queue.py`), so admit, commit, release and eviction work on a request's
+blocks with a few numpy calls each instead of a Python step per block; the table maps a
+hash to its oldest cached block id (`_table`), the younger duplicates of a hash are listed
+apart (`_dups`). Arrays grow with the highest block id handed out, so a pool of 10**9
+blocks (`replay` with unlimited capacity) costs nothing until its blocks are used.
+`cache.blocks[i]` is a view of block i (`block_id`, `ref_cnt`, `block_hash`) for
+inspection and tests.
+
 Options beyond vLLM: `hash_algorithm` (`xxh3_128` default, `sha256`), and
 `verify_tokens=True`, which stores each cached block's tokens, extra keys and parent, and
 accepts a hit only when they equal the request's, so a hash collision can never return
@@ -29,12 +39,15 @@ treated as a miss: conservative, never wrong.)
 
 from __future__ import annotations
 
-from itertools import islice
+import operator
+from collections.abc import Iterator
+from functools import partial
+from itertools import islice, takewhile
 
 import numpy as np
 
 from cachelib.errors import InvalidRequestError
-from cachelib.free_queue import FreeBlockQueue, KVBlock
+from cachelib.free_queue import BlockQueue
 from cachelib.hashing import BlockHash, BlockHasher, HashFn
 from cachelib.interface import LiveState, Occupancy, PagePartition, PrefixCache
 from cachelib.registry import register_backend
@@ -45,16 +58,75 @@ from cachelib.types import CopyOp, Match, Sequence
 _BLOCK_BYTES = 28
 _ENTRY_BYTES = 20
 
+_is_not_none = partial(operator.is_not, None)
+_NO_BLOCKS = np.empty(0, dtype=np.int64)
+
 
 class _Held(LiveState):
-    """An admitted sequence: its blocks, and how many leading ones are hashed (published)."""
+    """An admitted sequence: its block ids (an int64 array, the page table's), and how many
+    leading ones are hashed (published)."""
 
     __slots__ = ("blocks", "num_cached")
 
-    def __init__(self, seq: Sequence, blocks: list[KVBlock], num_cached: int) -> None:
+    def __init__(self, seq: Sequence, blocks: np.ndarray, num_cached: int) -> None:
         self.seq = seq
         self.blocks = blocks
         self.num_cached = num_cached
+
+
+class BlockView:
+    """Block `block_id` of an `APCCache`, seen through the cache's arrays: `ref_cnt`,
+    `block_hash` (None = not cached). For inspection and tests; assigning `block_hash`
+    writes the cache's state directly (tests corrupt a cache on purpose that way)."""
+
+    __slots__ = ("_cache", "block_id")
+
+    def __init__(self, cache: APCCache, block_id: int) -> None:
+        self._cache = cache
+        self.block_id = block_id
+
+    @property
+    def ref_cnt(self) -> int:
+        ref = self._cache._ref
+        return int(ref[self.block_id]) if self.block_id < ref.size else 0
+
+    @property
+    def block_hash(self) -> BlockHash | None:
+        hashes = self._cache._hash
+        return hashes[self.block_id] if self.block_id < hashes.size else None
+
+    @block_hash.setter
+    def block_hash(self, value: BlockHash | None) -> None:
+        cache = self._cache
+        cache._cover(self.block_id + 1)
+        cache._hash[self.block_id] = value
+        cache._hashed[self.block_id] = value is not None
+
+    def __index__(self) -> int:
+        return self.block_id
+
+    def __repr__(self) -> str:
+        return f"BlockView({self.block_id}, ref={self.ref_cnt}, hashed={self.block_hash is not None})"
+
+
+class _BlockViews:
+    """`APCCache.blocks`: block i's `BlockView` at index i, for every block of the pool."""
+
+    __slots__ = ("_cache",)
+
+    def __init__(self, cache: APCCache) -> None:
+        self._cache = cache
+
+    def __len__(self) -> int:
+        return self._cache.num_pages
+
+    def __getitem__(self, block_id: int) -> BlockView:
+        if not 0 <= block_id < self._cache.num_pages:
+            raise IndexError(f"block {block_id} outside [0, {self._cache.num_pages})")
+        return BlockView(self._cache, block_id)
+
+    def __iter__(self) -> Iterator[BlockView]:
+        return (BlockView(self._cache, i) for i in range(self._cache.num_pages))
 
 
 @register_backend("apc")
@@ -78,22 +150,48 @@ class APCCache(PrefixCache):
             raise InvalidRequestError(f"verify_tokens must be a bool, got {verify_tokens!r}")
         self.hasher = BlockHasher(page_size, hash_algorithm, hash_fn)
         self.verify_tokens = verify_tokens
-        self.blocks = [KVBlock(i) for i in range(num_pages)]
-        self.free_queue = FreeBlockQueue(self.blocks)
-        # hash -> the cached block, or {block_id: block} once duplicates exist (oldest first)
-        self._table: dict[BlockHash, KVBlock | dict[int, KVBlock]] = {}
+        self.free_queue = BlockQueue(num_pages)
+        # per block id, for the ids handed out so far (`_cover`): users, hash, hash is set
+        self._ref = np.zeros(0, dtype=np.int32)
+        self._hash = np.empty(0, dtype=object)
+        self._hashed = np.zeros(0, dtype=bool)
+        # hash -> its oldest cached block; hash -> the younger ones (duplicates), oldest first
+        self._table: dict[BlockHash, int] = {}
+        self._dups: dict[BlockHash, list[int]] = {}
         self._num_cached_free = 0  # hashed blocks with ref 0 (in the free queue)
         self._num_hashed = 0  # hashed blocks = table entries (each hashed block is one entry)
         self._memo_key = object()
         if verify_tokens:
             # what each cached block was computed from: tokens, extra keys, parent instance
-            self._tokens = np.zeros((num_pages, page_size), dtype=np.int32)
-            self._extra: list[bytes] = [b""] * num_pages
-            self._parent: list[tuple[int, int] | None] = [None] * num_pages
+            self._tokens = np.zeros((0, page_size), dtype=np.int32)
+            self._extra: list[bytes] = []
+            self._parent: list[tuple[int, int] | None] = []
             # the parent's hash when recorded: lets check_invariants rehash each cached block
             # from its recorded content, even after its parent block was evicted
-            self._parent_hash: list[BlockHash | None] = [None] * num_pages
-            self._generation = [0] * num_pages
+            self._parent_hash: list[BlockHash | None] = []
+            self._generation: list[int] = []
+
+    @property
+    def blocks(self) -> _BlockViews:
+        """Every block as a `BlockView` (`cache.blocks[i].ref_cnt`, `.block_hash`)."""
+        return _BlockViews(self)
+
+    def _cover(self, need: int) -> None:
+        """Make the per-block arrays cover ids `0 .. need - 1` (doubling, at most num_pages)."""
+        have = self._ref.size
+        if need <= have:
+            return
+        size = min(self.num_pages, max(need, 2 * have, 1024))
+        more = size - have
+        self._ref = np.concatenate([self._ref, np.zeros(more, dtype=np.int32)])
+        self._hash = np.concatenate([self._hash, np.full(more, None, dtype=object)])
+        self._hashed = np.concatenate([self._hashed, np.zeros(more, dtype=bool)])
+        if self.verify_tokens:
+            self._tokens = np.concatenate([self._tokens, np.zeros((more, self.page_size), dtype=np.int32)])
+            self._extra += [b""] * more
+            self._parent += [None] * more
+            self._parent_hash += [None] * more
+            self._generation += [0] * more
 
     # -- hashing --------------------------------------------------------------------
 
@@ -112,52 +210,44 @@ class APCCache(PrefixCache):
 
     # -- the contract: the hooks the base class calls after its checks -----------------
 
-    def _match(self, seq: Sequence) -> tuple[int, tuple[int, ...], list[KVBlock]]:
+    def _match(self, seq: Sequence) -> tuple[int, tuple[int, ...], list[int]]:
         max_blocks = (len(seq) - 1) // self.page_size
         hashes = self._block_hashes(seq, max_blocks)
-        table = self._table
-        hit: list[KVBlock] = []
         if self.verify_tokens:
             hit = self._verified_walk(seq, hashes[:max_blocks])
         else:
-            append = hit.append
-            for h in islice(hashes, max_blocks):
-                block = table.get(h)
-                if block is None:
-                    break
-                if block.__class__ is not KVBlock:
-                    block = next(iter(block.values()))
-                append(block)
-        return len(hit) * self.page_size, tuple([b.block_id for b in hit]), hit
+            # the oldest block of each hash, up to the first miss (one C-level pass)
+            hit = list(takewhile(_is_not_none, map(self._table.get, islice(hashes, max_blocks))))
+        return len(hit) * self.page_size, tuple(hit), hit
 
-    def _verified_walk(
-        self, seq: Sequence, hashes: list[BlockHash], chosen: list[KVBlock] | None = None
-    ) -> list[KVBlock]:
+    def _members(self, h: BlockHash) -> list[int]:
+        """Every cached block with hash `h`, oldest first."""
+        first = self._table.get(h)
+        if first is None:
+            return []
+        return [operator.index(first), *self._dups.get(h, ())]
+
+    def _verified_walk(self, seq: Sequence, hashes: list[BlockHash], chosen: list[int] | None = None) -> list[int]:
         """The longest run of cached blocks whose recorded contents are `seq`'s first blocks.
         With `chosen`, only those blocks are candidates (re-checking a match's hit)."""
         size = self.page_size
         tokens = seq.tokens
-        hit: list[KVBlock] = []
+        hit: list[int] = []
         for i, h in enumerate(hashes):
-            if chosen is not None:
-                candidates = [chosen[i]]
-            else:
-                entry = self._table.get(h)
-                if entry is None:
-                    break
-                candidates = [entry] if entry.__class__ is KVBlock else list(entry.values())
-            want_parent = None if i == 0 else (hit[-1].block_id, self._generation[hit[-1].block_id])
+            candidates = [chosen[i]] if chosen is not None else self._members(h)
+            if not candidates:
+                break
+            want_parent = None if i == 0 else (hit[-1], self._generation[hit[-1]])
             extra = self.hasher.extra_bytes(seq.extra, i)
             block_tokens = tokens[i * size : (i + 1) * size]
             found = None
-            for block in candidates:
-                bid = block.block_id
+            for bid in candidates:
                 if (
                     self._parent[bid] == want_parent
                     and self._extra[bid] == extra
                     and np.array_equal(self._tokens[bid], block_tokens)
                 ):
-                    found = block
+                    found = bid
                     break
             if found is None:
                 break
@@ -165,191 +255,206 @@ class APCCache(PrefixCache):
         return hit
 
     def _verify_match(self, seq: Sequence, match: Match) -> None:
-        """The hit must be this cache's blocks (not evicted since: the epoch says so), holding `seq`'s first
-        blocks: their hashes equal the sequence's chained hashes (and, with
+        """The hit must be this cache's blocks (not evicted since: the epoch says so), holding
+        `seq`'s first blocks: their hashes equal the sequence's chained hashes (and, with
         `verify_tokens`, their recorded tokens, extra keys and parents equal its own)."""
-        hit = match.handle
-        blocks = self.blocks
-        n = len(match.pages)
-        foreign = other_tokens = False
-        if hit.__class__ is not list or len(hit) != n or n * self.page_size != match.num_tokens:
-            foreign = True
-        else:
-            hashes = self._block_hashes(seq, n)
-            try:
-                for block, page, h in zip(hit, match.pages, hashes, strict=False):
-                    if blocks[block.block_id] is not block or block.block_id != page:
-                        foreign = True
-                        break
-                    if block.block_hash != h:
-                        other_tokens = True
-            except (AttributeError, IndexError, TypeError):
-                foreign = True
-        if foreign:
+        hit, pages = match.handle, match.pages
+        n = len(pages)
+        ids = np.asarray(pages)
+        if (
+            hit.__class__ is not list
+            or len(hit) != n
+            or n * self.page_size != match.num_tokens
+            or hit != list(pages)
+            or (n and (ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= self._ref.size))
+        ):
             raise InvalidRequestError(
                 f"request {seq.request_id!r}: the match's blocks are not this cache's (another cache's match, or forged)"
             )
-        if other_tokens or (self.verify_tokens and len(self._verified_walk(seq, hashes[:n], hit)) != n):
+        hashes = self._block_hashes(seq, n)
+        if (n and self._hash[ids].tolist() != hashes[:n]) or (
+            self.verify_tokens and len(self._verified_walk(seq, hashes[:n], hit)) != n
+        ):
             raise InvalidRequestError(
                 f"request {seq.request_id!r}: the match's blocks hold other tokens (a match made for another sequence)"
             )
 
+    def _hit_ids(self, match: Match) -> np.ndarray:
+        return np.array(match.pages, dtype=np.int64) if match.num_tokens else _NO_BLOCKS
+
     def _can_admit(self, seq: Sequence, match: Match, num_tokens: int) -> bool:
         """vLLM's `allocate_slots` check: the new blocks fit in the free queue, less the hit
         blocks still in it (they are about to leave it: they are not free for us)."""
-        hit: list[KVBlock] = match.handle if match.num_tokens else []
-        num_free_hit = sum(1 for b in hit if b.ref_cnt == 0)
-        return self.pages_for(num_tokens) - len(hit) <= self.free_queue.num_free - num_free_hit
+        return self._fits(self._hit_ids(match), num_tokens)
+
+    def _fits(self, hit: np.ndarray, num_tokens: int) -> bool:
+        num_free_hit = int(np.count_nonzero(self._ref[hit] == 0)) if hit.size else 0
+        return self.pages_for(num_tokens) - hit.size <= self.free_queue.num_free - num_free_hit
 
     def _admit(self, seq: Sequence, match: Match, num_tokens: int) -> tuple[_Held, list[CopyOp]] | None:
-        if not self._can_admit(seq, match, num_tokens):
+        hit = self._hit_ids(match)
+        if not self._fits(hit, num_tokens):
             return None
-        hit: list[KVBlock] = match.handle if match.num_tokens else []
-        num_new = self.pages_for(num_tokens) - len(hit)
-        queue = self.free_queue
-        for block in hit:
-            if block.ref_cnt == 0:
-                queue.remove(block)
-                self._num_cached_free -= 1
-            block.ref_cnt += 1
-        blocks = hit + self._take_new(num_new)
-        seq.page_table = [b.block_id for b in blocks]
+        num_new = self.pages_for(num_tokens) - hit.size
+        if hit.size:
+            ref = self._ref
+            waiting = hit[ref[hit] == 0]  # cached blocks nobody uses: a hit takes them out of the queue
+            if waiting.size:
+                self.free_queue.remove_n(waiting)
+                self._num_cached_free -= waiting.size
+            ref[hit] += 1
+            blocks = np.concatenate([hit, self._take_new(num_new)])
+        else:
+            blocks = self._take_new(num_new)
+        seq.page_table = blocks.tolist()
         seq.num_computed = match.num_tokens
-        return _Held(seq, blocks, len(hit)), []
+        return _Held(seq, blocks, hit.size), []
 
-    def _take_new(self, n: int) -> list[KVBlock]:
+    def _take_new(self, n: int) -> np.ndarray:
         """Pop `n` blocks from the queue head, evicting those that still hold a cached block."""
-        new = self.free_queue.popleft_n(n)
-        table = self._table
-        evicted = 0
-        for block in new:
-            h = block.block_hash
-            if h is not None:  # lazy eviction: the block leaves the table only now
-                entry = table.pop(h)
-                if entry is not block:
-                    self._keep_other_duplicates(h, entry, block)
-                block.block_hash = None
-                evicted += 1
-            assert block.ref_cnt == 0, f"apc: block {block.block_id} handed out while referenced"
-            block.ref_cnt = 1
-        if evicted:
-            self._evicted(new if self.verify_tokens else (), evicted)
+        queue = self.free_queue
+        new = queue.popleft_n(n)
+        if queue.num_used > self._ref.size:
+            self._cover(queue.num_used)
+        victims = new[self._hashed[new]]
+        if victims.size:  # lazy eviction: a block leaves the table only now
+            self._unindex(victims)
+            self._evicted(victims)
+        assert not self._ref[new].any(), "apc: a block handed out while referenced"
+        self._ref[new] = 1
         return new
 
-    def _keep_other_duplicates(self, h: BlockHash, entry: dict[int, KVBlock], block: KVBlock) -> None:
-        """`block` leaves a hash that other (duplicate) blocks still hold: put those back."""
-        del entry[block.block_id]
-        self._table[h] = next(iter(entry.values())) if len(entry) == 1 else entry
+    def _unindex(self, victims: np.ndarray) -> None:
+        """Take the cached blocks `victims` out of the table; their hashes are cleared."""
+        hashes = self._hash[victims].tolist()
+        if self._dups:
+            for block, h in zip(victims.tolist(), hashes, strict=True):
+                self._drop(h, block)
+        else:  # every hash has one block: its entry goes
+            table = self._table
+            for h in hashes:
+                del table[h]
+        self._hash[victims] = None
+        self._hashed[victims] = False
 
-    def _evicted(self, blocks: list[KVBlock], count: int) -> None:
-        """Book-keeping for `count` cached blocks just evicted (`blocks` only in verify mode)."""
+    def _drop(self, h: BlockHash, block: int) -> None:
+        """`block` leaves hash `h`'s entry; the oldest of the others (if any) now answers it."""
+        others = self._dups.get(h)
+        if self._table[h] == block:
+            if others:
+                self._table[h] = others.pop(0)
+            else:
+                del self._table[h]
+        elif others is not None:
+            others.remove(block)
+        if others is not None and not others:
+            del self._dups[h]
+
+    def _evicted(self, blocks: np.ndarray) -> None:
+        """Book-keeping for the cached blocks just evicted."""
+        count = blocks.size
         self._num_cached_free -= count
         self._num_hashed -= count
         self._counters["evicted_pages"] += count
         self._epoch += 1
-        for block in blocks:
-            # a new instance of this block id: children recorded against the old one no longer match
-            self._generation[block.block_id] += 1
-            self._parent[block.block_id] = None
-            self._parent_hash[block.block_id] = None
+        if self.verify_tokens:
+            for block in blocks.tolist():
+                # a new instance of this block id: children recorded against the old one no longer match
+                self._generation[block] += 1
+                self._parent[block] = None
+                self._parent_hash[block] = None
 
     def _grow(self, seq: Sequence, held: _Held, num_tokens: int) -> list[CopyOp] | None:
-        num_new = self.pages_for(num_tokens) - len(held.blocks)
+        num_new = self.pages_for(num_tokens) - held.blocks.size
         if num_new <= 0:
             return []
         if num_new > self.free_queue.num_free:
             return None
         new = self._take_new(num_new)
-        held.blocks.extend(new)
-        seq.page_table.extend([b.block_id for b in new])
+        held.blocks = np.concatenate([held.blocks, new])
+        seq.page_table.extend(new.tolist())
         return []
 
     def _commit(self, seq: Sequence, held: _Held, num_computed: int) -> None:
         seq.num_computed = num_computed
         full = num_computed // self.page_size
-        if full <= held.num_cached:
+        start = held.num_cached
+        if full <= start:
             return
-        hashes = self._block_hashes(seq, full)
-        table = self._table
-        setdefault = table.setdefault
-        for block, h in zip(held.blocks[held.num_cached : full], hashes[held.num_cached : full], strict=True):
-            # write-once: a block's hash is set when it fills and cleared only on eviction
-            assert block.block_hash is None, f"apc: block {block.block_id} is hashed already"
-            block.block_hash = h
-            entry = setdefault(h, block)
-            if entry is not block:  # an equal block is cached already: keep both (append-only tables)
-                if entry.__class__ is KVBlock:
-                    table[h] = {entry.block_id: entry, block.block_id: block}
-                else:
-                    entry[block.block_id] = block
+        hashes = self._block_hashes(seq, full)[start:full]
+        ids = held.blocks[start:full]
+        # write-once: a block's hash is set when it fills and cleared only on eviction
+        assert not np.count_nonzero(self._hashed[ids]), f"apc: a block of {seq.request_id!r} is hashed already"
+        self._hash[ids] = np.fromiter(hashes, dtype=object, count=len(hashes))  # (a list converts slower)
+        self._hashed[ids] = True
+        id_list = ids.tolist()
+        entries = list(map(self._table.setdefault, hashes, id_list))
+        if entries != id_list:  # an equal block is cached already: keep both (append-only tables)
+            for h, block, entry in zip(hashes, id_list, entries, strict=True):
+                if entry != block:
+                    self._dups.setdefault(h, []).append(block)
         if self.verify_tokens:
-            self._record_contents(seq, held.blocks, held.num_cached, full)
-        self._num_hashed += full - held.num_cached
+            self._record_contents(seq, held.blocks, start, full)
+        self._num_hashed += full - start
         held.num_cached = full
 
-    def _record_contents(self, seq: Sequence, blocks: list[KVBlock], start: int, stop: int) -> None:
+    def _record_contents(self, seq: Sequence, blocks: np.ndarray, start: int, stop: int) -> None:
         size = self.page_size
         tokens = seq.tokens
+        ids = blocks.tolist()
         for i in range(start, stop):
-            bid = blocks[i].block_id
+            bid = ids[i]
             self._tokens[bid] = tokens[i * size : (i + 1) * size]
             self._extra[bid] = self.hasher.extra_bytes(seq.extra, i)
-            prev = blocks[i - 1].block_id if i else None
+            prev = ids[i - 1] if i else None
             self._parent[bid] = None if prev is None else (prev, self._generation[prev])
-            self._parent_hash[bid] = None if prev is None else blocks[i - 1].block_hash
+            self._parent_hash[bid] = None if prev is None else self._hash[prev]
 
     def _fork(self, parent: Sequence, held: _Held, child: Sequence) -> tuple[_Held, list[CopyOp]] | None:
         computed = parent.num_computed
         full = computed // self.page_size
-        partial = computed % self.page_size != 0
-        if partial and self.free_queue.num_free < 1:
+        partial_block = computed % self.page_size != 0
+        if partial_block and self.free_queue.num_free < 1:
             return None
         shared = held.blocks[:full]
-        for block in shared:
-            block.ref_cnt += 1  # pinned blocks: none of them is in the free queue
-        blocks = list(shared)
+        self._ref[shared] += 1  # pinned blocks: none of them is in the free queue
         ops: list[CopyOp] = []
-        if partial:
-            (copy,) = self._take_new(1)
-            ops.append(CopyOp(held.blocks[full].block_id, copy.block_id))
-            blocks.append(copy)
-        child.page_table = [b.block_id for b in blocks]
+        if partial_block:
+            copy = self._take_new(1)
+            ops.append(CopyOp(int(held.blocks[full]), int(copy[0])))
+            blocks = np.concatenate([shared, copy])
+        else:
+            blocks = shared.copy()
+        child.page_table = blocks.tolist()
         child.num_computed = computed
         if parent.cache_memo is not None and parent.cache_memo[0] is self._memo_key:
             child.cache_memo = (self._memo_key, parent.cache_memo[1][:full])
         return _Held(child, blocks, full), ops
 
     def _release(self, seq: Sequence, held: _Held) -> None:
-        queue = self.free_queue
-        to_tail: list[KVBlock] = []
-        for block in reversed(held.blocks):
-            ref = block.ref_cnt - 1
-            block.ref_cnt = ref
-            if ref == 0:
-                if block.block_hash is not None:
-                    to_tail.append(block)
-                else:
-                    queue.appendleft(block)
-        queue.append_n(to_tail)
-        self._num_cached_free += len(to_tail)
+        # vLLM frees the table last block first: of the blocks nobody uses any more, hashed
+        # ones go to the tail in that order (evicted late), the others to the head (reused
+        # first: the first block of the table ends up at the head)
+        ids = held.blocks[::-1]
+        ref = self._ref
+        ref[ids] -= 1
+        unused = ids[ref[ids] == 0]
+        if unused.size:
+            hashed = self._hashed[unused]
+            to_tail = unused[hashed]
+            self.free_queue.appendleft_n(unused[~hashed][::-1])
+            self.free_queue.append_n(to_tail)
+            self._num_cached_free += to_tail.size
 
     def _evict(self, num_pages: int) -> int:
-        victims = []
-        for block in self.free_queue:
-            if block.block_hash is not None:
-                victims.append(block)
-                if len(victims) == num_pages:
-                    break
-        for block in reversed(victims):
-            entry = self._table.pop(block.block_hash)
-            if entry is not block:
-                self._keep_other_duplicates(block.block_hash, entry, block)
-            block.block_hash = None
-            self.free_queue.remove(block)
-            self.free_queue.appendleft(block)
-        if victims:
-            self._evicted(victims if self.verify_tokens else [], len(victims))
-        return len(victims)
+        queued = self.free_queue.ids(fresh=False)
+        victims = queued[self._hashed[queued]][:num_pages]
+        if victims.size:
+            self._unindex(victims)
+            self.free_queue.remove_n(victims)
+            self.free_queue.appendleft_n(victims)  # the first victim at the head
+            self._evicted(victims)
+        return int(victims.size)
 
     # -- observation ----------------------------------------------------------------
 
@@ -365,16 +470,20 @@ class APCCache(PrefixCache):
         return self.num_pages - self.free_queue.num_free  # O(1), no stats dict
 
     def _page_partition(self) -> PagePartition:
-        queued = list(self.free_queue)
+        queued = self.free_queue.ids()
+        hashed = np.zeros(queued.size, dtype=bool)
+        used = queued < self._hashed.size
+        hashed[used] = self._hashed[queued[used]]
         return PagePartition(
-            free=[b.block_id for b in queued if b.block_hash is None],
-            cached=[b.block_id for b in queued if b.block_hash is not None],
-            pinned=[b.block_id for b in self.blocks if b.ref_cnt > 0],
+            free=queued[~hashed].tolist(),
+            cached=queued[hashed].tolist(),
+            pinned=np.flatnonzero(self._ref > 0).tolist(),
         )
 
     def cached_blocks_in_lru_order(self) -> list[int]:
         """Ids of cached blocks with no user, next evicted first."""
-        return [b.block_id for b in self.free_queue if b.block_hash is not None]
+        queued = self.free_queue.ids(fresh=False)
+        return queued[self._hashed[queued]].tolist()
 
     def _check_invariants(self) -> None:
         from backends.apc_invariants import check_apc

@@ -1,13 +1,16 @@
 """apc's own invariants (the page partition is checked for every backend by
-`cachelib.invariants`): ref counts equal to the tables holding each block, the free queue exactly the unreferenced blocks, the hash table
-exactly the hashed blocks, and every live table's hashed blocks holding its own content."""
+`cachelib.invariants`): ref counts equal to the tables holding each block, the free queue
+exactly the unreferenced blocks, the hash table exactly the hashed blocks, never-used
+blocks without state, and every live table's hashed blocks holding its own content."""
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from cachelib.errors import InvariantViolation
-from cachelib.free_queue import KVBlock
 
 if TYPE_CHECKING:
     from backends.apc import APCCache
@@ -19,39 +22,66 @@ def check_apc(cache: APCCache) -> None:
     def fail(msg: str) -> None:
         raise InvariantViolation(f"apc: {msg}")
 
-    cache.free_queue.check()
-    in_queue = {b.block_id for b in cache.free_queue}
-    refs = [0] * cache.num_pages
+    queue = cache.free_queue
+    queue.check()
+    used = queue.num_used  # ids 0 .. used-1 were handed out; the others never were
+    ref, hashed, hashes = cache._ref, cache._hashed, cache._hash
+    if not ref.size == hashed.size == hashes.size or not used <= ref.size <= cache.num_pages:
+        fail(f"per-block arrays of sizes {ref.size}/{hashed.size}/{hashes.size} for {used} blocks handed out")
+    has_hash = np.array([h is not None for h in hashes.tolist()], dtype=bool)
+    if not np.array_equal(has_hash, hashed):
+        b = int(np.flatnonzero(has_hash != hashed)[0])
+        fail(f"block {b} has hash {hashes[b]!r:.20} but its hashed flag says {bool(hashed[b])}")
+    if ref[used:].any() or hashed[used:].any():
+        fail("a block never handed out is referenced or hashed")
+
+    # ref counts are the tables holding each block; each table's first num_cached are hashed
+    refs = np.zeros(ref.size, dtype=np.int64)
     for rid, held in cache._live.items():
-        if not 0 <= held.num_cached <= len(held.blocks):
+        blocks = held.blocks
+        if blocks.__class__ is not np.ndarray or blocks.dtype != np.int64 or blocks.ndim != 1:
+            fail(f"{rid}: its blocks are not an int64 array")
+        if not 0 <= held.num_cached <= blocks.size:
             fail(f"{rid}: num_cached {held.num_cached} outside its table")
-        for i, block in enumerate(held.blocks):
-            refs[block.block_id] += 1
-            if (i < held.num_cached) != (block.block_hash is not None):
-                fail(f"{rid}: block {i} hashed={block.block_hash is not None} but num_cached={held.num_cached}")
-    cached_free = 0
-    for block in cache.blocks:
-        if block.ref_cnt != refs[block.block_id]:
-            fail(f"block {block.block_id} ref {block.ref_cnt} but held by {refs[block.block_id]} tables")
-        if (block.ref_cnt == 0) != (block.block_id in in_queue):
-            fail(f"block {block.block_id} ref {block.ref_cnt} but in_queue={block.block_id in in_queue}")
-        if block.block_hash is not None:
-            entry = cache._table.get(block.block_hash)
-            members = {} if entry is None else ({entry.block_id: entry} if entry.__class__ is KVBlock else entry)
-            if members.get(block.block_id) is not block:
-                fail(f"hashed block {block.block_id} missing from the table")
-            cached_free += block.ref_cnt == 0
-    for h, entry in cache._table.items():
-        members = [entry] if entry.__class__ is KVBlock else list(entry.values())
-        if not members or (entry.__class__ is not KVBlock and len(members) < 2):
-            fail("table entry with a wrong number of blocks")
+        if blocks.size and (blocks.min() < 0 or blocks.max() >= used):
+            fail(f"{rid}: holds a block that was never handed out")
+        np.add.at(refs, blocks, 1)
+        want = np.arange(blocks.size) < held.num_cached
+        wrong = np.flatnonzero(hashed[blocks] != want)
+        if wrong.size:
+            i = int(wrong[0])
+            fail(f"{rid}: block {i} hashed={bool(hashed[blocks[i]])} but num_cached={held.num_cached}")
+    if not np.array_equal(ref, refs):
+        b = int(np.flatnonzero(ref != refs)[0])
+        fail(f"block {b} ref {ref[b]} but held by {refs[b]} tables")
+    in_queue = queue.contains(np.arange(used))
+    if not np.array_equal(ref[:used] == 0, in_queue):
+        b = int(np.flatnonzero((ref[:used] == 0) != in_queue)[0])
+        fail(f"block {b} ref {ref[b]} but in_queue={bool(in_queue[b])}")
+
+    # the table holds exactly the hashed blocks, each under its own hash, oldest first
+    seen = np.zeros(ref.size, dtype=bool)
+    for h, dups in cache._dups.items():
+        if h not in cache._table or not dups:
+            fail("a duplicate list without its table entry, or empty")
+    entries = 0
+    for h, first in cache._table.items():
+        members = [operator.index(first), *cache._dups.get(h, ())]
         for block in members:
-            if block.block_hash != h:
-                fail(f"table entry points at block {block.block_id} whose hash differs")
-    hashed = sum(b.block_hash is not None for b in cache.blocks)
-    entries = sum(1 if e.__class__ is KVBlock else len(e) for e in cache._table.values())
-    if not hashed == entries == cache._num_hashed:
-        fail(f"hashed blocks {hashed}, table entries {entries}, count {cache._num_hashed}")
+            if not 0 <= block < used:
+                fail(f"table entry points at block {block}, never handed out")
+            if seen[block]:
+                fail(f"block {block} is in the table twice")
+            seen[block] = True
+            if hashes[block] != h:
+                fail(f"table entry points at block {block} whose hash differs")
+        entries += len(members)
+    if not np.array_equal(seen, hashed):
+        b = int(np.flatnonzero(seen != hashed)[0])
+        fail(f"hashed block {b} missing from the table" if hashed[b] else f"unhashed block {b} in the table")
+    if not int(np.count_nonzero(hashed)) == entries == cache._num_hashed:
+        fail(f"hashed blocks {np.count_nonzero(hashed)}, table entries {entries}, count {cache._num_hashed}")
+    cached_free = int(np.count_nonzero(hashed & (ref == 0)))
     if cached_free != cache._num_cached_free:
         fail(f"cached-free count {cache._num_cached_free}, actual {cached_free}")
     if cache.verify_tokens:
@@ -59,12 +89,12 @@ def check_apc(cache: APCCache) -> None:
     # index entries point only at pages whose content matches: rehash every live table
     for rid, held in cache._live.items():
         seq = held.seq
-        if seq.page_table != [b.block_id for b in held.blocks]:
+        if seq.page_table != held.blocks.tolist():
             fail(f"{rid}: page table differs from the blocks held")
         fresh = cache.hasher.hash_blocks(seq.tokens, seq.extra, 0, held.num_cached, None)
-        for i, (block, h) in enumerate(zip(held.blocks, fresh, strict=False)):
-            if block.block_hash != h:
-                fail(f"{rid}: block {i} (page {block.block_id}) is cached under another content's hash")
+        for i, (block, h) in enumerate(zip(held.blocks.tolist(), fresh, strict=False)):
+            if hashes[block] != h:
+                fail(f"{rid}: block {i} (page {block}) is cached under another content's hash")
 
 
 def _check_recorded_contents(cache: APCCache, fail) -> None:
@@ -73,17 +103,18 @@ def _check_recorded_contents(cache: APCCache, fail) -> None:
     still cached (same generation) still has that hash. So no block is indexed under
     another block's tokens, nor under another prefix."""
     hasher = cache.hasher
-    for block in cache.blocks:
-        h = block.block_hash
-        if h is None:
-            continue
-        bid = block.block_id
+    size = cache._ref.size
+    digest = cache._hash
+    if not len(cache._tokens) == len(cache._extra) == len(cache._parent) == len(cache._generation) == size:
+        fail("recorded contents do not cover every block handed out")
+    for bid in np.flatnonzero(cache._hashed).tolist():
+        h = digest[bid]
         parent, parent_hash = cache._parent[bid], cache._parent_hash[bid]
         if (parent is None) != (parent_hash is None):
             fail(f"block {bid}: recorded parent {parent} but parent hash {parent_hash!r:.20}")
         if parent is not None:
             pid, generation = parent
-            if cache._generation[pid] == generation and cache.blocks[pid].block_hash != parent_hash:
+            if cache._generation[pid] == generation and digest[pid] != parent_hash:
                 fail(f"block {bid}: its parent block {pid} is cached under another hash than recorded")
         if hasher.hash_block(parent_hash, cache._tokens[bid].tobytes(), cache._extra[bid]) != h:
             fail(f"block {bid}: its recorded tokens do not rehash to the hash it is indexed under")

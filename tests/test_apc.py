@@ -11,7 +11,7 @@ from tests.helpers import run_prompt, seq, unchanged
 
 
 def queue_ids(cache: APCCache) -> list[int]:
-    return [b.block_id for b in cache.free_queue]
+    return list(cache.free_queue)  # block ids, head first
 
 
 def test_seed_example_hits_8_of_14():
@@ -244,3 +244,29 @@ def test_stats_account_for_every_page():
     s = cache.stats()
     assert (s.pages_free, s.pages_cached, s.pages_pinned) == (8, 2, 0)
     assert s.admitted_tokens == 10 and s.hit_tokens == 0 and s.lookups == 1
+
+
+@pytest.mark.parametrize("verify_tokens", [False, True])
+def test_a_billion_pages_cost_nothing_until_used(verify_tokens):
+    """Pages are created lazily (replay with unlimited capacity asks for every page of a
+    trace): a pool of 10**9 blocks holds only what the blocks used need."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        cache = APCCache(num_pages=10**9, page_size=16, verify_tokens=verify_tokens)
+        rng = np.random.default_rng(0)
+        prefix = rng.integers(0, 50_000, 64)
+        for i in range(40):
+            s = seq(f"r{i}", np.concatenate([prefix, rng.integers(0, 50_000, 300)]))
+            m = cache.match(s)
+            assert cache.admit(s, m, len(s)) == []
+            cache.commit(s, len(s))
+            assert m.num_tokens == (0 if i == 0 else 64)
+            cache.release(s)
+        stats = cache.stats()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert stats.pages_free + stats.pages_cached == 10**9 and stats.pages_cached > 0
+    assert peak < 5_000_000, f"{peak} bytes for 10**9 pages, {cache.free_queue.num_used} used"
