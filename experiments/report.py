@@ -36,8 +36,10 @@ COLUMNS = [
 #: others are the cell's `config` keys (`step_ms` empty but for the fixed executor)
 CSV_CONFIG = (
     "backend", "label", "backend_options", "workload", "capacity_tokens", "page_size", "executor", "device", "ordering",
-    "scheduler", "async_scheduling", "step_ms", "replicas", "router", "router_options",
+    "scheduler", "async_scheduling", "step_ms",
 )  # fmt: skip
+#: the configuration columns a document with a cluster cell adds (one replica: 1, empty, {})
+CLUSTER_CONFIG = ("replicas", "router", "router_options")
 #: a document written before the settings existed: every serving cell then ran the scheduler
 #: now called `legacy`, synchronously, on a cost model or the real model; and a one-replica
 #: cell's config has no cluster keys (`CellConfig.as_dict`)
@@ -93,8 +95,9 @@ CSV_FIELDS = [
             "steps",
         ],
     ),
-    ("cluster", ["hit_rate", "load_imbalance", "preemptions", "router_decisions", "router_us_per_decision"]),
 ]
+#: the metric columns a document with a cluster cell adds (its `cluster` section)
+CLUSTER_CSV = [("cluster", ["hit_rate", "load_imbalance", "preemptions", "router_decisions", "router_us_per_decision"])]
 
 
 #: backends often coincide (none and paged without declared prefixes): vary the dash too
@@ -136,10 +139,13 @@ def load(path: str | Path) -> dict[str, Any]:
 
 
 def write_csv(results: dict[str, Any], path: Path) -> None:
-    """One row per cell: its configuration and every scalar metric."""
-    header = list(CSV_CONFIG)
-    for section, keys in CSV_FIELDS:
-        header += [f"{section}.{k}" for k in keys]
+    """One row per cell: its configuration and every scalar metric. The cluster columns
+    (`CLUSTER_CSV`) are there only when a cell is a cluster, so a document of one-replica
+    cells writes the same file as before clusters existed."""
+    clusters = any("cluster" in cell for cell in results["cells"])
+    config = list(CSV_CONFIG) + (list(CLUSTER_CONFIG) if clusters else [])
+    fields = CSV_FIELDS + (CLUSTER_CSV if clusters else [])
+    header = config + [f"{section}.{k}" for section, keys in fields for k in keys]
     with path.open("w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(header)
@@ -151,8 +157,8 @@ def write_csv(results: dict[str, Any], path: Path) -> None:
                 "router": "" if cfg["router"] is None else router_label(cfg["router"], cfg["router_options"]),
                 "router_options": json.dumps(cfg["router_options"]),
             }
-            row = [given[k] if k in given else cfg[k] for k in CSV_CONFIG]
-            for section, keys in CSV_FIELDS:
+            row = [given[k] if k in given else cfg[k] for k in config]
+            for section, keys in fields:
                 row += [_get(cell, section, k) for k in keys]
             w.writerow(row)
 
