@@ -73,7 +73,7 @@ class StepPlan:
     admitted: bool = False
     index: int | None = None
     end: float = 0.0
-    sampled: list[bool] = field(default_factory=list)  # per item: did it sample a token
+    tokens: list[int | None] = field(default_factory=list)  # per item: the token it sampled, if any
 
 
 class VllmScheduler(Scheduler):
@@ -156,36 +156,37 @@ class VllmScheduler(Scheduler):
         return plan
 
     def schedule_running_pass(self, plan: StepPlan) -> int:
-        """Rules 1 and 2; returns the budget left."""
+        """Rules 1 and 2; returns the budget left. (This loop runs for every running request
+        of every step: the common case, a decode step inside a held page, stays inline.)"""
         budget = self.config.token_budget
-        running = self.running
+        running, items = self.running, plan.items
+        page = self.cache.page_size
+        lazy = self.lazy
         i = 0
         while i < len(running) and budget > 0:
             r = running[i]
             v = r.vllm
-            if v.placeholders > 0 and v.computed + 2 - v.placeholders >= r.spec.prompt_len + r.target:
-                i += 1  # async: its in-flight token is its last; no extra step
-                continue
-            n = min(v.known + v.placeholders - v.computed, budget)
-            if n == 0:
-                i += 1
-                continue
-            if not self.allocate(r, n, plan):
-                break  # it preempted itself: the running pass stops
-            plan.items.append((r, n, v.computed))
-            budget -= n
             i += 1
+            if v.placeholders > 0 and v.computed + 2 - v.placeholders >= r.spec.prompt_len + r.target:
+                continue  # async: its in-flight token is its last; no extra step
+            n = v.known + v.placeholders - v.computed
+            if n > budget:
+                n = budget
+            elif n == 0:
+                continue
+            end = v.computed + n
+            if lazy and n == 1 and end % page and end <= len(r.seq.page_table) * page:
+                r.lag = end - r.seq.num_computed  # no new page and none fills: nothing to call
+            elif not self.allocate(r, n, plan):
+                break  # it preempted itself: the running pass stops
+            items.append((r, n, v.computed))
+            budget -= n
         return budget
 
     def allocate(self, r: Request, n: int, plan: StepPlan) -> bool:
         """`allocate_slots` for a running request, preempting the last running request
         until it fits; False when `r` itself was preempted."""
         v = r.vllm
-        end = v.computed + n
-        seq = r.seq
-        if self.lazy and n == 1 and end % self.cache.page_size and end <= len(seq.page_table) * self.cache.page_size:
-            r.lag = end - seq.num_computed  # no new page and none fills: nothing to call
-            return True
         self.flush(r)
         while True:
             ops = self.client.grow(r.seq, v.computed + n)
@@ -276,19 +277,20 @@ class VllmScheduler(Scheduler):
         plan.end = self.gpu_free = start + seconds
         plan.index = self.result.steps
         self.result.steps += 1
-        for (r, n, _), tok in zip(plan.items, tokens, strict=True):
+        for k, ((r, n, _), tok) in enumerate(zip(plan.items, tokens, strict=True)):
             r.computed_tokens += n
-            plan.sampled.append(tok is not None)
             if tok is not None:
-                sampled = len(r.seq) - r.spec.prompt_len  # its outputs before this one
-                if r.forced is not None and sampled < len(r.forced):
-                    tok = r.forced[sampled]  # the request's recorded output overrides the sample
+                if r.forced is not None:
+                    sampled = len(r.seq) - r.spec.prompt_len  # its outputs before this one
+                    if sampled < len(r.forced):
+                        tok = tokens[k] = r.forced[sampled]  # the recorded output overrides the sample
                 r.seq.append_token(tok)
+        plan.tokens = tokens
         self.record_pages(plan.end)
 
     def process(self, plan: StepPlan) -> None:
         """`update_from_output`: deliver each sampled token, publish, finish what stopped."""
-        for (r, n, _), sampled in zip(plan.items, plan.sampled, strict=True):
+        for (r, n, _), tok in zip(plan.items, plan.tokens, strict=True):
             if r.finished_at is not None:
                 continue  # finished while this step was in flight: vLLM forgot it
             v = r.vllm
@@ -296,26 +298,21 @@ class VllmScheduler(Scheduler):
             stale = v.stale > 0
             if stale:
                 v.stale -= n
-            if not sampled:
+            if tok is None:
                 continue
-            was_running, had_placeholders = v.running, v.placeholders > 0
-            stopped = self.deliver(r, plan)
-            if not stale and v.placeholders > 0:
+            had_placeholders = v.placeholders > 0
+            # deliver: the oldest undelivered token (steps are processed in order)
+            r.output.append(tok)
+            v.known += 1
+            r.generated += 1
+            if r.first_token_at is None:
+                r.first_token_at, r.first_token_step = plan.end, plan.index
+            if had_placeholders and not stale:
                 v.placeholders -= 1
-            if not stale and was_running and had_placeholders:
-                self.publish(r, min(v.computed - v.in_flight, v.known))
-            if stopped:
+                if v.running:
+                    self.publish(r, min(v.computed - v.in_flight, v.known))
+            if r.generated >= r.target:
                 self.stop(r, plan.end, plan.index)
-
-    def deliver(self, r: Request, plan: StepPlan) -> bool:
-        """One output token reaches the request; True when it was its last."""
-        v = r.vllm
-        r.output.append(int(r.seq.tokens[v.known]))
-        v.known += 1
-        r.generated += 1
-        if r.first_token_at is None:
-            r.first_token_at, r.first_token_step = plan.end, plan.index
-        return r.generated >= r.target
 
     def stop(self, r: Request, at: float, step: int | None) -> None:
         """`r` produced its last token: out of its queue, released, recorded."""
