@@ -1,0 +1,69 @@
+"""Peak memory and time of the bounds (`experiments.runner.bounds`) on a Mooncake trace.
+
+    python -m experiments.bench.bounds_memory [--trace FILE] [--limit N] [--page-size 16]
+        [--capacity-tokens 200000 1000000 3000000 10000000] [--output FILE]
+
+Does what `make mooncake`'s bounds task does, in this process: load the trace as the
+`mooncake` workload, then `bounds(workload, page_size, capacities)`. Prints one JSON object:
+seconds to load and to compute the bounds, peak RSS (`ru_maxrss`, the process's high-water
+mark) after loading and at the end, and the bounds themselves. Run it in a fresh process
+per measurement (the high-water mark never goes down). For ten times the conversation trace,
+write one first with `python -m experiments.bench.repeat_trace TRACE --times 10 --output FILE`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+from experiments.runner import bounds
+from experiments.workloads.registry import make_workload
+
+DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "../shared/traces/mooncake/conversation_trace.jsonl"
+CAPACITIES = [200_000, 1_000_000, 3_000_000, 10_000_000]
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set so far, in MB (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    ap.add_argument("--limit", type=int)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--capacity-tokens", type=int, nargs="+", default=CAPACITIES)
+    ap.add_argument("--output", type=Path)
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    workload = make_workload("mooncake", path=str(args.trace), limit=args.limit)
+    load_s = time.perf_counter() - t0
+    rss_load = peak_rss_mb()
+    t0 = time.perf_counter()
+    result = bounds(workload, args.page_size, args.capacity_tokens)
+    bounds_s = time.perf_counter() - t0
+    out = {
+        "trace": str(args.trace.resolve()),
+        "requests": len(workload.requests),
+        "page_size": args.page_size,
+        "capacity_tokens": args.capacity_tokens,
+        "load_seconds": round(load_s, 2),
+        "bounds_seconds": round(bounds_s, 2),
+        "peak_rss_mb_after_load": round(rss_load, 1),
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+        "bounds": result,
+    }
+    print(json.dumps(out, indent=1))
+    if args.output:
+        args.output.write_text(json.dumps(out, indent=1) + "\n")
+    return out
+
+
+if __name__ == "__main__":
+    main()
