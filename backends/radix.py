@@ -33,6 +33,12 @@ evicted nodes in the same order, for every policy, page sizes 1 and 16, any conc
   private pages. `evict(n)` pops unlocked leaves in policy order (SGLang's heap of leaves;
   a parent that becomes an unlocked leaf joins the same eviction).
 
+Page lists, for speed (no decision depends on which page ids a table holds): a node a
+running request inserts borrows its page ids from that request's table instead of copying
+them (`backends/radix_tree.py`), and at release the table's list itself passes to the tree,
+so a released sequence is left with an empty `page_table`. Free pages are kept as runs (whole
+lists) that move without copying where they can.
+
 Options, each a named variant, never a silent change: `eviction_policy` (lru, lfu, fifo,
 mru, filo: SGLang's `evict_policy.py`; its priority, slru and tlru policies are not offered);
 `admission_eviction="extend"` evicts the whole new-page count whenever free pages are short
@@ -342,17 +348,18 @@ class RadixCache(PrefixCache):
         seq.num_computed = num_computed
         if num_computed <= seq.prompt_len:
             # after a prefill chunk (SGLang's checkpoint); decode tokens wait for release
-            self._insert(held, num_computed // ps * ps)
+            self._insert(held, num_computed // ps * ps, lend=True)
 
-    def _insert(self, held: _Held, end: int) -> None:
-        """Insert the sequence's first `end` (page-aligned) tokens; free duplicates, move the lock."""
+    def _insert(self, held: _Held, end: int, lend: bool) -> None:
+        """Insert the sequence's first `end` (page-aligned) tokens; free duplicates, move the lock.
+        With `lend` a new leaf borrows its pages from the table (the sequence runs on)."""
         seq = held.seq
         ps = self.page_size
         tree = self.tree
         table = seq.page_table
         start = held.protected
         old = held.node
-        new, matched, runs = tree.insert(old, start, seq.tokens, end, table, held.inserted)
+        new, matched, runs = tree.insert(old, start, seq.tokens, end, table, held.inserted, lend)
         held.inserted = max(held.inserted, end)
         if matched > start:
             # the tree already held [start, matched): our pages there are duplicates
@@ -371,7 +378,7 @@ class RadixCache(PrefixCache):
         partial = computed % ps != 0
         if partial and not self._num_free and self._evictable_pages() < 1:
             return None
-        self._insert(held, full * ps)  # the child shares through the tree
+        self._insert(held, full * ps, lend=True)  # the child shares through the tree
         self.tree.lock(held.node)
         pages = parent.page_table[:full]
         ops: list[CopyOp] = []
@@ -393,9 +400,34 @@ class RadixCache(PrefixCache):
     def _release(self, seq: Sequence, held: _Held) -> None:
         # SGLang's release_kv_cache -> checkpoint: what has KV goes into the tree when the
         # request ends, always (a walk that refreshes recency even when no page is new)
-        self._insert(held, max(seq.num_computed // self.page_size * self.page_size, held.protected))
+        ps = self.page_size
+        self._insert(held, max(seq.num_computed // ps * ps, held.protected), lend=False)
+        self._give(seq.page_table[held.protected // ps :])
+        self._settle_borrowers(held)
         self.tree.unlock(held.node)
-        self._give(seq.page_table[held.protected // self.page_size :])
+
+    def _settle_borrowers(self, held: _Held) -> None:
+        """The sequence ends: the nodes that borrow pages from its table (all on its locked
+        path) get lists of their own. The longest takes the table's list itself, cut down to
+        its slots (no reference count moves but for the cut ends); the others copy theirs.
+        The released sequence is left with an empty table: the list is the tree's now."""
+        seq = held.seq
+        table = seq.page_table
+        tree = self.tree
+        borrowers = [x for x in tree.path(held.node) if x.lender is table]
+        if not borrowers:
+            return
+        keep = max(borrowers, key=lambda x: len(x.key))
+        for x in borrowers:
+            if x is not keep:
+                x.pages = tree.pages_of(x)
+                x.lender = None
+        lo = keep.start // self.page_size
+        del table[lo + len(keep.key) // self.page_size :]
+        del table[:lo]
+        keep.pages = table
+        keep.lender = None
+        seq.page_table = []
 
     def _evict(self, num_pages: int) -> int:
         return self._evict_tokens(num_pages * self.page_size)
@@ -437,7 +469,7 @@ class RadixCache(PrefixCache):
         cached: list[int] = []
         pinned: list[int] = []
         for node in self.tree.nodes():
-            (pinned if node.lock_ref else cached).extend(node.pages)
+            (pinned if node.lock_ref else cached).extend(self.tree.pages_of(node))
         for held in self._live.values():  # private pages: past the tree's part of the table
             pinned += held.seq.page_table[held.protected // self.page_size :]
         return PagePartition(free=self._free_pages(), cached=cached, pinned=pinned)

@@ -44,8 +44,10 @@ def _check_tree(cache: RadixCache) -> None:
         n = len(node.key)
         if n == 0 or n % ps:
             _fail(f"{node}: key length {n} is not a positive multiple of {ps}")
-        if node.pages is None or len(node.pages) != n // ps:
-            _fail(f"{node}: {n} tokens but pages {node.pages!r:.60}")
+        if (node.pages is None) == (node.lender is None):
+            _fail(f"{node}: pages {node.pages!r:.40} and lender {node.lender!r:.40}: exactly one must be set")
+        if len(tree.pages_of(node)) != n // ps:
+            _fail(f"{node}: {n} tokens but pages {tree.pages_of(node)!r:.60}")
         if node.edge != tree._child_key(node.key, 0) or parent.children.get(node.edge) is not node:
             _fail(f"{node}: not under its own first page in its parent's children map")
         if node.start != parent.start + len(parent.key) or node.namespace != parent.namespace:
@@ -92,6 +94,7 @@ def _check_sequences(cache: RadixCache) -> None:
     tree = cache.tree
     ps = cache.page_size
     expected_locks: dict[int, int] = {}
+    lent: set[int] = set()  # nodes borrowing from the table of a live sequence whose path they are on
     for rid, held in cache._live.items():
         seq = held.seq
         table = seq.page_table
@@ -100,13 +103,14 @@ def _check_sequences(cache: RadixCache) -> None:
         if held.protected % ps or held.protected > seq.num_computed:
             _fail(f"{rid}: protected length {held.protected} is unaligned or beyond what it computed")
         node = held.node
-        if node.pages is None:
+        if node.pages is None and node.lender is None:
             _fail(f"{rid}: holds an evicted node")
         path = tree.path(node)
+        lent.update(x.node_id for x in path if x.lender is table)
         end = node.start + len(node.key)
         if end != held.protected:
             _fail(f"{rid}: its node ends at {end}, protected length is {held.protected}")
-        tree_pages = [p for x in path for p in x.pages]
+        tree_pages = [p for x in path for p in tree.pages_of(x)]
         if table[: len(tree_pages)] != tree_pages:
             _fail(f"{rid}: table does not point at the tree's pages of its prefix")
         if path and not np.array_equal(np.concatenate([x.key for x in path]), seq.tokens[:end]):
@@ -118,6 +122,8 @@ def _check_sequences(cache: RadixCache) -> None:
     for node in tree.nodes():
         if node.lock_ref != expected_locks.get(node.node_id, 0):
             _fail(f"{node}: lock_ref {node.lock_ref}, held by {expected_locks.get(node.node_id, 0)} sequences")
+        if node.lender is not None and node.node_id not in lent:
+            _fail(f"{node}: borrows pages from a table that is no live sequence's on its path")
 
 
 def _check_contents(cache: RadixCache, contents: np.ndarray) -> None:
@@ -125,7 +131,7 @@ def _check_contents(cache: RadixCache, contents: np.ndarray) -> None:
     tree = cache.tree
     ps = cache.page_size
     for node in tree.nodes():
-        slots = (np.asarray(node.pages, dtype=np.int64)[:, None] * ps + np.arange(ps)).reshape(-1)
+        slots = (np.asarray(tree.pages_of(node), dtype=np.int64)[:, None] * ps + np.arange(ps)).reshape(-1)
         if not np.array_equal(contents[slots], node.key):
             _fail(f"{node}: its pages hold other tokens than its key")
     for rid, held in cache._live.items():

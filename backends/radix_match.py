@@ -34,7 +34,7 @@ def verify_radix_match(cache: RadixCache, seq: Sequence, match: Match) -> None:
         return
     if not isinstance(node, RadixNode):
         raise InvalidRequestError(f"request {rid!r}: the match's handle is not a radix node (forged)")
-    if node.pages is None:
+    if node.pages is None and node.lender is None:
         raise StaleMatchError(f"request {rid!r}: the matched prefix was evicted since; match again")
     n = match.num_tokens
     path = []
@@ -51,11 +51,12 @@ def verify_radix_match(cache: RadixCache, seq: Sequence, match: Match) -> None:
         raise InvalidRequestError(
             f"request {rid!r}: the match's node ends at token {node.start + len(node.key)}, not {n}"
         )
+    pages_of = cache.tree.pages_of
     if len(path) == 1:
-        pages, key = node.pages, node.key
+        pages, key = pages_of(node), node.key
     else:
         path.reverse()
-        pages = list(chain.from_iterable(y.pages for y in path))
+        pages = list(chain.from_iterable(pages_of(y) for y in path))
         key = np.concatenate([y.key for y in path])
     if tuple(pages) != match.pages or key.tobytes() != seq.tokens[:n].tobytes():
         raise InvalidRequestError(

@@ -4,6 +4,14 @@ A node holds a run of token ids (`key`, int32) and the page ids holding their KV
 one per `page_size` tokens); children are keyed by their first `page_size` tokens. Each
 namespace (`cache_salt`, `lora_id`) has its own root, so two namespaces never share a node.
 
+A node a running request inserted *borrows* its pages: `pages` is None and `lender` is that
+request's page table, whose slots `[start, end) / page_size` are the node's pages (`pages_of`).
+Page ids are Python ints, and copying a list of them updates a reference count per page (at
+page size 1, a cache miss per prompt token); borrowing spares the copy of every prompt's
+page list. The table holds still where it is lent (the request only appends to it, and its
+own later inserts start past it), the request holds the node locked until it ends, and when
+it ends the cache hands the borrowers lists of their own (`RadixCache._settle_borrowers`).
+
 What the tree keeps exact at every step (SGLang's `inc_lock_ref` / `dec_lock_ref`):
 `lock_ref` counts the holders of a node and of every node below it on their paths;
 `evictable_tokens` sums unlocked nodes, `protected_tokens` locked ones. The eviction
@@ -32,12 +40,14 @@ from backends.radix_policy import EvictionPolicy
 
 
 class RadixNode:
-    """A run of tokens and their pages. `pages is None` once evicted (SGLang's `evicted`)."""
+    """A run of tokens and their pages (its own list, or borrowed: `lender`). Evicted
+    (SGLang's `evicted`) once both `pages` and `lender` are None."""
 
     __slots__ = (
         "key",
         "edge",
         "pages",
+        "lender",
         "children",
         "parent",
         "lock_ref",
@@ -57,6 +67,7 @@ class RadixNode:
         self.key = key
         self.edge = edge  # its key in the parent's children map (its first page of tokens)
         self.pages = pages
+        self.lender: list[int] | None = None  # the running request's table it borrows pages from
         self.children: dict = {}
         self.parent = parent
         self.lock_ref = 0
@@ -190,7 +201,14 @@ class RadixTree:
             self.roots[namespace] = node
         return node
 
-    def _new_node(self, key: np.ndarray, pages: list[int], parent: RadixNode, tick: int, edge) -> RadixNode:
+    def pages_of(self, node: RadixNode) -> list[int]:
+        """The node's page ids: its own list, or its slots of the table it borrows."""
+        if node.lender is None:
+            return node.pages
+        lo = node.start // self.page_size
+        return node.lender[lo : lo + len(node.key) // self.page_size]
+
+    def _new_node(self, key: np.ndarray, pages: list[int] | None, parent: RadixNode, tick: int, edge) -> RadixNode:
         self._next_id += 1
         self.num_nodes += 1
         node = RadixNode(key, pages, parent, tick, self._next_id, edge)
@@ -235,13 +253,19 @@ class RadixTree:
         hit count and is created now (SGLang's `_split_node`).
         """
         parent = child.parent
-        new = self._new_node(child.key[:m], child.pages[: m // self.page_size], parent, tick, child.edge)
+        lender = child.lender
+        if lender is None:
+            upper_pages = child.pages[: m // self.page_size]
+            child.pages = child.pages[m // self.page_size :]
+        else:  # both parts borrow from the same table: their starts say which slots
+            upper_pages = None
+        new = self._new_node(child.key[:m], upper_pages, parent, tick, child.edge)
+        new.lender = lender
         new.lock_ref = child.lock_ref
         new.hit_count = child.hit_count
         new.last_access = child.last_access
         child.edge = self._child_key(child.key, m)
         child.key = child.key[m:]
-        child.pages = child.pages[m // self.page_size :]
         child.start += m
         child.parent = new
         new.children[child.edge] = child
@@ -273,10 +297,10 @@ class RadixTree:
             m = self._first_mismatch(child.key, tokens, pos, n)
             if m < klen:
                 node = self._split(child, m, t)
-                runs.append(node.pages)
+                runs.append(self.pages_of(node))
                 pos += m
                 break
-            runs.append(child.pages)
+            runs.append(self.pages_of(child))
             node = child
             pos += klen
         if self.policy.rekey_on_lookup:
@@ -292,10 +316,12 @@ class RadixTree:
             node = node.parent
 
     def insert(
-        self, node: RadixNode, pos: int, tokens: np.ndarray, end: int, pages: list[int], count_from: int
+        self, node: RadixNode, pos: int, tokens: np.ndarray, end: int, pages: list[int], count_from: int, lend: bool
     ) -> tuple[RadixNode, int, list[list[int]]]:
         """Insert `tokens[pos:end]` below `node` (which ends at `pos`); `pages[i]` holds page i of
         the whole sequence. Stamps the root..node path and what it walks, splits where needed.
+        A new leaf borrows its pages from `pages` when `lend` (the caller's table, which stays
+        put until the caller settles it), else copies them.
 
         The caller holds `node` (root..node is locked by it), and the insert moves that hold
         down to the node it returns: every node the walk enters or creates gains one lock
@@ -334,12 +360,15 @@ class RadixTree:
             if pos + m > count_from:
                 child.hit_count += 1
             self._hold(child)
-            runs.append(child.pages)
+            runs.append(self.pages_of(child))
             node = child
             pos += m
         matched = pos
         if pos < end:  # the walk stopped at a missing child: `edge` is the new leaf's
-            leaf = self._new_node(self._node_key(tokens, pos, end), pages[pos // ps : end // ps], node, t, edge)
+            leaf_pages = None if lend else pages[pos // ps : end // ps]
+            leaf = self._new_node(self._node_key(tokens, pos, end), leaf_pages, node, t, edge)
+            if lend:
+                leaf.lender = pages
             leaf.hit_count = 1 if end > count_from else 0
             leaf.lock_ref = 1  # held by the caller from birth; `node` is held too (no candidate)
             self.protected_tokens += end - pos
@@ -397,7 +426,7 @@ class RadixTree:
             node = cands.pop()
             if node is None:
                 break
-            assert node.lock_ref == 0 and not node.children, f"radix: evicting {node}, locked or not a leaf"
+            assert node.lock_ref == 0 and not node.children and node.lender is None, f"radix: evicting {node}"
             parent = node.parent
             del parent.children[node.edge]
             n = len(node.key)

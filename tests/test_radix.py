@@ -46,11 +46,13 @@ def test_two_requests_sharing_a_10_token_prefix(page_size, expected):
     shared = list(range(100, 110))
     a = seq("a", shared + [1, 2, 3, 4, 5, 6])
     assert run_prompt(cache, a).num_tokens == 0
+    a_table = list(a.page_table)  # released, a's table list becomes the tree's (a keeps none)
     finish(cache, a)
+    assert a.page_table == []
     b = seq("b", shared + [7, 8, 9, 10, 11, 12])
     m = run_prompt(cache, b)
     assert m.num_tokens == expected
-    assert list(m.pages) == a.page_table[: expected // page_size] == b.page_table[: expected // page_size]
+    assert list(m.pages) == a_table[: expected // page_size] == b.page_table[: expected // page_size]
     finish(cache, b)
 
 
@@ -60,12 +62,13 @@ def test_identical_16_token_prompt_resent(page_size, expected):
     tokens = list(range(16))
     a = seq("a", tokens)
     run_prompt(cache, a)
+    a_table = list(a.page_table)
     finish(cache, a)
     b = seq("b", tokens)
     m = run_prompt(cache, b)
     assert m.num_tokens == expected
     # the recomputed tail is a duplicate of tree pages: freed, and b's table points at the tree's
-    assert b.page_table == a.page_table
+    assert b.page_table == a_table
     assert cache.stats().pages_pinned == 16 // page_size
     finish(cache, b)
     assert cache.stats().pages_free == cache.num_pages - 16 // page_size
@@ -470,3 +473,71 @@ def test_lock_sizes_are_exact_through_a_lifecycle():
     ex = cache.stats().extra
     assert (ex["protected_tokens"], ex["evictable_tokens"]) == (0, 14)
     assert leaf_runs(cache) == [(6, 6), (6, 70)]  # a's tail (older), then b's
+
+
+# -- borrowed pages: a running request's new nodes borrow its table until it ends ---------
+
+
+def _borrowers(cache: RadixCache) -> list:
+    return [n for n in cache.tree.nodes() if n.lender is not None]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_prefill_insert_borrows_the_table_and_release_hands_it_over(page_size):
+    cache = radix(page_size=page_size)
+    a = seq("a", range(100, 120))
+    run_prompt(cache, a)
+    (leaf,) = _borrowers(cache)
+    assert leaf.lender is a.page_table and leaf.pages is None
+    assert cache.tree.pages_of(leaf) == a.page_table[: 20 // page_size]
+    table, pages = a.page_table, list(a.page_table)
+    finish(cache, a)  # check_invariants: contents, partition, owners
+    assert not _borrowers(cache) and a.page_table == []
+    assert leaf.pages is table and leaf.pages == pages  # the list itself, no copy
+
+
+def test_chunked_prefill_borrows_twice_and_both_nodes_settle():
+    cache = radix(page_size=4)
+    a = seq("a", range(100, 124))
+    m = cache.match(a)
+    cache.admit(a, m, 8)
+    cache.commit(a, 8)
+    cache.grow(a, 24)
+    cache.commit(a, 24)
+    cache.check_invariants()
+    first, second = sorted(_borrowers(cache), key=lambda n: n.start)
+    assert (first.start, second.start) == (0, 8)
+    pages = list(a.page_table)
+    finish(cache, a)
+    assert not _borrowers(cache)
+    assert first.pages + second.pages == pages
+    b = seq("b", range(100, 125))
+    assert run_prompt(cache, b).num_tokens == 24
+    finish(cache, b)
+
+
+def test_a_borrowed_node_split_by_another_request_settles_in_both_parts():
+    cache = radix(page_size=1)
+    a = seq("a", range(100, 120))
+    run_prompt(cache, a)  # a's leaf borrows a's table; a runs on
+    b = seq("b", list(range(100, 110)) + [7, 8, 9])
+    assert run_prompt(cache, b).num_tokens == 10  # splits a's leaf at 10: both parts borrow
+    assert sorted(n.start for n in _borrowers(cache) if n.lender is a.page_table) == [0, 10]
+    assert b.page_table[:10] == a.page_table[:10]
+    finish(cache, a)
+    assert [n for n in _borrowers(cache) if n.lender is a.page_table] == []
+    finish(cache, b)
+    assert cache.stats().pages_pinned == 0
+
+
+def test_invariants_refuse_a_node_borrowing_from_no_live_table():
+    from cachelib.errors import InvariantViolation
+
+    cache = radix(page_size=1)
+    a = seq("a", range(100, 120))
+    run_prompt(cache, a)
+    finish(cache, a)
+    (node,) = list(cache.tree.nodes())
+    node.lender, node.pages = list(node.pages), None  # borrows from a table nobody runs on
+    with pytest.raises(InvariantViolation, match="borrows pages from a table"):
+        cache.check_invariants()
