@@ -59,6 +59,18 @@ Where it is only a strong reference, not a proof:
 - Belady's hit on one request is no ceiling on a backend's (Belady may give up a hit now for
   two later); only the total is. `capacity_pages=None` means the sum of every request's pages: no eviction,
   so Belady then equals `infinite_hits` request by request.
+
+How it is computed (the numbers are those of the page-by-page definition above; the tests
+compare both with a page-by-page reference implementation, request by request). Pages are
+grouped in *nodes*: runs of up to `per_node` consecutive pages of a chain that every request
+reaching the run's first page continues through in order (a node's cached pages, pinned
+pages, pages seen and pages a request can hit are always a prefix of the node). For a
+Mooncake trace a node is one 512-token block (`per_node = 512 // page_size`), found from the
+hash ids without expanding a token (see `page_keys`); otherwise a node is one page. The state
+is per node (counts, not per-page flags), next uses are per (node, request) with the number of
+the node's pages the request can hit, and Belady evicts a node's leaf pages in runs: a run of
+pages with the same next use at once, and pages nobody uses again (all tied, so evicted in the
+order they became leaves, one per leaf in turn) a whole round of leaves at a time.
 """
 
 from __future__ import annotations
@@ -70,11 +82,13 @@ from bisect import bisect_right
 from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from itertools import chain as chain_iter
 from typing import Any
 
 import numpy as np
 
 from cachelib.hashing import BlockHasher
+from experiments.workloads.mooncake import ALIAS_LIMIT, HIGH_FIRSTS, MOONCAKE_BLOCK, MooncakePrompt
 from experiments.workloads.spec import RequestSpec
 
 #: next use of a page that no later request hits
@@ -83,37 +97,95 @@ NEVER = sys.maxsize
 
 @dataclass(frozen=True, slots=True)
 class PageKeys:
-    """Every request's full prompt pages as small integer ids, shared by both bounds.
+    """Every request's full pages (its prompt's, and generated ones a forced output re-sends)
+    as chains of nodes, shared by both bounds (see the module doc).
 
-    Equal id = equal tokens, equal prefix before them and equal extra keys. `parent[k]` is
-    the id of the page before page `k` in its chain (-1 for a first page).
+    Request i's full page t is page `t % per_node` of node `nodes(i)[t // per_node]`; its
+    chain has `full_pages[i]` pages. Equal (node, page) = equal tokens, equal prefix before
+    them and equal extra keys. `parent[n]` is the node whose last page precedes node n's
+    first page (-1 for a first node); `num_keys` counts distinct pages.
     """
 
     page_size: int
-    keys: list[np.ndarray]  # per request, int32 ids of its full pages, in order (see page_keys)
+    per_node: int
+    node_ids: np.ndarray  # int32, every request's nodes in order; request i's are node_ids[starts[i]:starts[i+1]]
+    starts: np.ndarray  # int64, len(requests) + 1
+    full_pages: list[int]
     prompt_lens: list[int]
     output_lens: list[int]
-    parent: list[int]
+    parent: np.ndarray  # int32 per node
+    num_keys: int
 
     @property
-    def num_keys(self) -> int:
+    def num_nodes(self) -> int:
         return len(self.parent)
+
+    def __len__(self) -> int:
+        return len(self.prompt_lens)
+
+    def nodes(self, i: int) -> list[int]:
+        return self.node_ids[self.starts[i] : self.starts[i + 1]].tolist()
 
     def hittable(self, i: int) -> int:
         """Pages request i may hit: its first `len - 1` tokens, rounded down to a page."""
         return (self.prompt_lens[i] - 1) // self.page_size
 
+    def chain(self, i: int) -> list[int]:
+        """Request i's full pages as page ids `node * per_node + page` (for tests and tools)."""
+        p = self.per_node
+        ns = self.nodes(i)
+        return [ns[t // p] * p + t % p for t in range(self.full_pages[i])]
+
+    def page_parent(self, k: int) -> int:
+        """The page id before page id `k` in its chain (-1 for a first page)."""
+        n, j = divmod(k, self.per_node)
+        if j:
+            return k - 1
+        p = int(self.parent[n])
+        return -1 if p < 0 else p * self.per_node + self.per_node - 1
+
 
 def page_keys(requests: Seq[RequestSpec], page_size: int) -> PageKeys:
-    """Intern the chained block hashes of every request's full pages: its prompt's, and when
-    its `forced_output` gives the tokens it generates (a conversation re-sends them), also
-    the full pages of prompt + output - 1 tokens (the last generated token gets no KV)."""
+    """Intern every request's full pages: its prompt's, and when its `forced_output` gives the
+    tokens it generates (a conversation re-sends them), also the full pages of prompt +
+    output - 1 tokens (the last generated token gets no KV).
+
+    Pages are apc's chained block hashes of the tokens, one node per page, except for a
+    Mooncake trace (every prompt a `MooncakePrompt`, no extra keys, no forced output) when
+    `page_size` divides 512: then one node per (previous node, hash id), never expanding a
+    prompt. Both give the same pages: a block's tokens depend only on its hash id (a shorter
+    last block is a prefix of the same tokens), two different ids differ within their first
+    3 tokens (`block_tokens`, guarantee 1), so within a page of 4 tokens or more, and two ids
+    below 2,000,000,000 differ in their first token (guarantee 2), which covers pages of 1 or
+    2 tokens; with larger ids and pages under 4 tokens the token hashes are used."""
     if not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    if MOONCAKE_BLOCK % page_size == 0 and all(_by_hash_ids(spec) for spec in requests):
+        keys = _mooncake_keys(requests, page_size)
+        if keys is not None:
+            return keys
+    return _token_keys(requests, page_size)
+
+
+def _by_hash_ids(spec: RequestSpec) -> bool:
+    extra = spec.extra
+    return (
+        isinstance(spec.prompt_source, MooncakePrompt)
+        and extra.cache_salt is None
+        and extra.lora_id is None
+        and not extra.mm
+        and (spec.forced_output is None or spec.output_len <= 1)
+    )
+
+
+def _token_keys(requests: Seq[RequestSpec], page_size: int) -> PageKeys:
+    """One node per page, interned by its chained block hash (the definition)."""
     hasher = BlockHasher(page_size)
     ids: dict[bytes, int] = {}
-    parent: list[int] = []
-    keys: list[np.ndarray] = []
+    parent = array("i")
+    flat = array("i")
+    starts = [0]
+    full_pages: list[int] = []
     prompt_lens: list[int] = []
     for spec in requests:
         tokens = np.ascontiguousarray(spec.prompt, dtype=np.int32)
@@ -124,17 +196,88 @@ def page_keys(requests: Seq[RequestSpec], page_size: int) -> PageKeys:
         if out is not None and spec.output_len > 1:
             tokens = np.concatenate([tokens, np.asarray(out[: spec.output_len - 1], dtype=np.int32)])
         n_full = tokens.size // page_size
-        chain: list[int] = []
         prev = -1
         for h in hasher.hash_blocks(tokens, spec.extra, 0, n_full, None):
             k = ids.get(h)
             if k is None:
                 k = ids[h] = len(parent)
                 parent.append(prev)
-            chain.append(k)
+            flat.append(k)
             prev = k
-        keys.append(np.asarray(chain, dtype=np.int32))
-    return PageKeys(page_size, keys, prompt_lens, [spec.output_len for spec in requests], parent)
+        full_pages.append(n_full)
+        starts.append(len(flat))
+    return PageKeys(
+        page_size=page_size,
+        per_node=1,
+        node_ids=np.frombuffer(flat, dtype=np.int32) if flat else np.zeros(0, np.int32),
+        starts=np.asarray(starts, dtype=np.int64),
+        full_pages=full_pages,
+        prompt_lens=prompt_lens,
+        output_lens=[spec.output_len for spec in requests],
+        parent=np.frombuffer(parent, dtype=np.int32) if parent else np.zeros(0, np.int32),
+        num_keys=len(parent),
+    )
+
+
+def _mooncake_keys(requests: Seq[RequestSpec], page_size: int) -> PageKeys | None:
+    """One node per 512-token block, interned by (previous node, hash id), depth by depth;
+    None when pages of 1 or 2 tokens could alias (hash ids of 2,000,000,000 and more)."""
+    per_node = MOONCAKE_BLOCK // page_size
+    prompt_lens = [len(spec.prompt_source) for spec in requests]
+    for spec, n in zip(requests, prompt_lens, strict=True):
+        if n == 0:
+            raise ValueError(f"request {spec.request_id!r}: empty prompt")
+    full = np.asarray(prompt_lens, dtype=np.int64) // page_size
+    blocks = -(-full // per_node)  # blocks holding at least one full page
+    total = int(blocks.sum())
+    hids = np.fromiter(
+        chain_iter.from_iterable(
+            spec.prompt_source.hash_ids[:b] for spec, b in zip(requests, blocks.tolist(), strict=True)
+        ),
+        dtype=np.int64,
+        count=total,
+    )
+    if page_size < 3 and total and int(hids.max()) >= ALIAS_LIMIT + HIGH_FIRSTS:
+        return None
+    starts = np.zeros(len(requests) + 1, dtype=np.int64)
+    np.cumsum(blocks, out=starts[1:])
+    dense = np.unique(hids, return_inverse=True)[1].astype(np.int64)  # ids as 0, 1, 2, ...
+    del hids
+    width = int(dense.max(initial=0)) + 1
+    node = np.empty(total, dtype=np.int32)
+    deep = np.argsort(-blocks, kind="stable")  # requests, most blocks first
+    first, depth = starts[:-1][deep], blocks[deep]
+    parents: list[np.ndarray] = []
+    num = 0
+    for d in range(int(depth.max(initial=0))):
+        at = first[: np.searchsorted(-depth, -d)] + d  # block d of every request that has one
+        prev = node[at - 1] + np.int64(1) if d else np.zeros(at.size, dtype=np.int64)
+        key = prev * width + dense[at]  # below (total + 1) ** 2: no overflow under 3e9 blocks
+        uk, inv = np.unique(key, return_inverse=True)
+        node[at] = num + inv
+        parents.append((uk // width - 1).astype(np.int32))
+        num += uk.size
+    del dense
+    # distinct pages: per node, the most pages a request has in it (all of them but in a
+    # request's last block)
+    most = np.zeros(num, dtype=np.int64)
+    some = blocks > 0
+    last = starts[1:][some] - 1
+    inner = np.ones(total, dtype=bool)
+    inner[last] = False
+    most[node[inner]] = per_node
+    np.maximum.at(most, node[last], (full - (blocks - 1) * per_node)[some])
+    return PageKeys(
+        page_size=page_size,
+        per_node=per_node,
+        node_ids=node,
+        starts=starts,
+        full_pages=full.tolist(),
+        prompt_lens=prompt_lens,
+        output_lens=[spec.output_len for spec in requests],
+        parent=np.concatenate(parents).astype(np.int32) if parents else np.zeros(0, np.int32),
+        num_keys=int(most.sum()),
+    )
 
 
 def _result(
@@ -163,45 +306,83 @@ def _result(
     }
 
 
+def _prefix(ns: list[int], per_node: int, have: list[int], limit: int) -> int:
+    """How many of a chain's first `limit` pages are in a prefix-closed set given per node
+    as a prefix length `have[node]`."""
+    h = 0
+    for b, n in enumerate(ns):
+        want = limit - b * per_node
+        if want <= 0:
+            break
+        if want > per_node:
+            want = per_node
+        got = have[n]
+        if got < want:
+            return h + got
+        h += want
+    return h
+
+
 def infinite_hits(requests: Seq[RequestSpec], page_size: int, *, keys: PageKeys | None = None) -> dict[str, Any]:
     """Hits of a cache that never evicts (per request, total tokens, rate); `keys` reuses
     a `page_keys` result for the same requests and page size."""
     pk = keys if keys is not None else page_keys(requests, page_size)
     _check_keys(pk, requests, page_size)
-    seen = bytearray(pk.num_keys)
+    p = pk.per_node
+    seen = [0] * pk.num_nodes  # pages seen, a prefix of each node
     hits: list[int] = []
-    for i, chain in enumerate(pk.keys):
-        ks = chain.tolist()
-        cap = pk.hittable(i)
-        h = 0
-        while h < cap and seen[ks[h]]:
-            h += 1
-        hits.append(h * page_size)
-        for k in ks:
-            seen[k] = 1
+    for i in range(len(pk)):
+        ns = pk.nodes(i)
+        hits.append(_prefix(ns, p, seen, pk.hittable(i)) * page_size)
+        left = pk.full_pages[i]
+        for n in ns:
+            a = p if left > p else left
+            if seen[n] < a:
+                seen[n] = a
+            left -= a
     return _result("infinite", pk, None, 1, hits, 0, 0)
 
 
 def _check_keys(pk: PageKeys, requests: Seq[RequestSpec], page_size: int) -> None:
-    if pk.page_size != page_size or len(pk.keys) != len(requests):
+    if pk.page_size != page_size or len(pk) != len(requests):
         raise ValueError("keys were computed for other requests or another page size")
 
 
-def _uses(pk: PageKeys, scheduled: list[bool]) -> tuple[array, array]:
-    """For each page id, the sorted indices of the requests that can hit it, in CSR form
-    (`flat[start[k]:start[k + 1]]`); `array` keeps a million ids in a few MB."""
-    chains = [c[: pk.hittable(i)] for i, c in enumerate(pk.keys) if scheduled[i]]
-    owners = [i for i, c in enumerate(pk.keys) if scheduled[i]]
-    if not chains:
-        return array("i"), array("q", [0] * (pk.num_keys + 1))
-    key_all = np.concatenate(chains)
-    req_all = np.repeat(np.asarray(owners, dtype=np.int32), [c.size for c in chains])
-    order = np.argsort(key_all, kind="stable")  # stable: request indices stay ascending
-    flat = array("i")
-    flat.frombytes(req_all[order].astype(np.int32).tobytes())
-    start = np.zeros(pk.num_keys + 1, dtype=np.int64)
-    np.cumsum(np.bincount(key_all, minlength=pk.num_keys), out=start[1:])
-    return flat, array("q", start.tobytes())
+def _uses(pk: PageKeys, scheduled: list[bool]) -> tuple[array, array, array, array]:
+    """For each node, the requests that can hit it (ascending), how many of its pages each
+    can hit, and the suffix maximum of those counts, in CSR form (`x[start[n]:start[n + 1]]`)."""
+    per = pk.per_node
+    n = len(pk)
+    cap = (np.asarray(pk.prompt_lens, dtype=np.int64) - 1) // pk.page_size
+    cap[~np.asarray(scheduled, dtype=bool)] = 0
+    used = -(-cap // per)  # nodes holding a hittable page
+    total = int(used.sum())
+    ends = np.cumsum(used)
+    at = np.arange(total, dtype=np.int64)
+    at += np.repeat(pk.starts[:-1] - (ends - used), used)  # where each use's node is in node_ids
+    node = pk.node_ids[at]
+    del at
+    req = np.repeat(np.arange(n, dtype=np.int32), used)
+    count = np.full(total, per, dtype=np.int32)  # all its pages, but in its last node
+    some = used > 0
+    count[ends[some] - 1] = (cap - (used - 1) * per)[some]
+    order = np.argsort(node, kind="stable")  # stable: request indices stay ascending
+    node, req, count = node[order], req[order], count[order]
+    del order
+    start = np.zeros(pk.num_nodes + 1, dtype=np.int64)
+    np.cumsum(np.bincount(node, minlength=pk.num_nodes), out=start[1:])
+    # suffix maximum within each node's segment: reversed running maximum, offset by segment
+    seg = (pk.num_nodes - node[::-1].astype(np.int64)) * (per + 1)
+    del node
+    top = (np.maximum.accumulate(seg + count[::-1]) - seg)[::-1]
+    del seg
+
+    def arr(code: str, x: np.ndarray) -> array:
+        out = array(code)
+        out.frombytes(x.astype(np.int32 if code == "i" else np.int64).tobytes())
+        return out
+
+    return arr("i", req), arr("i", count), arr("i", top), arr("q", start)
 
 
 def belady_hits(
@@ -218,7 +399,9 @@ def belady_hits(
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     pk = keys if keys is not None else page_keys(requests, page_size)
     _check_keys(pk, requests, page_size)
-    n = len(pk.keys)
+    n = len(pk)
+    P = pk.per_node
+    last_page = P - 1
     need = [-(-p // page_size) for p in pk.prompt_lens]
     total = [-(-(p + max(o - 1, 0)) // page_size) for p, o in zip(pk.prompt_lens, pk.output_lens, strict=True)]
     if capacity_pages is None:
@@ -230,59 +413,184 @@ def belady_hits(
     # Admission needs only the page count, so who is unschedulable is policy-free; those
     # requests never use a page and must not keep one alive.
     scheduled = [need[i] <= capacity for i in range(n)]
-    flat, start = _uses(pk, scheduled)
-    parent = pk.parent
-    m = pk.num_keys
-    cached = bytearray(m)
-    pins = [0] * m
-    nchild = [0] * m  # cached children
-    stamp = [0] * m  # only a page's latest heap entry is valid
-    heap: list[tuple[int, int, int]] = []  # (-next use, push order, page)
+    use_req, use_count, use_top, use_start = _uses(pk, scheduled)
+    parent = array("i", pk.parent.tobytes())
+    m = pk.num_nodes
+    cached = [0] * m  # cached pages of each node (a prefix)
+    kids = [0] * m  # cached child nodes (children of its last page)
+    pinned = [0] * m  # pinned pages of each node (a prefix: the most any in-flight request holds)
+    holders = [0] * m  # in-flight requests holding pages of each node
+    shared: dict[int, list[int]] = {}  # node -> pages of it each holder holds, when two or more
+    stamp = [0] * m  # only a node's latest queue entry is valid
+    # Unpinned leaves queued for eviction: those nobody uses again first, in the order they
+    # became leaves (all tied at NEVER), then farthest next use first. An entry (…, node,
+    # low) stands for the node's top cached page and says pages low.. of the node share its
+    # next use. It is valid while its stamp is the node's and that page an unpinned leaf: a
+    # node's cached pages change only by its own entry's evictions, or pinned (inserted) and
+    # then queued anew when unpinned.
+    never: deque[tuple[int, int, int]] = deque()  # (stamp, node, low)
+    heap: list[tuple[int, int, int, int]] = []  # (-next use, stamp, node, low)
     push = heapq.heappush
     pop = heapq.heappop
     counter = 0
-    tree_size = pinned_nodes = private = 0
+    tree_size = pinned_pages = private = 0
     last_admitted = -1
     evicted = truncated = 0
-    inflight: deque[tuple[list[int], int]] = deque()  # (pinned pages, private pages)
+    inflight: deque[tuple[list[int], int, int]] = deque()  # (nodes, pages held, private pages)
     hits: list[int] = []
 
-    def candidate(k: int) -> None:
-        """k just became an unpinned leaf: queue it by its next use after the latest admission."""
+    def hold(ns: list[int], old: int, new: int) -> None:
+        """A request's held pages (a prefix of its chain) go from `old` to `new`."""
+        nonlocal pinned_pages
+        lo, hi = (old, new) if old < new else (new, old)
+        for b in range(lo // P, -(-hi // P)):
+            k = ns[b]
+            base = b * P
+            a_old = old - base
+            a_old = P if a_old > P else (a_old if a_old > 0 else 0)
+            a_new = new - base
+            a_new = P if a_new > P else (a_new if a_new > 0 else 0)
+            was = pinned[k]
+            if not a_old and not holders[k]:  # the first holder: the common case
+                holders[k] = 1
+                pinned[k] = a_new
+                pinned_pages += a_new
+                continue
+            if holders[k] == 1 and a_old:  # the only holder
+                if not a_new:
+                    holders[k] = 0
+                pinned[k] = a_new
+                pinned_pages += a_new - was
+                continue
+            held = shared.get(k)
+            if held is None:
+                held = shared[k] = [was]
+            if a_old:
+                held.remove(a_old)
+            if a_new:
+                held.append(a_new)
+            holders[k] = len(held)
+            top = max(held) if held else 0
+            if len(held) < 2:
+                del shared[k]
+            pinned[k] = top
+            pinned_pages += top - was
+
+    def candidate(k: int, j: int) -> None:
+        """Page j of node k just became an unpinned leaf: queue it by its next use after the
+        latest admission (with the lowest page of the node sharing that next use)."""
         nonlocal counter
-        lo, hi = start[k], start[k + 1]
-        j = bisect_right(flat, last_admitted, lo, hi)
         counter += 1
         stamp[k] = counter
-        push(heap, (-(flat[j] if j < hi else NEVER), counter, k))
+        lo, hi = use_start[k], use_start[k + 1]
+        pos = bisect_right(use_req, last_admitted, lo, hi)
+        if pos == hi or use_top[pos] <= j:
+            never.append((counter, k, use_top[pos] if pos < hi else 0))
+            return
+        low = 0
+        while use_count[pos] <= j:
+            if use_count[pos] > low:
+                low = use_count[pos]
+            pos += 1
+        push(heap, (-use_req[pos], counter, k, low))
+
+    def evict(k: int, num: int) -> None:
+        """Node k's top `num` cached pages (unpinned leaves in turn) were evicted: queue the
+        new leaf. The caller counts them in `tree_size` and `evicted`."""
+        left = cached[k] = cached[k] - num
+        if left:
+            if pinned[k] < left:
+                candidate(k, left - 1)
+            return
+        p = parent[k]
+        if p >= 0:
+            kids[p] -= 1
+            if not kids[p] and pinned[p] < P:
+                candidate(p, last_page)
 
     def make_room(num: int) -> None:
         """Evict farthest-next-use leaves until `num` pages are free (the caller checked
-        that unpinned pages suffice)."""
-        nonlocal tree_size, evicted
-        while capacity - tree_size - private < num:
-            _, c, k = pop(heap)
-            if stamp[k] != c or not cached[k] or pins[k] or nchild[k]:
-                continue  # stale: pinned, grew a child or re-pushed since
-            cached[k] = 0
-            tree_size -= 1
-            evicted += 1
-            p = parent[k]
-            if p >= 0:
-                nchild[p] -= 1
-                if nchild[p] == 0 and pins[p] == 0:
-                    candidate(p)
+        that unpinned pages suffice), exactly as one page at a time would."""
+        nonlocal never, tree_size, evicted
+        short = num - (capacity - tree_size - private)
+        if short <= 0:
+            return
+        tree_size -= short  # all of them are evicted below
+        evicted += short
+        while short and never:
+            if short >= 2 * len(never):
+                # Whole rounds: each leaf in the queue gives one page and its parent page,
+                # tied at NEVER too, rejoins the back, so the queue's order is unchanged.
+                live = [
+                    e
+                    for e in never
+                    if stamp[e[1]] == e[0] and pinned[e[1]] < cached[e[1]] and (cached[e[1]] < P or not kids[e[1]])
+                ]
+                never = deque(live)
+                if not live:
+                    break
+                rounds = short // len(live)
+                for _, k, low in live:
+                    r = cached[k] - 1 - (low if low > pinned[k] else pinned[k])
+                    if r < rounds:
+                        rounds = r
+                if rounds > 0:
+                    for _, k, _ in live:
+                        cached[k] -= rounds
+                    short -= rounds * len(live)
+                    continue
+            # One page at a time, at most one round, then try whole rounds again.
+            steps = len(never)
+            popleft, append = never.popleft, never.append
+            while steps and short:
+                steps -= 1
+                e = popleft()
+                k = e[1]
+                c = cached[k]
+                if stamp[k] != e[0] or pinned[k] >= c or (c == P and kids[k]):
+                    continue  # stale: pinned, grew a child or re-queued since
+                short -= 1
+                if c - 1 > e[2] and pinned[k] < c - 1:  # the page below is NEVER too: no lookup
+                    cached[k] = c - 1
+                    append(e)
+                else:
+                    evict(k, 1)
+        while short:
+            _, s, k, low = pop(heap)
+            c = cached[k]
+            if stamp[k] != s or pinned[k] >= c or (c == P and kids[k]):
+                continue
+            # Its pages from `low` up share this next use, the farthest: evicting one exposes
+            # the next.
+            run = c - (low if low > pinned[k] else pinned[k])
+            run = short if short < run else run
+            short -= run
+            evict(k, run)
 
     def finish_oldest() -> None:
-        nonlocal pinned_nodes, private
-        held, own = inflight.popleft()
+        nonlocal private
+        ns, held, own = inflight.popleft()
         private -= own
-        for k in held:
-            pins[k] -= 1
-            if pins[k] == 0:
-                pinned_nodes -= 1
-                if nchild[k] == 0:
-                    candidate(k)
+        hold(ns, held, 0)
+        if held:
+            k, j = ns[(held - 1) // P], (held - 1) % P
+            if pinned[k] <= j and cached[k] == j + 1 and (j < last_page or not kids[k]):
+                candidate(k, j)
+
+    def insert(ns: list[int], old: int, new: int) -> None:
+        """Cache pages old..new-1 of a chain (uncached; the pages before them are cached).
+        Nothing when old == new: the node may hold more cached pages than this chain has."""
+        nonlocal tree_size
+        if new <= old:
+            return
+        tree_size += new - old
+        b = old // P
+        while b * P < new:
+            k = ns[b]
+            if not cached[k] and parent[k] >= 0:
+                kids[parent[k]] += 1
+            cached[k] = min(P, new - b * P)
+            b += 1
 
     for i in range(n):
         while len(inflight) >= concurrency:
@@ -292,76 +600,60 @@ def belady_hits(
                 finish_oldest()
             hits.append(-1)
             continue
-        ks = pk.keys[i].tolist()
-        prompt_full = pk.prompt_lens[i] // page_size  # ks beyond it: generated pages (forced outputs)
-        cap = pk.hittable(i)
-        h = 0
-        while h < cap and cached[ks[h]]:
-            h += 1
+        ns = pk.nodes(i)
+        full = pk.full_pages[i]
+        prompt_full = pk.prompt_lens[i] // page_size  # pages beyond it: generated (forced outputs)
+        h = _prefix(ns, P, cached, pk.hittable(i))
         new = need[i] - h
-        while pinned_nodes + private + new + sum(1 for k in ks[:h] if pins[k] == 0) > capacity:
-            finish_oldest()  # never with nothing in flight: then it fits (scheduled)
+        if inflight:
+            while pinned_pages + private + new + h - _prefix(ns, P, pinned, h) > capacity:
+                finish_oldest()  # never with nothing in flight: then it fits (scheduled)
         last_admitted = i
         # The full last page beyond the cap may be cached already: the request recomputes it
         # and then holds one copy. Keeping that copy costs nothing, so it is pinned as the
         # request's own page; only when another request pins it does the recompute need a
         # page of its own during prefill (then merged, as radix does at commit).
-        dup = h < prompt_full and cached[ks[h]]
-        transient = dup and pins[ks[h]] > 0
-        held = ks[: h + dup]
-        for k in held:
-            if pins[k] == 0:
-                pinned_nodes += 1
-            pins[k] += 1
+        dup = transient = 0
+        if h < prompt_full:
+            k, j = ns[h // P], h % P
+            dup = int(cached[k] > j)
+            transient = int(dup and pinned[k] > j)
+        # Pinning the pages it computes before they exist changes nothing: making room
+        # looks only at cached pages, and these are not (one page at a time would pin them
+        # as they join the tree).
+        hold(ns, 0, prompt_full)
         make_room(new - dup + transient)
         own = need[i] - prompt_full  # the partial last page
-        for k in ks[h + dup : prompt_full]:
-            cached[k] = 1
-            pins[k] = 1
-            tree_size += 1
-            pinned_nodes += 1
-            p = parent[k]
-            if p >= 0:
-                nchild[p] += 1
-            held.append(k)
+        insert(ns, h + dup, prompt_full)
+        held = prompt_full
         private += own
         hits.append(h * page_size)
         grow = total[i] - need[i]
-        if grow > 0 or len(ks) > prompt_full:
-            while pinned_nodes + private + grow > capacity and inflight:
+        if grow > 0 or full > prompt_full:
+            while pinned_pages + private + grow > capacity and inflight:
                 finish_oldest()
-            if pinned_nodes + private + grow > capacity:
+            if pinned_pages + private + grow > capacity:
                 truncated += 1
-            elif len(ks) > prompt_full:
+            elif full > prompt_full:
                 # Generated pages a later prompt re-sends join the tree as decoding fills them
                 # (the prompt's partial page becomes the first); the rest stays private. Pages
                 # already cached are pinned first, so making room cannot evict them.
                 private -= own
-                for k in ks[prompt_full:]:
-                    if cached[k]:
-                        if pins[k] == 0:
-                            pinned_nodes += 1
-                        pins[k] += 1
-                fresh = [k for k in ks[prompt_full:] if not cached[k]]
-                make_room(len(fresh) + total[i] - len(ks))
-                for k in fresh:
-                    cached[k] = 1
-                    pins[k] = 1
-                    tree_size += 1
-                    pinned_nodes += 1
-                    if parent[k] >= 0:
-                        nchild[parent[k]] += 1
-                held.extend(ks[prompt_full:])
-                own = total[i] - len(ks)
+                have = _prefix(ns, P, cached, full)
+                hold(ns, prompt_full, full)
+                make_room(full - have + total[i] - full)
+                insert(ns, have, full)
+                held = full
+                own = total[i] - full
                 private += own
             else:
                 make_room(grow)
                 private += grow
                 own += grow
-        inflight.append((held, own))
+        inflight.append((ns, held, own))
     while inflight:
         finish_oldest()
-    assert pinned_nodes == 0 and private == 0 and tree_size <= capacity, "belady: book-keeping broke"
+    assert pinned_pages == 0 and private == 0 and tree_size <= capacity, "belady: book-keeping broke"
     result = _result("belady", pk, capacity, concurrency, hits, evicted, truncated)
     result["capacity_unlimited"] = capacity_pages is None
     return result

@@ -155,10 +155,10 @@ def test_bad_arguments():
 def exhaustive_optimum(requests: list[RequestSpec], ps: int, capacity: int) -> int:
     """Most hit tokens any prefix-closed cache of `capacity` pages gets under the protocol."""
     pk = page_keys(requests, ps)
-    parent = pk.parent
+    parent = pk.page_parent
 
     def closed(pages: frozenset[int]) -> bool:
-        return all(parent[k] < 0 or parent[k] in pages for k in pages)
+        return all(parent(k) < 0 or parent(k) in pages for k in pages)
 
     @cache
     def best(i: int, cached: frozenset[int]) -> int:
@@ -169,7 +169,7 @@ def exhaustive_optimum(requests: list[RequestSpec], ps: int, capacity: int) -> i
             return best(i + 1, cached)
         total = -(-(pk.prompt_lens[i] + max(pk.output_lens[i] - 1, 0)) // ps)
         room = capacity - (total if total <= capacity else need)  # for cached pages it does not use
-        ks = pk.keys[i].tolist()
+        ks = pk.chain(i)
         h = 0
         while h < pk.hittable(i) and ks[h] in cached:
             h += 1
