@@ -1,7 +1,7 @@
 """Peak memory and time of the bounds (`experiments.runner.bounds`) on a Mooncake trace.
 
     python -m experiments.bench.bounds_memory [--trace FILE] [--limit N] [--page-size 16]
-        [--capacity-tokens 200000 1000000 3000000 10000000] [--output FILE]
+        [--capacity-tokens 200000 1000000 3000000 10000000] [--expect RESULTS_JSON] [--output FILE]
 
 Does what `make mooncake`'s bounds task does, in this process: load the trace as the
 `mooncake` workload, then `bounds(workload, page_size, capacities)`. Prints one JSON object:
@@ -9,6 +9,8 @@ seconds to load and to compute the bounds, peak RSS (`ru_maxrss`, the process's 
 mark) after loading and at the end, and the bounds themselves. Run it in a fresh process
 per measurement (the high-water mark never goes down). For ten times the conversation trace,
 write one first with `python -m experiments.bench.repeat_trace TRACE --times 10 --output FILE`.
+`--expect` compares the bounds with a results.json's `bounds` (e.g. `git show
+HEAD:reports/mooncake/results.json > old.json`) and exits 1 if they differ in any number.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--limit", type=int)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--capacity-tokens", type=int, nargs="+", default=CAPACITIES)
+    ap.add_argument("--expect", type=Path, help="a results.json whose bounds these must equal")
     ap.add_argument("--output", type=Path)
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
@@ -59,6 +62,8 @@ def main(argv: list[str] | None = None) -> dict:
         "peak_rss_mb": round(peak_rss_mb(), 1),
         "bounds": result,
     }
+    if args.expect:
+        out["equals_expected"] = json.loads(args.expect.read_text())["bounds"] == result
     print(json.dumps(out, indent=1))
     if args.output:
         args.output.write_text(json.dumps(out, indent=1) + "\n")
@@ -66,4 +71,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(0 if main().get("equals_expected", True) else 1)

@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "requests": len(requests),
         "page_size": ps,
         "distinct_pages": keys.num_keys,
+        "nodes": keys.num_nodes,
+        "pages_per_node": keys.per_node,  # 512 // page size when built from Mooncake hash ids
         "page_keys_seconds": round(time.perf_counter() - t0, 3),
         "rows": [],
     }
@@ -81,7 +83,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{row['backend']:>9}  capacity {str(row['capacity_tokens']):>10}  hit rate {row['hit_rate']:.4f}"
             f"  hit tokens {row['hit_tokens']:>9}  evicted {row['evicted_pages']:>8}  {row['seconds']:.2f} s"
         )
-    print(f"page keys: {out['distinct_pages']} distinct pages, {out['page_keys_seconds']:.2f} s")
+    print(
+        f"page keys: {out['distinct_pages']} distinct pages in {out['nodes']} nodes of up to"
+        f" {out['pages_per_node']}, {out['page_keys_seconds']:.2f} s"
+    )
     if args.output:
         args.output.write_text(json.dumps(out, indent=2) + "\n")
     return out
