@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
         "bounds_seconds": round(bounds_s, 2),
         "peak_rss_mb_after_load": round(rss_load, 1),
         "peak_rss_mb": round(peak_rss_mb(), 1),
+        "oracle_module": sys.modules["experiments.oracle"].__file__,  # which implementation ran
         "bounds": result,
     }
     if args.expect:
