@@ -413,14 +413,18 @@ class RadixCache(PrefixCache):
         The released sequence is left with an empty table: the list is the tree's now."""
         seq = held.seq
         table = seq.page_table
-        tree = self.tree
-        borrowers = [x for x in tree.path(held.node) if x.lender is table]
+        borrowers = []
+        x = held.node
+        while x.parent is not None:
+            if x.lender is table:
+                borrowers.append(x)
+            x = x.parent
         if not borrowers:
             return
-        keep = max(borrowers, key=lambda x: len(x.key))
+        keep = borrowers[0] if len(borrowers) == 1 else max(borrowers, key=lambda x: len(x.key))
         for x in borrowers:
             if x is not keep:
-                x.pages = tree.pages_of(x)
+                x.pages = self.tree.pages_of(x)
                 x.lender = None
         lo = keep.start // self.page_size
         del table[lo + len(keep.key) // self.page_size :]
