@@ -20,15 +20,16 @@ it, so vLLM's pool of P blocks has P - 1 usable ones; compare at equal *usable* 
 `evict(n)` exists for the contract (vLLM only evicts lazily): it clears the first `n` cached
 blocks of the queue in LRU order and moves them to the head.
 
-How the state is kept (speed, not behaviour): per block a ref count, a hash and a
-"hashed" flag in arrays indexed by block id, the free queue a `BlockQueue` of ids
-(`cachelib/free_queue.py`), so admit, commit, release and eviction work on a request's
-blocks with a few numpy calls each instead of a Python step per block; the table maps a
-hash to its oldest cached block id (`_table`), the younger duplicates of a hash are listed
-apart (`_dups`). Arrays grow with the highest block id handed out, so a pool of 10**9
-blocks (`replay` with unlimited capacity) costs nothing until its blocks are used.
-`cache.blocks[i]` is a view of block i (`block_id`, `ref_cnt`, `block_hash`) for
-inspection and tests.
+How the state is kept (speed, not behaviour): per block a ref count in an array indexed by
+block id, the free queue a `BlockQueue` of ids (`cachelib/free_queue.py`), the hash table
+an index (`cachelib/hashing.py`: per block its hash and whether it is cached, per hash its
+blocks oldest first; a dict, `DictIndex`, for pools up to `big_pool` blocks, `BlockIndex`'s
+numpy table beyond, where a dict no longer fits the CPU caches), so admit, commit, release
+and eviction handle a request's blocks with a fixed number of numpy calls instead of a
+Python step per block. Arrays grow with the highest block id handed out, so a pool of
+10**9 blocks (`replay` with unlimited capacity) costs nothing until its blocks are used.
+For inspection and tests, `cache.blocks[i]` is a view of block i (`block_id`, `ref_cnt`,
+`block_hash`) and `cache._table` a view of the hash table (hash -> oldest block).
 
 Options beyond vLLM: `hash_algorithm` (`xxh3_128` default, `sha256`), and
 `verify_tokens=True`, which stores each cached block's tokens, extra keys and parent, and
@@ -41,14 +42,13 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterator
-from functools import partial
-from itertools import islice, takewhile
+from typing import ClassVar
 
 import numpy as np
 
 from cachelib.errors import InvalidRequestError
 from cachelib.free_queue import BlockQueue
-from cachelib.hashing import BlockHash, BlockHasher, HashFn
+from cachelib.hashing import BlockHash, BlockHasher, BlockIndex, DictIndex, HashFn
 from cachelib.interface import LiveState, Occupancy, PagePartition, PrefixCache
 from cachelib.registry import register_backend
 from cachelib.types import CopyOp, Match, Sequence
@@ -58,7 +58,6 @@ from cachelib.types import CopyOp, Match, Sequence
 _BLOCK_BYTES = 28
 _ENTRY_BYTES = 20
 
-_is_not_none = partial(operator.is_not, None)
 _NO_BLOCKS = np.empty(0, dtype=np.int64)
 
 
@@ -77,7 +76,7 @@ class _Held(LiveState):
 class BlockView:
     """Block `block_id` of an `APCCache`, seen through the cache's arrays: `ref_cnt`,
     `block_hash` (None = not cached). For inspection and tests; assigning `block_hash`
-    writes the cache's state directly (tests corrupt a cache on purpose that way)."""
+    re-indexes the block under that hash (tests corrupt a cache on purpose that way)."""
 
     __slots__ = ("_cache", "block_id")
 
@@ -92,15 +91,14 @@ class BlockView:
 
     @property
     def block_hash(self) -> BlockHash | None:
-        hashes = self._cache._hash
-        return hashes[self.block_id] if self.block_id < hashes.size else None
+        digest = self._cache.index.digest
+        return digest[self.block_id] if self.block_id < digest.size else None
 
     @block_hash.setter
     def block_hash(self, value: BlockHash | None) -> None:
-        cache = self._cache
-        cache._cover(self.block_id + 1)
-        cache._hash[self.block_id] = value
-        cache._hashed[self.block_id] = value is not None
+        """Re-index the block under `value` (None: uncached) as the youngest of its hash."""
+        self._cache._cover(self.block_id + 1)
+        self._cache.index.reindex(self.block_id, value)
 
     def __index__(self) -> int:
         return self.block_id
@@ -129,12 +127,47 @@ class _BlockViews:
         return (BlockView(self._cache, i) for i in range(self._cache.num_pages))
 
 
+class _TableView:
+    """`APCCache._table`: the hash table as a mapping, hash -> its oldest cached block.
+    Assigning `table[h] = block` makes `block` (cached under h) the oldest of h's blocks."""
+
+    __slots__ = ("_index",)
+
+    def __init__(self, index: BlockIndex | DictIndex) -> None:
+        self._index = index
+
+    def __getitem__(self, h: BlockHash) -> int:
+        members = self._index.members(h)
+        if not members:
+            raise KeyError(h)
+        return members[0]
+
+    def __setitem__(self, h: BlockHash, block: object) -> None:
+        self._index.make_oldest(h, operator.index(block))
+
+    def __len__(self) -> int:
+        return len(self._index.items())
+
+    def __iter__(self) -> Iterator[BlockHash]:
+        return (h for h, _ in self._index.items())
+
+    def __contains__(self, h: object) -> bool:
+        return isinstance(h, bytes) and bool(self._index.members(h))
+
+    def items(self) -> list[tuple[BlockHash, int]]:
+        return [(h, members[0]) for h, members in self._index.items()]
+
+
 @register_backend("apc")
 class APCCache(PrefixCache):
     """vLLM V1 automatic prefix caching over `num_pages` blocks of `page_size` tokens."""
 
     decode_steps_are_noops = True  # full blocks are published only when they fill
     reuses_kv = True
+    #: pools of more blocks than this keep the hash table in a `BlockIndex` (numpy), smaller
+    #: ones in a `DictIndex` (a dict: faster while it fits the CPU caches). Speed only: the
+    #: two answer alike (tests set this to 0 to run everything on `BlockIndex`).
+    big_pool: ClassVar[int] = 1 << 17
 
     def __init__(
         self,
@@ -151,13 +184,11 @@ class APCCache(PrefixCache):
         self.hasher = BlockHasher(page_size, hash_algorithm, hash_fn)
         self.verify_tokens = verify_tokens
         self.free_queue = BlockQueue(num_pages)
-        # per block id, for the ids handed out so far (`_cover`): users, hash, hash is set
+        # per block id, for the ids handed out so far (`_cover`): how many tables hold it
         self._ref = np.zeros(0, dtype=np.int32)
-        self._hash = np.empty(0, dtype=object)
-        self._hashed = np.zeros(0, dtype=bool)
-        # hash -> its oldest cached block; hash -> the younger ones (duplicates), oldest first
-        self._table: dict[BlockHash, int] = {}
-        self._dups: dict[BlockHash, list[int]] = {}
+        # the hash table: per block its hash while cached, per hash its blocks, oldest first
+        index = BlockIndex if num_pages > self.big_pool else DictIndex
+        self.index: BlockIndex | DictIndex = index(self.hasher.digest_size)
         self._num_cached_free = 0  # hashed blocks with ref 0 (in the free queue)
         self._num_hashed = 0  # hashed blocks = table entries (each hashed block is one entry)
         self._memo_key = object()
@@ -176,6 +207,11 @@ class APCCache(PrefixCache):
         """Every block as a `BlockView` (`cache.blocks[i].ref_cnt`, `.block_hash`)."""
         return _BlockViews(self)
 
+    @property
+    def _table(self) -> _TableView:
+        """The hash table as a mapping view: hash -> its oldest cached block."""
+        return _TableView(self.index)
+
     def _cover(self, need: int) -> None:
         """Make the per-block arrays cover ids `0 .. need - 1` (doubling, at most num_pages)."""
         have = self._ref.size
@@ -184,8 +220,7 @@ class APCCache(PrefixCache):
         size = min(self.num_pages, max(need, 2 * have, 1024))
         more = size - have
         self._ref = np.concatenate([self._ref, np.zeros(more, dtype=np.int32)])
-        self._hash = np.concatenate([self._hash, np.full(more, None, dtype=object)])
-        self._hashed = np.concatenate([self._hashed, np.zeros(more, dtype=bool)])
+        self.index.cover(size)
         if self.verify_tokens:
             self._tokens = np.concatenate([self._tokens, np.zeros((more, self.page_size), dtype=np.int32)])
             self._extra += [b""] * more
@@ -215,17 +250,9 @@ class APCCache(PrefixCache):
         hashes = self._block_hashes(seq, max_blocks)
         if self.verify_tokens:
             hit = self._verified_walk(seq, hashes[:max_blocks])
-        else:
-            # the oldest block of each hash, up to the first miss (one C-level pass)
-            hit = list(takewhile(_is_not_none, map(self._table.get, islice(hashes, max_blocks))))
+        else:  # the oldest block of each hash, up to the first miss
+            hit = self.index.first_run(hashes[:max_blocks])
         return len(hit) * self.page_size, tuple(hit), hit
-
-    def _members(self, h: BlockHash) -> list[int]:
-        """Every cached block with hash `h`, oldest first."""
-        first = self._table.get(h)
-        if first is None:
-            return []
-        return [operator.index(first), *self._dups.get(h, ())]
 
     def _verified_walk(self, seq: Sequence, hashes: list[BlockHash], chosen: list[int] | None = None) -> list[int]:
         """The longest run of cached blocks whose recorded contents are `seq`'s first blocks.
@@ -234,7 +261,7 @@ class APCCache(PrefixCache):
         tokens = seq.tokens
         hit: list[int] = []
         for i, h in enumerate(hashes):
-            candidates = [chosen[i]] if chosen is not None else self._members(h)
+            candidates = [chosen[i]] if chosen is not None else self.index.members(h)
             if not candidates:
                 break
             want_parent = None if i == 0 else (hit[-1], self._generation[hit[-1]])
@@ -272,7 +299,7 @@ class APCCache(PrefixCache):
                 f"request {seq.request_id!r}: the match's blocks are not this cache's (another cache's match, or forged)"
             )
         hashes = self._block_hashes(seq, n)
-        if (n and self._hash[ids].tolist() != hashes[:n]) or (
+        if (n and self.index.digest[ids].tolist() != hashes[:n]) or (
             self.verify_tokens and len(self._verified_walk(seq, hashes[:n], hit)) != n
         ):
             raise InvalidRequestError(
@@ -316,39 +343,13 @@ class APCCache(PrefixCache):
         new = queue.popleft_n(n)
         if queue.num_used > self._ref.size:
             self._cover(queue.num_used)
-        victims = new[self._hashed[new]]
+        victims = new[self.index.cached[new]]
         if victims.size:  # lazy eviction: a block leaves the table only now
-            self._unindex(victims)
+            self.index.remove(victims)
             self._evicted(victims)
-        assert not self._ref[new].any(), "apc: a block handed out while referenced"
+        # (a queued block has no user: check_invariants proves it, no per-call test here)
         self._ref[new] = 1
         return new
-
-    def _unindex(self, victims: np.ndarray) -> None:
-        """Take the cached blocks `victims` out of the table; their hashes are cleared."""
-        hashes = self._hash[victims].tolist()
-        if self._dups:
-            for block, h in zip(victims.tolist(), hashes, strict=True):
-                self._drop(h, block)
-        else:  # every hash has one block: its entry goes
-            table = self._table
-            for h in hashes:
-                del table[h]
-        self._hash[victims] = None
-        self._hashed[victims] = False
-
-    def _drop(self, h: BlockHash, block: int) -> None:
-        """`block` leaves hash `h`'s entry; the oldest of the others (if any) now answers it."""
-        others = self._dups.get(h)
-        if self._table[h] == block:
-            if others:
-                self._table[h] = others.pop(0)
-            else:
-                del self._table[h]
-        elif others is not None:
-            others.remove(block)
-        if others is not None and not others:
-            del self._dups[h]
 
     def _evicted(self, blocks: np.ndarray) -> None:
         """Book-keeping for the cached blocks just evicted."""
@@ -381,18 +382,12 @@ class APCCache(PrefixCache):
         start = held.num_cached
         if full <= start:
             return
-        hashes = self._block_hashes(seq, full)[start:full]
         ids = held.blocks[start:full]
         # write-once: a block's hash is set when it fills and cleared only on eviction
-        assert not np.count_nonzero(self._hashed[ids]), f"apc: a block of {seq.request_id!r} is hashed already"
-        self._hash[ids] = np.fromiter(hashes, dtype=object, count=len(hashes))  # (a list converts slower)
-        self._hashed[ids] = True
-        id_list = ids.tolist()
-        entries = list(map(self._table.setdefault, hashes, id_list))
-        if entries != id_list:  # an equal block is cached already: keep both (append-only tables)
-            for h, block, entry in zip(hashes, id_list, entries, strict=True):
-                if entry != block:
-                    self._dups.setdefault(h, []).append(block)
+        # (check_invariants proves a table's first num_cached blocks are exactly its hashed ones)
+        # an equal block cached already keeps answering lookups; this one is its duplicate
+        # (tables are append-only)
+        self.index.add(ids, self._block_hashes(seq, full)[start:full])
         if self.verify_tokens:
             self._record_contents(seq, held.blocks, start, full)
         self._num_hashed += full - start
@@ -408,7 +403,7 @@ class APCCache(PrefixCache):
             self._extra[bid] = self.hasher.extra_bytes(seq.extra, i)
             prev = ids[i - 1] if i else None
             self._parent[bid] = None if prev is None else (prev, self._generation[prev])
-            self._parent_hash[bid] = None if prev is None else self._hash[prev]
+            self._parent_hash[bid] = None if prev is None else self.index.digest[prev]
 
     def _fork(self, parent: Sequence, held: _Held, child: Sequence) -> tuple[_Held, list[CopyOp]] | None:
         computed = parent.num_computed
@@ -436,11 +431,11 @@ class APCCache(PrefixCache):
         # ones go to the tail in that order (evicted late), the others to the head (reused
         # first: the first block of the table ends up at the head)
         ids = held.blocks[::-1]
-        ref = self._ref
-        ref[ids] -= 1
-        unused = ids[ref[ids] == 0]
+        left = self._ref[ids] - 1
+        self._ref[ids] = left
+        unused = ids[left == 0]
         if unused.size:
-            hashed = self._hashed[unused]
+            hashed = self.index.cached[unused]
             to_tail = unused[hashed]
             self.free_queue.appendleft_n(unused[~hashed][::-1])
             self.free_queue.append_n(to_tail)
@@ -448,9 +443,9 @@ class APCCache(PrefixCache):
 
     def _evict(self, num_pages: int) -> int:
         queued = self.free_queue.ids(fresh=False)
-        victims = queued[self._hashed[queued]][:num_pages]
+        victims = queued[self.index.cached[queued]][:num_pages]
         if victims.size:
-            self._unindex(victims)
+            self.index.remove(victims)
             self.free_queue.remove_n(victims)
             self.free_queue.appendleft_n(victims)  # the first victim at the head
             self._evicted(victims)
@@ -472,8 +467,8 @@ class APCCache(PrefixCache):
     def _page_partition(self) -> PagePartition:
         queued = self.free_queue.ids()
         hashed = np.zeros(queued.size, dtype=bool)
-        used = queued < self._hashed.size
-        hashed[used] = self._hashed[queued[used]]
+        used = queued < self.index.cached.size
+        hashed[used] = self.index.cached[queued[used]]
         return PagePartition(
             free=queued[~hashed].tolist(),
             cached=queued[hashed].tolist(),
@@ -483,7 +478,7 @@ class APCCache(PrefixCache):
     def cached_blocks_in_lru_order(self) -> list[int]:
         """Ids of cached blocks with no user, next evicted first."""
         queued = self.free_queue.ids(fresh=False)
-        return queued[self._hashed[queued]].tolist()
+        return queued[self.index.cached[queued]].tolist()
 
     def _check_invariants(self) -> None:
         from backends.apc_invariants import check_apc

@@ -5,7 +5,6 @@ blocks without state, and every live table's hashed blocks holding its own conte
 
 from __future__ import annotations
 
-import operator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -24,14 +23,12 @@ def check_apc(cache: APCCache) -> None:
 
     queue = cache.free_queue
     queue.check()
+    index = cache.index
+    index.check(fail)
     used = queue.num_used  # ids 0 .. used-1 were handed out; the others never were
-    ref, hashed, hashes = cache._ref, cache._hashed, cache._hash
-    if not ref.size == hashed.size == hashes.size or not used <= ref.size <= cache.num_pages:
-        fail(f"per-block arrays of sizes {ref.size}/{hashed.size}/{hashes.size} for {used} blocks handed out")
-    has_hash = np.array([h is not None for h in hashes.tolist()], dtype=bool)
-    if not np.array_equal(has_hash, hashed):
-        b = int(np.flatnonzero(has_hash != hashed)[0])
-        fail(f"block {b} has hash {hashes[b]!r:.20} but its hashed flag says {bool(hashed[b])}")
+    ref, hashed, hashes = cache._ref, index.cached, index.digest
+    if not ref.size == hashed.size or not used <= ref.size <= cache.num_pages:
+        fail(f"per-block arrays of sizes {ref.size}/{hashed.size} for {used} blocks handed out")
     if ref[used:].any() or hashed[used:].any():
         fail("a block never handed out is referenced or hashed")
 
@@ -59,17 +56,12 @@ def check_apc(cache: APCCache) -> None:
         b = int(np.flatnonzero((ref[:used] == 0) != in_queue)[0])
         fail(f"block {b} ref {ref[b]} but in_queue={bool(in_queue[b])}")
 
-    # the table holds exactly the hashed blocks, each under its own hash, oldest first
+    # the table holds exactly the hashed blocks, each under its own hash (the index's own
+    # check proved its layout; this is the table as apc sees it)
     seen = np.zeros(ref.size, dtype=bool)
-    for h, dups in cache._dups.items():
-        if h not in cache._table or not dups:
-            fail("a duplicate list without its table entry, or empty")
     entries = 0
-    for h, first in cache._table.items():
-        members = [operator.index(first), *cache._dups.get(h, ())]
+    for h, members in index.items():
         for block in members:
-            if not 0 <= block < used:
-                fail(f"table entry points at block {block}, never handed out")
             if seen[block]:
                 fail(f"block {block} is in the table twice")
             seen[block] = True
@@ -93,7 +85,7 @@ def check_apc(cache: APCCache) -> None:
             fail(f"{rid}: page table differs from the blocks held")
         fresh = cache.hasher.hash_blocks(seq.tokens, seq.extra, 0, held.num_cached, None)
         for i, (block, h) in enumerate(zip(held.blocks.tolist(), fresh, strict=False)):
-            if hashes[block] != h:
+            if index.digest[block] != h:
                 fail(f"{rid}: block {i} (page {block}) is cached under another content's hash")
 
 
@@ -104,10 +96,10 @@ def _check_recorded_contents(cache: APCCache, fail) -> None:
     another block's tokens, nor under another prefix."""
     hasher = cache.hasher
     size = cache._ref.size
-    digest = cache._hash
+    digest = cache.index.digest
     if not len(cache._tokens) == len(cache._extra) == len(cache._parent) == len(cache._generation) == size:
         fail("recorded contents do not cover every block handed out")
-    for bid in np.flatnonzero(cache._hashed).tolist():
+    for bid in np.flatnonzero(cache.index.cached).tolist():
         h = digest[bid]
         parent, parent_hash = cache._parent[bid], cache._parent_hash[bid]
         if (parent is None) != (parent_hash is None):

@@ -227,16 +227,12 @@ class BlockQueue:
         ring, head = self._ring, self._head
         parts = []
         while n and head < limit:
-            stop = min(limit, head + 2 * n + 16)
+            stop = min(limit, head + n)
             window = ring[head:stop]
-            live = np.flatnonzero(window != _HOLE)
-            if live.size >= n:
-                live = live[:n]
-                stop = head + int(live[-1]) + 1
-            got = window[live]
+            holes = np.count_nonzero(window == _HOLE)
+            got = window[window != _HOLE] if holes else window.copy()
+            ring[head:stop] = _HOLE  # (positions of taken ids go stale: `_positions` sees it)
             parts.append(got)
-            ring[head:stop] = _HOLE
-            self._pos[got] = -1
             n -= got.size
             head = stop
         self._head = head
@@ -333,9 +329,12 @@ class BlockQueue:
         live, where = span[span != _HOLE], at[span != _HOLE]
         if live.size and (live.min() < 0 or live.max() >= self._fresh):
             raise InvariantViolation("free queue holds an id that was never handed out")
+        if np.unique(live).size != live.size:
+            raise InvariantViolation("free queue holds an id twice")
         if pos.size != self._fresh:
             raise InvariantViolation(f"free queue tracks {pos.size} positions, {self._fresh} ids handed out")
-        if not np.array_equal(pos[live], where) or np.count_nonzero(pos >= 0) != live.size:
+        found = self._positions(np.arange(self._fresh))
+        if not np.array_equal(pos[live], where) or np.count_nonzero(found >= 0) != live.size:
             raise InvariantViolation("free queue links broken: a position does not point at its id")
         count = live.size + self.num_blocks - self._fresh
         if count != self.num_free:
@@ -344,11 +343,17 @@ class BlockQueue:
     # -- internals ---------------------------------------------------------------------
 
     def _positions(self, ids: np.ndarray) -> np.ndarray:
+        """Each id's ring index, -1 if it is not in the ring. `_pos` is only a hint: an id
+        taken out keeps its old index, which then holds a hole or another id."""
         if ids.size and (ids.min() < 0 or ids.max() >= self.num_blocks):
             raise ValueError(f"block ids must be in [0, {self.num_blocks})")
         pos = np.full(ids.size, -1, dtype=np.int64)  # never-used ids: no position
         used = ids < self._fresh
-        pos[used] = self._pos[ids[used]]
+        hint = self._pos[ids[used]]
+        inside = (hint >= 0) & (hint < self._ring.size)
+        hint[inside & (self._ring[np.where(inside, hint, 0)] != ids[used])] = -1
+        hint[~inside] = -1
+        pos[used] = hint
         return pos
 
     def _grow_pos(self) -> None:

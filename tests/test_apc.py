@@ -10,6 +10,14 @@ from cachelib import CopyOp, ExtraKeys, StaleMatchError, create_cache
 from tests.helpers import run_prompt, seq, unchanged
 
 
+@pytest.fixture(autouse=True, params=["dict", "numpy"])
+def table(request, monkeypatch):
+    """Every test on both hash tables: a dict (small pools) and the numpy `BlockIndex`."""
+    if request.param == "numpy":
+        monkeypatch.setattr(APCCache, "big_pool", 0)
+    return request.param
+
+
 def queue_ids(cache: APCCache) -> list[int]:
     return list(cache.free_queue)  # block ids, head first
 
