@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from cachelib.types import Sequence
+from experiments.engine.token_gaps import TokenGaps
 from experiments.workloads.spec import RequestSpec
 
 ORDERINGS = ("fcfs", "lpf")
@@ -70,6 +71,7 @@ class Request:
     first_token_step: int | None = None  # 0-based index among non-empty steps that sampled its first token
     finish_step: int | None = None  # ... and its last
     vllm: Any = None  # the vllm policy's counters (`vllm_scheduler.VllmCounters`)
+    last_token_at: float | None = None  # when its latest token came (`TokenGaps`, ITL)
 
     def __post_init__(self) -> None:
         if not self.target:
@@ -91,6 +93,7 @@ class ServingResult:
     makespan: float = 0.0
     peak_pages: int = 0
     outputs: dict[str, list[int]] = field(default_factory=dict)  # with keep_outputs=True
+    itl: TokenGaps = field(default_factory=TokenGaps)  # every inter-token gap of its requests (not samples)
 
 
 #: a step's batch: each request and the tokens it computes this step

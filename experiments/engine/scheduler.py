@@ -189,6 +189,8 @@ class Scheduler:
         seconds, tokens = self.executor.step(items)
         end = self.clock.now + seconds
         self.result.steps += 1
+        got = (r for (r, _), tok in zip(batch, tokens, strict=True) if tok is not None and r.sample_of is None)
+        self.result.itl.step(got, end)
         for (r, n), tok in zip(batch, tokens, strict=True):
             self.postprocess(r, n, tok, end)
         self.record_pages(end)
@@ -347,7 +349,11 @@ class Scheduler:
     def run_window(self, batch: Batch, k: int) -> float:
         """Take `k` decode steps of `batch` at once; returns when the last ends."""
         computed = np.array([r.seq.num_computed for r, _ in batch], dtype=np.int64)
-        end = self.clock.now + float(self.executor.decode_step_seconds(computed, k).sum())
+        steps = self.executor.decode_step_seconds(computed, k)
+        end = self.clock.now + float(steps.sum())
+        ends = (self.clock.now + np.cumsum(steps)).tolist()
+        ends[-1] = end  # the window's end as summed above (cumulated, its last bits may differ)
+        self.result.itl.window([r for r, _ in batch if r.sample_of is None], ends)
         for r, _ in batch:
             tokens = self.executor.fresh_tokens(k)
             if r.forced is not None:  # the request's recorded output overrides what was sampled
