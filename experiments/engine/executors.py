@@ -90,6 +90,9 @@ class DeviceProfile:
     flops_efficiency: float = 0.6
     bandwidth_efficiency: float = 0.8
     step_overhead_s: float = 30e-6  # launch + scheduling per step
+    #: the device's memory in bytes (what `--gpu-memory-utilization` takes a share of);
+    #: None for a profile that is no real device (`cpu`): capacity is then given outright
+    memory_bytes: int | None = None
 
     def calibrated(self, bench_json: str | Path) -> DeviceProfile:
         """This profile with the efficiencies `experiments/bench/gpu_attention_bench.py` measured.
@@ -113,17 +116,20 @@ class DeviceProfile:
         return replace(out, name=f"{self.name} (calibrated from {path.name})")
 
 
-#: published peaks: H200 SXM 989 TFLOP/s dense bf16, 4.8 TB/s HBM3e; a 2-core CPU for tests
+#: published peaks: H200 SXM 989 TFLOP/s dense bf16, 4.8 TB/s and 141 GB of HBM3e (NVIDIA
+#: H200 datasheet); H100 SXM 80 GB of HBM3 (NVIDIA H100 datasheet); GB are 10**9 bytes, as the
+#: datasheets count them (vLLM takes its share of the total CUDA reports, which can differ
+#: from the datasheet's figure); a 2-core CPU for tests, with no memory size
 DEVICE_PROFILES: dict[str, DeviceProfile] = {
-    "h200": DeviceProfile("h200", 989e12, 4.8e12),
-    "h100": DeviceProfile("h100", 989e12, 3.35e12),
+    "h200": DeviceProfile("h200", 989e12, 4.8e12, memory_bytes=141 * 10**9),
+    "h100": DeviceProfile("h100", 989e12, 3.35e12, memory_bytes=80 * 10**9),
     "cpu": DeviceProfile("cpu", 100e9, 20e9, 0.5, 0.5, 1e-4),
 }
 
 
 @dataclass(frozen=True, slots=True)
 class ModelShape:
-    """What the roofline needs of a model."""
+    """What the roofline needs of a model, and what its weights take in memory."""
 
     num_params: int  # without embeddings' lookups: the matmul weights
     num_layers: int
@@ -131,19 +137,28 @@ class ModelShape:
     head_dim: int
     kv_bytes_per_token: int
     bytes_per_param: int = 2
+    #: the input embedding's parameters: a lookup, no matmul, but in memory all the same
+    embedding_params: int = 0
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes every parameter takes (the matmul weights and the embedding table)."""
+        return (self.num_params + self.embedding_params) * self.bytes_per_param
 
     @classmethod
     def from_config(cls, cfg: Any) -> ModelShape:
         """From an `attention.model.ModelConfig`."""
         width = 2 if cfg.dtype in ("bfloat16", "float16") else 4
-        matmul = cfg.num_params() - cfg.vocab_size * cfg.hidden_size  # the embedding is a lookup
-        return cls(matmul, cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.kv_bytes_per_token(), width)
+        embedding = cfg.vocab_size * cfg.hidden_size
+        matmul = cfg.num_params() - embedding  # the embedding is a lookup
+        return cls(matmul, cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.kv_bytes_per_token(), width, embedding)
 
 
 def llama3_8b_shape() -> ModelShape:
-    # Meta-Llama-3-8B: 32 layers, 32 query heads, 8 KV heads, head dim 128, bf16
-    params = 8_030_261_248 - 128256 * 4096
-    return ModelShape(params, 32, 32, 128, 2 * 32 * 8 * 128 * 2)
+    # Meta-Llama-3-8B: 8,030,261,248 parameters (untied 128256 x 4096 embedding and LM head),
+    # 32 layers, 32 query heads, 8 KV heads, head dim 128, bf16
+    embedding = 128256 * 4096
+    return ModelShape(8_030_261_248 - embedding, 32, 32, 128, 2 * 32 * 8 * 128 * 2, embedding_params=embedding)
 
 
 class CostModelExecutor:
