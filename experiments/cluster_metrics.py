@@ -5,10 +5,11 @@ and the cluster section of a cell, with each replica beside it.
 summed over the replicas at every step end; steps, preemptions and cache time summed; the
 cluster's makespan), so the cell's `serving` section reads as a single replica's does.
 `cluster_section` adds what only a cluster has: per replica and for the whole cluster the hit
-rate, TTFT and TPOT in ms (mean, p50, p90, p99), preemptions and tokens served; the load
-imbalance (max / mean of tokens served over the replicas); and what the router cost (CPU
-time per decision, `time.perf_counter` around `route`, reading the view included) and
-counted.
+rate, TTFT, TPOT, ITL and E2E in ms (mean, p50, p90, p99; `metrics.latency_section`),
+goodput when SLOs are given (a replica's over the cluster's makespan, so the replicas'
+add up to the cluster's), preemptions and tokens served; the load imbalance (max / mean of
+tokens served over the replicas); and what the router cost (CPU time per decision,
+`time.perf_counter` around `route`, reading the view included) and counted.
 """
 
 from __future__ import annotations
@@ -17,14 +18,11 @@ import dataclasses
 import heapq
 from typing import Any
 
-import numpy as np
-
 from cachelib.types import CacheStats
 from experiments.engine.cluster import ClusterResult
 from experiments.engine.request import ServingResult
-
-#: the quantiles of a latency summary, and their keys
-QUANTILES = (("p50", 50), ("p90", 90), ("p99", 99))
+from experiments.engine.token_gaps import TokenGaps
+from experiments.metrics import NO_SLOS, Slos, latency_section
 
 
 def merged_result(res: ClusterResult) -> ServingResult:
@@ -39,6 +37,7 @@ def merged_result(res: ClusterResult) -> ServingResult:
         cache_seconds=sum(r.cache_seconds for r in res.replicas),
         makespan=res.makespan,
         peak_pages=max((p for _, p in timeline), default=0),
+        itl=TokenGaps.merged(r.itl for r in res.replicas),
     )
 
 
@@ -67,17 +66,9 @@ def summed_stats(stats: list[CacheStats]) -> CacheStats:
     return CacheStats(backend=first.backend, page_size=first.page_size, **sums)
 
 
-def latency_ms(seconds: list[float]) -> dict[str, float | None]:
-    """Mean and quantiles, in milliseconds (None without values)."""
-    if not seconds:
-        return {"mean": None, **{k: None for k, _ in QUANTILES}}
-    ms = np.asarray(seconds, dtype=float) * 1000.0
-    return {"mean": float(ms.mean()), **{k: float(np.percentile(ms, q)) for k, q in QUANTILES}}
-
-
-def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Hit rate, latencies and tokens served over `records` (a replica's or the cluster's);
-    as `metrics.serving_metrics`, a parallel sample's shared prompt counts once."""
+def summary(records: list[dict[str, Any]], gaps: TokenGaps, duration_s: float, slos: Slos) -> dict[str, Any]:
+    """Hit rate, latencies (and goodput) and tokens served over `records` (a replica's or
+    the cluster's); as `metrics.serving_metrics`, a parallel sample's shared prompt counts once."""
     done = [r for r in records if not r["aborted"] and r.get("sample_of") is None]
     rows = [r for r in records if not r["aborted"]]
     prompt = sum(r["prompt_tokens"] for r in done)
@@ -86,22 +77,23 @@ def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
         "requests": sum(1 for r in records if r.get("sample_of") is None),
         "finished": len(done),
         "hit_rate": hits / prompt if prompt else 0.0,
-        "ttft_ms": latency_ms([r["ttft"] for r in done if r["ttft"] is not None]),
-        "tpot_ms": latency_ms([r["tpot"] for r in done if r["tpot"] is not None]),
+        **latency_section(records, gaps, duration_s, slos),
         "preemptions": sum(r["preemptions"] for r in records),
         # prompt tokens of what it finished plus every token it generated: the work it took
         "tokens_served": prompt + sum(r["generated"] for r in rows),
     }
 
 
-def cluster_section(res: ClusterResult, stats: list[CacheStats], router_options: dict[str, Any]) -> dict[str, Any]:
+def cluster_section(
+    res: ClusterResult, stats: list[CacheStats], router_options: dict[str, Any], slos: Slos = NO_SLOS
+) -> dict[str, Any]:
     """The cell's `cluster` section (see the module docstring)."""
     per_replica = []
     for i, (r, st) in enumerate(zip(res.replicas, stats, strict=True)):
         per_replica.append(
             {
                 "replica": i,
-                **summary(r.requests),
+                **summary(r.requests, r.itl, res.makespan, slos),
                 "evicted_pages": st.evicted_pages,
                 "peak_pages": r.peak_pages,
                 "steps": r.steps,
@@ -118,6 +110,6 @@ def cluster_section(res: ClusterResult, stats: list[CacheStats], router_options:
         "router_us_per_decision": res.router_seconds / res.decisions * 1e6 if res.decisions else 0.0,
         "router_counters": res.router_stats,
         "load_imbalance": max(served) / mean if mean > 0 else None,
-        **summary(res.requests),
+        **summary(res.requests, TokenGaps.merged(r.itl for r in res.replicas), res.makespan, slos),
         "per_replica": per_replica,
     }

@@ -1,16 +1,87 @@
-"""Metrics of a serving run, as the report shows them (DESIGN §6)."""
+"""Metrics of a serving run, as the report shows them (DESIGN §6), and its latencies as
+`vllm bench serve` reports them (`latency_section`).
+
+Latencies (`latency_section`), in ms, each with mean, p50, p90 and p99 (`np.percentile`
+over the values, as vLLM's bench computes them), over the requests that finished
+(parallel samples left out, as TTFT always was):
+- TTFT: arrival (joining the queue) to the first token;
+- TPOT: per request, `(finished − first token) / (tokens − 1)`, requests of 2+ tokens;
+- ITL: every gap between two consecutive tokens of a request (engine/token_gaps.py);
+- E2E: arrival to the last token.
+Goodput, when SLOs are given (`--slo-ttft-ms`, `--slo-tpot-ms`): requests/s over the run
+(its makespan) that met every SLO given, TTFT and TPOT each at most its SLO; a one-token
+request's TPOT counts as 0 (vLLM's `calculate_metrics`: `all_tpots` gets 0 for it).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from cachelib.types import CacheStats
 from experiments.engine.request import ServingResult
+from experiments.engine.token_gaps import TokenGaps
 
 #: points kept of the pages-in-use timeline and of the TTFT distribution in result JSON
 SERIES_POINTS = 400
+#: the quantiles of a latency summary, and their keys
+QUANTILES = (("p50", 50), ("p90", 90), ("p99", 99))
+
+
+@dataclass(frozen=True)
+class Slos:
+    """Goodput's service-level objectives in ms (None: not set)."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+    @property
+    def given(self) -> bool:
+        return self.ttft_ms is not None or self.tpot_ms is not None
+
+    def met(self, record: dict[str, Any]) -> bool:
+        """`record` (a finished request) met every SLO given."""
+        if self.ttft_ms is not None and record["ttft"] * 1000.0 > self.ttft_ms:
+            return False
+        tpot = record["tpot"] or 0.0  # one token: no TPOT, as vLLM counts it 0
+        return self.tpot_ms is None or tpot * 1000.0 <= self.tpot_ms
+
+
+#: no SLO set: no goodput
+NO_SLOS = Slos()
+
+
+def latency_ms(seconds: list[float] | np.ndarray) -> dict[str, float | None]:
+    """Mean and quantiles, in milliseconds (None without values)."""
+    if not len(seconds):
+        return {"mean": None, **{k: None for k, _ in QUANTILES}}
+    ms = np.asarray(seconds, dtype=float) * 1000.0
+    return {"mean": float(ms.mean()), **{k: float(np.percentile(ms, q)) for k, q in QUANTILES}}
+
+
+def latency_section(
+    records: list[dict[str, Any]], gaps: TokenGaps, duration_s: float, slos: Slos = NO_SLOS
+) -> dict[str, Any]:
+    """TTFT, TPOT, ITL and E2E in ms over `records` and `gaps`, and the goodput over
+    `duration_s` when `slos` are given (see the module docstring)."""
+    done = [r for r in records if not r["aborted"] and r.get("sample_of") is None and r["finished_at"] is not None]
+    out: dict[str, Any] = {
+        "ttft_ms": latency_ms([r["ttft"] for r in done if r["ttft"] is not None]),
+        "tpot_ms": latency_ms([r["tpot"] for r in done if r["tpot"] is not None]),
+        "itl_ms": latency_ms(gaps.expanded()),
+        "e2e_ms": latency_ms([r["finished_at"] - r["arrival"] for r in done]),
+    }
+    if slos.given:
+        good = sum(1 for r in done if r["ttft"] is not None and slos.met(r))
+        out["goodput"] = {
+            "slo_ttft_ms": slos.ttft_ms,
+            "slo_tpot_ms": slos.tpot_ms,
+            "good_requests": good,
+            "requests_per_s": good / duration_s if duration_s > 0 else None,
+        }
+    return out
 
 
 def _pct(values: list[float], q: float) -> float | None:
