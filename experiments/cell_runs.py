@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from experiments.backend_options import BackendVariant
@@ -20,9 +20,15 @@ from experiments.runner import CellConfig, bounds, build_workload, run_cell
 
 
 def cells_for(
-    template: CellConfig, variants: Sequence[BackendVariant], capacities: Sequence[int], page_size: int
+    template: CellConfig,
+    variants: Sequence[BackendVariant],
+    capacities: Sequence[int],
+    page_size: int,
+    sizing: Mapping[int, Mapping[str, Any]] | None = None,
 ) -> list[CellConfig]:
-    """One cell per capacity x variant (capacity major), the rest as in `template`."""
+    """One cell per capacity x variant (capacity major), the rest as in `template`;
+    `sizing`: per capacity (tokens), the CellConfig fields saying how it was given
+    (`capacity_gb` or `gpu_memory_utilization`, experiments/sizing.py; none: in tokens)."""
     return [
         dataclasses.replace(
             template,
@@ -30,6 +36,7 @@ def cells_for(
             backend_options=v.options_dict(),
             capacity_tokens=cap,
             page_size=page_size,
+            **(sizing or {}).get(cap, {}),
         )
         for cap in capacities
         for v in variants
@@ -41,9 +48,12 @@ def cell_label(cfg: CellConfig) -> str:
     return f"cell {cfg.label} @ {cfg.capacity_tokens:,} tokens, page {cfg.page_size}, {cfg.workload}"
 
 
-def bounds_of(cfg: CellConfig, page_size: int, capacities: list[int]) -> dict[str, Any]:
-    """The bounds of `cfg`'s workload (a picklable task for `run_cells`'s `side`)."""
-    return bounds(build_workload(cfg), page_size, capacities)
+def bounds_of(
+    cfg: CellConfig, page_size: int, capacities: list[int], pooled: Sequence[CellConfig] = ()
+) -> dict[str, Any]:
+    """The bounds of `cfg`'s workload, the pooled caches of the cluster cells among
+    `pooled` included (a picklable task for `run_cells`'s `side`)."""
+    return bounds(build_workload(cfg), page_size, capacities, pooled)
 
 
 def run_cells(

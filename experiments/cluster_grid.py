@@ -10,8 +10,9 @@ table lists each shape's backends together.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from experiments.backend_options import BackendVariant
 from experiments.cell_runs import cells_for
@@ -74,11 +75,13 @@ def cells_over(
     capacities: Sequence[int],
     page_size: int,
     shapes: Sequence[ClusterShape] = SINGLE,
+    sizing: Mapping[int, Mapping[str, Any]] | None = None,
 ) -> list[CellConfig]:
-    """Capacity x shape x backend variant, the rest as in `template`."""
+    """Capacity x shape x backend variant, the rest as in `template` (`sizing`: how each
+    capacity was given, see `cell_runs.cells_for`)."""
     return [
         cell
         for cap in capacities
         for shape in shapes
-        for cell in cells_for(shape.apply(template), variants, [cap], page_size)
+        for cell in cells_for(shape.apply(template), variants, [cap], page_size, sizing)
     ]

@@ -98,6 +98,33 @@ CSV_FIELDS = [
 ]
 #: the metric columns a document with a cluster cell adds (its `cluster` section)
 CLUSTER_CSV = [("cluster", ["hit_rate", "load_imbalance", "preemptions", "router_decisions", "router_us_per_decision"])]
+#: latencies (`serving.latency`, metrics.latency_section) and their statistics
+LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
+STATS = ("mean", "p50", "p90", "p99")
+#: the columns a document with the added sections has (results.ADDED_SECTIONS): the added
+#: settings (empty where not set), the KV capacity in GB and how it was given, every
+#: latency statistic, and goodput
+ADDED_CONFIG = ("capacity_gb", "gpu_memory_utilization", "time_scale", "request_rate", "slo_ttft_ms", "slo_tpot_ms")
+ADDED_CSV = (
+    ["kv_capacity.given", "kv_capacity.gb"]
+    + [f"serving.latency.{m}.{s}" for m in LATENCIES for s in STATS]
+    + ["serving.latency.goodput.good_requests", "serving.latency.goodput.requests_per_s"]
+)
+#: the latency table (`latency_markdown`): (column, path under `serving.latency`, format)
+LATENCY_COLUMNS = [
+    ("TTFT mean (ms)", ("ttft_ms", "mean"), "{:,.0f}"),
+    ("TTFT p50 (ms)", ("ttft_ms", "p50"), "{:,.0f}"),
+    ("TTFT p90 (ms)", ("ttft_ms", "p90"), "{:,.0f}"),
+    ("TTFT p99 (ms)", ("ttft_ms", "p99"), "{:,.0f}"),
+    ("TPOT p50 (ms)", ("tpot_ms", "p50"), "{:.1f}"),
+    ("TPOT p99 (ms)", ("tpot_ms", "p99"), "{:.1f}"),
+    ("ITL p50 (ms)", ("itl_ms", "p50"), "{:.1f}"),
+    ("ITL p90 (ms)", ("itl_ms", "p90"), "{:.1f}"),
+    ("ITL p99 (ms)", ("itl_ms", "p99"), "{:.1f}"),
+    ("E2E p50 (ms)", ("e2e_ms", "p50"), "{:,.0f}"),
+    ("E2E p99 (ms)", ("e2e_ms", "p99"), "{:,.0f}"),
+]
+GOODPUT_COLUMN = ("goodput (req/s)", ("goodput", "requests_per_s"), "{:.2f}")
 
 
 #: backends often coincide (none and paged without declared prefixes): vary the dash too
@@ -118,6 +145,15 @@ def label(cell: dict[str, Any]) -> str:
 
 def _get(cell: dict, section: str, key: str) -> Any:
     return cell.get(section, {}).get(key)
+
+
+def _path(tree: Any, dotted: str | tuple[str, ...]) -> Any:
+    """`tree[a][b]...` along a dotted path (or a tuple of keys); None where a key is missing."""
+    for key in dotted.split(".") if isinstance(dotted, str) else dotted:
+        if not isinstance(tree, dict) or key not in tree:
+            return None
+        tree = tree[key]
+    return tree
 
 
 def _fmt(value: Any, spec: str) -> str:
@@ -143,9 +179,11 @@ def write_csv(results: dict[str, Any], path: Path) -> None:
     (`CLUSTER_CSV`) are there only when a cell is a cluster, so a document of one-replica
     cells writes the same file as before clusters existed."""
     clusters = any("cluster" in cell for cell in results["cells"])
-    config = list(CSV_CONFIG) + (list(CLUSTER_CONFIG) if clusters else [])
+    extended = any("kv_capacity" in cell for cell in results["cells"])
+    added = list(ADDED_CSV) if extended else []
+    config = list(CSV_CONFIG) + (list(CLUSTER_CONFIG) if clusters else []) + (list(ADDED_CONFIG) if extended else [])
     fields = CSV_FIELDS + (CLUSTER_CSV if clusters else [])
-    header = config + [f"{section}.{k}" for section, keys in fields for k in keys]
+    header = config + [f"{section}.{k}" for section, keys in fields for k in keys] + added
     with path.open("w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(header)
@@ -157,10 +195,10 @@ def write_csv(results: dict[str, Any], path: Path) -> None:
                 "router": "" if cfg["router"] is None else router_label(cfg["router"], cfg["router_options"]),
                 "router_options": json.dumps(cfg["router_options"]),
             }
-            row = [given[k] if k in given else cfg[k] for k in config]
+            row = [given[k] if k in given else cfg.get(k) for k in config]
             for section, keys in fields:
                 row += [_get(cell, section, k) for k in keys]
-            w.writerow(row)
+            w.writerow(row + [_path(cell, k) for k in added])
 
 
 def _executor(cfg: dict[str, Any]) -> str:
@@ -187,10 +225,11 @@ def markdown(results: dict[str, Any], figures: list[str]) -> str:
         "everything else comes from the serving protocol (continuous batching on a virtual clock).",
         "",
     ]
+    lines += _timing_lines(results["settings"])
     bounds = results.get("bounds")
     for cap in results["capacities"]:
         cells = [c for c in results["cells"] if c["config"]["capacity_tokens"] == cap]
-        lines += [f"## Capacity {cap:,} tokens", ""]
+        lines += [f"## Capacity {_capacity(cells, cap)}", ""]
         lines.append("| backend | " + " | ".join(name for name, _, _ in COLUMNS) + " |")
         lines.append("|---" * (len(COLUMNS) + 1) + "|")
         for c in cells:
@@ -208,6 +247,7 @@ def markdown(results: dict[str, Any], figures: list[str]) -> str:
             "",
         ]
     lines += cluster_markdown(results)
+    lines += latency_markdown(results)
     for fig in figures:
         lines += [f"![{fig}]({fig})", ""]
     lines += [
@@ -220,10 +260,44 @@ def markdown(results: dict[str, Any], figures: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _capacity(cells: list[dict[str, Any]], cap: int) -> str:
+    """A capacity as a heading names it: tokens, and where the cells say (`kv_capacity`) its
+    GB and how it was given."""
+    kv = next((c["kv_capacity"] for c in cells if "kv_capacity" in c), None)
+    if kv is None:
+        return f"{cap:,} tokens"
+    how = {
+        "tokens": "",
+        "capacity_gb": f", --capacity-gb {kv.get('capacity_gb', 0):g}",
+        "gpu_memory_utilization": f", --gpu-memory-utilization {kv.get('gpu_memory_utilization', 0):g} of "
+        f"{(kv.get('device_memory_bytes') or 0) / 1e9:g} GB less {(kv.get('weight_bytes') or 0) / 1e9:.2f} GB of weights",
+    }[kv["given"]]
+    return f"{cap:,} tokens ({kv['gb']:.2f} GB of KV{how})"
+
+
+def _timing_lines(settings: dict[str, Any]) -> list[str]:
+    """What the settings say about arrivals and goodput, when they say anything."""
+    parts = []
+    if settings.get("time_scale") is not None:
+        parts.append(f"arrival and think times × {settings['time_scale']:g} (`--time-scale`)")
+    if settings.get("request_rate") is not None:
+        parts.append(
+            f"arrivals re-drawn as a Poisson process at {settings['request_rate']:g} requests/s (`--request-rate`)"
+        )
+    slos = [
+        f"{k} ≤ {settings[f'slo_{k.lower()}_ms']:g} ms" for k in ("TTFT", "TPOT") if settings.get(f"slo_{k.lower()}_ms")
+    ]
+    if slos:
+        parts.append("goodput counts requests with " + " and ".join(slos))
+    return ["Serving: " + "; ".join(parts) + ".", ""] if parts else []
+
+
 def cluster_markdown(results: dict[str, Any]) -> list[str]:
     """Per capacity, a table of the cluster cells (none: no lines): the cluster's numbers
-    from each cell's `cluster` section (each replica's are in results.json)."""
+    from each cell's `cluster` section (each replica's are in results.json), and below them
+    the bounds under the replay protocol: each pooled cache and the infinite one."""
     lines: list[str] = []
+    bounds = results.get("bounds") or {}
     for cap in results["capacities"]:
         cells = [c for c in results["cells"] if c["config"]["capacity_tokens"] == cap and "cluster" in c]
         if not cells:
@@ -234,12 +308,69 @@ def cluster_markdown(results: dict[str, Any]) -> list[str]:
         for c in cells:
             row = " | ".join(_fmt(get(c["cluster"]), spec) for _, get, spec in CLUSTER_COLUMNS)
             lines.append(f"| {label(c)} | {row} |")
+        lines += _cluster_bounds(cells, bounds, cap)
         lines.append("")
     if lines:
         lines += [
             "A cluster's replicas each have the capacity above; the tables above count the whole cluster",
             "(pages, evictions and steps summed over its replicas). *Load imbalance* is the busiest replica's",
             "tokens served (prompt + generated) over the mean; router µs/decision is CPU time in `route`.",
+            "The *pooled* rows are one cache with the whole cluster's pages (replicas × the pages of one: the",
+            "ideal of a KV store the replicas share), replayed with the cell's backend and with Belady; they",
+            "and the infinite cache are replay hit rates, the ceiling a router's serving hit rate is read against.",
+            "",
+        ]
+    return lines
+
+
+def _cluster_bounds(cells: list[dict[str, Any]], bounds: dict[str, Any], cap: int) -> list[str]:
+    """The pooled caches of `cells` (per replica `cap` tokens) and the infinite cache, as rows."""
+    dash = " | ".join("—" for _ in CLUSTER_COLUMNS[1:])
+    rows: list[str] = []
+    pooled = bounds.get("pooled") or {}
+    for n in dict.fromkeys(c["config"]["replicas"] for c in cells):
+        total = str(n * (cap // bounds.get("page_size", 1)) * bounds.get("page_size", 1))
+        entry = pooled.get(total)
+        if entry is None:
+            continue
+        for backend, r in entry["replay"].items():
+            rows.append(
+                f"| *pooled {n} × {cap:,} = {int(total):,} tokens, {backend} (replay)* | {r['hit_rate']:.2%} | {dash} |"
+            )
+        rows.append(
+            f"| *pooled {n} × {cap:,} = {int(total):,} tokens, Belady* | {entry['belady']['hit_rate']:.2%} | {dash} |"
+        )
+    if bounds.get("infinite"):
+        rows.append(f"| *infinite capacity (replay)* | {bounds['infinite']['hit_rate']:.2%} | {dash} |")
+    return rows
+
+
+def latency_markdown(results: dict[str, Any]) -> list[str]:
+    """Per capacity, the latencies of every cell that has them (`serving.latency`: ms, as
+    `vllm bench serve` reports them), goodput when SLOs were set; none: no lines."""
+    lines: list[str] = []
+    for cap in results["capacities"]:
+        cells = [
+            c for c in results["cells"] if c["config"]["capacity_tokens"] == cap and "latency" in c.get("serving", {})
+        ]
+        if not cells:
+            continue
+        columns = LATENCY_COLUMNS + (
+            [GOODPUT_COLUMN] if any("goodput" in c["serving"]["latency"] for c in cells) else []
+        )
+        lines += [f"## Latency at {cap:,} tokens per replica", ""]
+        lines.append("| cell | " + " | ".join(name for name, _, _ in columns) + " |")
+        lines.append("|---" * (len(columns) + 1) + "|")
+        for c in cells:
+            row = " | ".join(_fmt(_path(c["serving"]["latency"], path), spec) for _, path, spec in columns)
+            lines.append(f"| {label(c)} | {row} |")
+        lines.append("")
+    if lines:
+        lines += [
+            "Latencies are on the virtual clock, over the requests that finished: TTFT from arrival (queueing",
+            "included) to the first token, TPOT per request after the first token, ITL every gap between two",
+            "consecutive tokens of a request (a stall behind another request's prefill is in it), E2E arrival to",
+            "last token; goodput is the requests/s that met every SLO given (`vllm bench serve --goodput`).",
             "",
         ]
     return lines

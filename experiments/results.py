@@ -23,6 +23,11 @@ SETTINGS = (
 PER_REQUEST_FILE = "per_request.jsonl"
 #: what a run puts in a report folder (glob patterns): replaced as a whole by the next run
 REPORT_ENTRIES = ("results.json", "report.md", "results.csv", "*.png", PER_REQUEST_FILE)
+#: settings added with clusters, shared by every cell of a document: in `settings` when given
+ADDED_SETTINGS = ("time_scale", "request_rate", "slo_ttft_ms", "slo_tpot_ms")
+#: what a cell's result holds beyond what it held before clusters (experiments/sizing.py,
+#: metrics.latency_section): `kv_capacity` and `serving.latency`
+ADDED_SECTIONS = ("kv_capacity", "serving.latency")
 #: the engine's per-request times (seconds, on the run's clock), as per_request.jsonl names them
 TIME_KEYS = {"arrival": "arrival_s", "first_token_at": "first_token_at_s", "finished_at": "finished_at_s",
              "ttft": "ttft_s", "tpot": "tpot_s"}  # fmt: skip
@@ -58,19 +63,36 @@ def document(
 
     `backends` are the variants' labels (`radix`, `radix[eviction_policy=lfu]`), in the
     order of the cells; report.py draws one line per label. The cells' per-request records
-    (`runner.PER_REQUEST`) are left out: they go to per_request.jsonl (`write_per_request`)."""
+    (`runner.PER_REQUEST`) are left out: they go to per_request.jsonl (`write_per_request`).
+
+    A document whose cells are all plain (one replica, no sizing, re-timing or SLO setting:
+    `CellConfig.plain`) leaves out `ADDED_SECTIONS` too, so it reads exactly as documents
+    written before them (tests/test_behaviour_unchanged.py reproduces reports/example); a
+    document with a cluster or such a setting has them in every cell, one replica included."""
+    added = not all(c.plain for c in cells)
+    settings = {k: getattr(cells[0], k) for k in SETTINGS}
+    settings.update({k: v for k in ADDED_SETTINGS if (v := getattr(cells[0], k)) is not None})
     return {
         "command": command_line(argv),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "commit": git_commit(),  # of the package's own checkout, not the current directory's
         "code_version": code_version(),
         "workload": {"name": workload.name, "config": workload.config, "requests": len(workload)},
-        "settings": {k: getattr(cells[0], k) for k in SETTINGS},
+        "settings": settings,
         "backends": backends,
         "capacities": capacities,
         "bounds": bounds,
-        "cells": [{k: v for k, v in r.items() if k != PER_REQUEST} for r in results],
+        "cells": [_cell(r, added) for r in results],
     }
+
+
+def _cell(result: dict[str, Any], added: bool) -> dict[str, Any]:
+    """A cell's result as the document holds it: no per-request records, and without
+    `ADDED_SECTIONS` unless `added` (see `document`)."""
+    out = {k: v for k, v in result.items() if k != PER_REQUEST and (added or k != "kv_capacity")}
+    if not added and "serving" in out:
+        out["serving"] = {k: v for k, v in out["serving"].items() if k != "latency"}
+    return out
 
 
 def write(doc: dict[str, Any], out_dir: str | Path) -> list[Path]:

@@ -18,6 +18,7 @@ import math
 import os
 import signal
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,10 +40,13 @@ from experiments.engine.executors import DEVICE_PROFILES
 from experiments.engine.request import ORDERINGS, SCHEDULERS
 from experiments.errors import InputError
 from experiments.labels import cell_label_of
-from experiments.metrics import serving_metrics
+from experiments.metrics import Slos, latency_section, serving_metrics
+from experiments.retiming import retime
 from experiments.routers.registry import make_router, router_label
+from experiments.sizing import KvSizing, model_shape
 from experiments.workloads.generators import Workload
 from experiments.workloads.registry import make_workload
+from experiments.workloads.spec import RequestSpec
 
 PROTOCOLS = ("replay", "serving", "both")
 #: cost: the roofline cost model; model: the real model; fixed: a constant `step_ms` per non-empty step
@@ -105,6 +109,18 @@ class CellConfig:
     router: str | None = None
     #: the router's non-default constructor options (experiments/routers/registry.py)
     router_options: dict[str, Any] = field(default_factory=dict)
+    #: how `capacity_tokens` was given, when not in tokens (experiments/sizing.py): GB of KV
+    #: per replica, or vLLM's share of the device's memory (at most one of the two)
+    capacity_gb: float | None = None
+    gpu_memory_utilization: float | None = None
+    #: serving's arrivals re-timed (experiments/retiming.py): every time x `time_scale`, or a
+    #: seeded Poisson process at `request_rate` requests/s (inf: all at 0); at most one
+    time_scale: float | None = None
+    request_rate: float | None = None
+    #: goodput's service-level objectives in ms (`vllm bench serve --goodput`): a request is
+    #: good when its TTFT and TPOT are within every one given
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
     #: what the numbers depend on beyond the settings (experiments/provenance.py): the code
     #: version and input file digests; part of `key()`, so stale cells are never reused
     provenance: dict[str, str] = field(default_factory=dict)
@@ -118,6 +134,7 @@ class CellConfig:
             raise ConfigError(f"unknown device {self.device!r}; choose one of {', '.join(DEVICE_PROFILES)}")
         self._check_serving()
         self._check_cluster()
+        self._check_sizing_and_timing()
 
     def _check_serving(self) -> None:
         """The scheduler and step settings agree with each other (before any work: a cell's
@@ -173,6 +190,38 @@ class CellConfig:
                 "runs the synchronous loop (drop it, or use --replicas 1)"
             )
 
+    def _check_sizing_and_timing(self) -> None:
+        """Capacity given one way, arrivals re-timed one way, every value in range, and
+        timing and SLOs only where a clock runs (before any work)."""
+        for name, allow_inf, at_most_one in _ADDED_RANGES:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            ok = isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+            ok = ok and (math.isfinite(value) or (allow_inf and value == math.inf)) and (not at_most_one or value <= 1)
+            if not ok:
+                bound = " and at most 1" if at_most_one else (" (or inf)" if allow_inf else " and finite")
+                raise ConfigError(
+                    f"{name} (--{name.replace('_', '-')}) must be a positive number{bound}, got {value!r}"
+                )
+        for a, b, why in _ONE_OF:
+            if getattr(self, a) is not None and getattr(self, b) is not None:
+                raise ConfigError(f"--{a.replace('_', '-')} and --{b.replace('_', '-')} both given: {why}")
+        timed = [
+            n for n in ("time_scale", "request_rate", "slo_ttft_ms", "slo_tpot_ms") if getattr(self, n) is not None
+        ]
+        if timed and self.protocol == "replay":
+            raise ConfigError(
+                f"--{timed[0].replace('_', '-')} is about the serving protocol's clock; --protocol replay has none "
+                "(use --protocol serving or both)"
+            )
+
+    @property
+    def plain(self) -> bool:
+        """One replica and none of the settings added with clusters (sizing, re-timing,
+        SLOs): a cell that reads and is keyed exactly as before them."""
+        return self.replicas == 1 and all(getattr(self, name) is None for name in ADDED)
+
     @property
     def router_label(self) -> str | None:
         """The router and its non-default options, as `--router` takes it (None: one replica)."""
@@ -196,6 +245,9 @@ class CellConfig:
         if self.replicas == 1:
             for name in SINGLE_REPLICA:
                 out.pop(name)
+        for name in ADDED:
+            if out[name] is None:
+                out.pop(name)
         return out
 
     def key(self) -> str:
@@ -206,6 +258,28 @@ class CellConfig:
 #: the cluster fields of a `CellConfig` and their single-replica values, left out of
 #: `as_dict` for one replica (and filled back in by readers of older documents)
 SINGLE_REPLICA: dict[str, Any] = {"replicas": 1, "router": None, "router_options": {}}
+#: fields added with sizing, re-timing and SLOs: left out of `as_dict` while None, so a cell
+#: without them reads (and is keyed) as before they existed
+ADDED = ("capacity_gb", "gpu_memory_utilization", "time_scale", "request_rate", "slo_ttft_ms", "slo_tpot_ms")
+#: (field, inf allowed, at most 1) of each added number
+_ADDED_RANGES = (
+    ("capacity_gb", False, False),
+    ("gpu_memory_utilization", False, True),
+    ("time_scale", False, False),
+    ("request_rate", True, False),
+    ("slo_ttft_ms", False, False),
+    ("slo_tpot_ms", False, False),
+)
+#: pairs of settings that exclude each other, and why
+_ONE_OF = (
+    ("capacity_gb", "gpu_memory_utilization", "each sets the KV capacity per replica; give one"),
+    (
+        "time_scale",
+        "request_rate",
+        "a request rate replaces the arrival times (a Poisson process), leaving none to scale "
+        "(vllm bench serve has the rate alone); give one",
+    ),
+)
 
 
 def build_workload(cfg: CellConfig) -> Workload:
@@ -262,16 +336,10 @@ def make_executor(cfg: CellConfig, num_pages: int):
     if cfg.executor == "fixed":
         return FixedStepExecutor(cfg.step_ms / 1000)  # type: ignore[operator]  # checked in CellConfig
     if cfg.executor == "cost":
-        from experiments.engine.executors import ModelShape, llama3_8b_shape
-
         device = DEVICE_PROFILES[cfg.device]
         if cfg.device_calibration:
             device = device.calibrated(cfg.device_calibration)
-        if cfg.model == "llama3-8b":
-            return CostModelExecutor(llama3_8b_shape(), device)
-        from attention.model import PRESETS
-
-        return CostModelExecutor(ModelShape.from_config(PRESETS[cfg.model]), device)
+        return CostModelExecutor(model_shape(cfg.model), device)
     from attention.model import PRESETS, LlamaModel
 
     if cfg.model not in PRESETS:
@@ -294,8 +362,14 @@ def run_cell(cfg: CellConfig, workload: Workload | None = None, *, progress: boo
     if os.environ.get(KILL_CELL_ENV) == f"{cfg.backend}@{cfg.capacity_tokens}":
         os.kill(os.getpid(), signal.SIGKILL)
     workload = workload or build_workload(cfg)
+    sizing = kv_capacity(cfg)
     num_pages = check_capacity(workload, cfg.capacity_tokens, cfg.page_size)
-    out: dict[str, Any] = {"config": cfg.as_dict(), "workload_config": workload.config, "num_pages": num_pages}
+    out: dict[str, Any] = {
+        "config": cfg.as_dict(),
+        "workload_config": workload.config,
+        "num_pages": num_pages,
+        "kv_capacity": sizing,
+    }
     started = time.perf_counter()
     if cfg.protocol != "replay" and any(s.beam_width > 1 for s in workload.requests):
         raise ConfigError(
@@ -315,11 +389,42 @@ def run_cell(cfg: CellConfig, workload: Workload | None = None, *, progress: boo
             cache = create_cache(cfg.backend, num_pages=num_pages, page_size=cfg.page_size, **cfg.backend_options)
             executor = make_executor(cfg, num_pages)
             requests, setup = _declare_prefixes(cache, workload, executor)
-            res = serve(cache, requests, executor, _serving_config(cfg), progress=progress)
+            res = serve(cache, retimed(cfg, requests), executor, _serving_config(cfg), progress=progress)
             out["serving"] = serving_metrics(res, cache.stats(), setup_seconds=setup)
+            out["serving"]["latency"] = latency_section(res.requests, res.itl, res.makespan, slos_of(cfg))
             out[PER_REQUEST] = res.requests
     out["wall_seconds"] = time.perf_counter() - started
     return out
+
+
+def kv_capacity(cfg: CellConfig) -> dict[str, Any]:
+    """The cell's KV capacity per replica in tokens, pages, bytes and GB (experiments/sizing.py);
+    a `ConfigError` when `capacity_tokens` is not what `capacity_gb` or
+    `gpu_memory_utilization` gives (a cell built by hand with both, before any work)."""
+    sizing = KvSizing(model_shape(cfg.model), cfg.page_size)
+    given = {n: v for n in ("capacity_gb", "gpu_memory_utilization") if (v := getattr(cfg, n)) is not None}
+    if given:
+        want = (
+            sizing.tokens_for_gb(cfg.capacity_gb)
+            if cfg.capacity_gb is not None
+            else sizing.tokens_on(cfg.device, cfg.gpu_memory_utilization)  # type: ignore[arg-type]
+        )
+        if want != cfg.capacity_tokens:
+            name, value = next(iter(given.items()))
+            raise ConfigError(
+                f"capacity_tokens {cfg.capacity_tokens:,} is not what {name} {value:g} gives "
+                f"({want:,} tokens for {cfg.model} on {cfg.device}, pages of {cfg.page_size}): set one of them"
+            )
+    return sizing.describe(cfg.capacity_tokens, cfg.device, given)
+
+
+def retimed(cfg: CellConfig, requests: list[RequestSpec]) -> list[RequestSpec]:
+    """Serving's requests re-timed by the cell's `time_scale` or `request_rate` (experiments/retiming.py)."""
+    return retime(requests, time_scale=cfg.time_scale, request_rate=cfg.request_rate, seed=cfg.seed)
+
+
+def slos_of(cfg: CellConfig) -> Slos:
+    return Slos(cfg.slo_ttft_ms, cfg.slo_tpot_ms)
 
 
 def _serving_config(cfg: CellConfig) -> ServingConfig:
@@ -346,18 +451,24 @@ def _serve_cluster(cfg: CellConfig, workload: Workload, num_pages: int, progress
     if any([s.prefix_id for s in r] != [s.prefix_id for s in requests] for r, _ in declared[1:]):
         raise RuntimeError("the replicas' caches numbered the declared prefixes differently")
     router = make_router(cfg.router, n, cfg.router_options)  # type: ignore[arg-type]  # a cluster has one (CellConfig)
-    res = serve_cluster(caches, requests, executors, router, _serving_config(cfg), progress=progress)
+    res = serve_cluster(caches, retimed(cfg, requests), executors, router, _serving_config(cfg), progress=progress)
     stats = [c.stats() for c in caches]
     setup = max(seconds for _, seconds in declared)  # the replicas set up side by side
+    merged = merged_result(res)
+    serving = serving_metrics(merged, summed_stats(stats), setup_seconds=setup)
+    serving["latency"] = latency_section(merged.requests, merged.itl, merged.makespan, slos_of(cfg))
     return {
-        "serving": serving_metrics(merged_result(res), summed_stats(stats), setup_seconds=setup),
-        "cluster": cluster_section(res, stats, dict(cfg.router_options)),
+        "serving": serving,
+        "cluster": cluster_section(res, stats, dict(cfg.router_options), slos_of(cfg)),
         PER_REQUEST: res.requests,
     }
 
 
-def bounds(workload: Workload, page_size: int, capacities: list[int]) -> dict[str, Any]:
-    """Infinite-capacity and Belady hit rates (replay protocol) for each capacity."""
+def bounds(
+    workload: Workload, page_size: int, capacities: list[int], pooled: Sequence[CellConfig] = ()
+) -> dict[str, Any]:
+    """Infinite-capacity and Belady hit rates (replay protocol) for each capacity, and with
+    cluster cells among `pooled` their pooled caches (`pooled_bounds`)."""
     from experiments.oracle import belady_hits, infinite_hits, page_keys
 
     keys = page_keys(workload.requests, page_size)
@@ -370,4 +481,42 @@ def bounds(workload: Workload, page_size: int, capacities: list[int]) -> dict[st
     for cap in capacities:
         b = belady_hits(workload.requests, page_size, cap // page_size, keys=keys)
         out["belady"][str(cap)] = {"hit_rate": b["hit_rate"], "hit_tokens": b["hit_tokens"]}
+    clusters = [c for c in pooled if c.replicas > 1]
+    if clusters:
+        out["pooled"] = pooled_bounds(workload, page_size, clusters, keys)
     return out
+
+
+def pooled_bounds(workload: Workload, page_size: int, clusters: Sequence[CellConfig], keys: Any) -> dict[str, Any]:
+    """Each cluster's pooled cache, under the replay protocol: one cache of replicas x the
+    pages of one replica (the ideal of a KV store the replicas share, as Mooncake's): the
+    replay hit rate of the cell's backend variant there, and Belady's there. Keyed by the
+    pooled capacity in tokens (str), with the (replicas, tokens per replica) shapes it pools."""
+    from experiments.oracle import belady_hits
+
+    out: dict[str, Any] = {}
+    for cfg in clusters:
+        total = cfg.replicas * (cfg.capacity_tokens // page_size) * page_size
+        entry = out.setdefault(str(total), {"capacity_tokens": total, "shapes": [], "replay": {}})
+        if [cfg.replicas, cfg.capacity_tokens] not in entry["shapes"]:
+            entry["shapes"].append([cfg.replicas, cfg.capacity_tokens])
+        if cfg.backend_label not in entry["replay"]:
+            r = run_cell(pooled_cell(cfg, total), workload)["replay"]
+            entry["replay"][cfg.backend_label] = {"hit_rate": r["hit_rate"], "hit_tokens": r["hit_tokens"]}
+    for entry in out.values():
+        b = belady_hits(workload.requests, page_size, entry["capacity_tokens"] // page_size, keys=keys)
+        entry["belady"] = {"hit_rate": b["hit_rate"], "hit_tokens": b["hit_tokens"]}
+    return out
+
+
+def pooled_cell(cfg: CellConfig, capacity_tokens: int) -> CellConfig:
+    """`cfg`'s backend variant alone at `capacity_tokens`, under the replay protocol (no
+    cluster, no clock: re-timing and SLOs do not apply; the capacity is given in tokens)."""
+    cleared = dict.fromkeys(ADDED)
+    return dataclasses.replace(
+        cfg,
+        **SINGLE_REPLICA,
+        **cleared,
+        protocol="replay",
+        capacity_tokens=capacity_tokens,  # type: ignore[arg-type]
+    )

@@ -37,6 +37,7 @@ from experiments.output_dir import OutputLock, StagedDir, check_writable_dir
 from experiments.provenance import provenance
 from experiments.results import REPORT_ENTRIES, document, write, write_per_request
 from experiments.runner import CellConfig, bounds, build_workload, check_capacity
+from experiments.sizing import CapacityGiven
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class SweepPlan:
     template: CellConfig
     variants: list[BackendVariant]
     workloads: dict[str, dict[str, Any]]  # workload name -> its knobs
-    capacities: list[int]
+    capacities: CapacityGiven  # per replica, in tokens, GB or vLLM's share of the device (experiments/sizing.py)
     page_sizes: list[int]
     shapes: Sequence[ClusterShape] = SINGLE  # cluster sizes x routers (experiments/cluster_grid.py)
     jobs: int = 1
@@ -64,17 +65,22 @@ def run_sweep(plan: SweepPlan, out_dir: Path) -> int:
         return _sweep_locked(plan, out_dir)
 
 
-def _grid(plan: SweepPlan) -> list[tuple[str, int, list[CellConfig]]]:
-    """(workload, page size, its cells) for the whole grid; every capacity checked first."""
+def _grid(plan: SweepPlan) -> list[tuple[str, int, list[int], list[CellConfig]]]:
+    """(workload, page size, its capacities in tokens, its cells) for the whole grid; every
+    capacity sized and checked first (in GB or by utilisation, a page size has its own)."""
     grid = []
+    t = plan.template
+    sized = {page: plan.capacities.cells(page, t.model, t.device) for page in plan.page_sizes}
     for wname, knobs in plan.workloads.items():
-        base = dataclasses.replace(plan.template, workload=wname, knobs=knobs)
+        base = dataclasses.replace(t, workload=wname, knobs=knobs)
         wl = build_workload(base)
         base = dataclasses.replace(base, provenance=provenance(wl.config))
         for page in plan.page_sizes:
-            for cap in plan.capacities:
+            caps = [tokens for tokens, _ in sized[page]]
+            for cap in caps:
                 check_capacity(wl, cap, page)
-            grid.append((wname, page, cells_over(base, plan.variants, plan.capacities, page, plan.shapes)))
+            cells = cells_over(base, plan.variants, caps, page, plan.shapes, dict(sized[page]))
+            grid.append((wname, page, caps, cells))
     return grid
 
 
@@ -82,7 +88,7 @@ def _sweep_locked(plan: SweepPlan, out_dir: Path) -> int:
     store = CellStore(out_dir / "cells")
     started = time.perf_counter()
     grid = _grid(plan)
-    every = [c for _, _, cells in grid for c in cells]
+    every = [c for _, _, _, cells in grid for c in cells]
     todo = [c for c in every if store.load(c) is None]
     print(f"sweep: {len(every)} cells, {len(every) - len(todo)} already done, {len(todo)} to run", file=sys.stderr)
     try:
@@ -92,12 +98,12 @@ def _sweep_locked(plan: SweepPlan, out_dir: Path) -> int:
             run_cells(todo, plan.jobs, store, plan.progress)
     except TasksFailed as exc:
         raise TasksFailed(exc.failures, note=f"finished cells are kept in {store.directory}; rerun to resume") from None
-    for wname, page, cells in grid:
+    for wname, page, caps, cells in grid:
         labels = list(dict.fromkeys(c.label for c in cells))
         wl = build_workload(cells[0])
-        found = bounds(wl, page, plan.capacities) if plan.with_bounds else None
+        found = bounds(wl, page, caps, pooled=cells) if plan.with_bounds else None
         results = [store.load(c) for c in cells]
-        doc = document(plan.argv, wl, cells, results, labels, plan.capacities, found)
+        doc = document(plan.argv, wl, cells, results, labels, caps, found)
         sub = out_dir / f"{wname}-p{page}"
         with StagedDir(sub, owned=REPORT_ENTRIES) as stage:
             write(doc, stage.path)

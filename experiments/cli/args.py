@@ -25,6 +25,7 @@ from experiments.engine.request import ORDERINGS, SCHEDULERS
 from experiments.errors import InputError, UsageError
 from experiments.routers.registry import ROUTERS
 from experiments.runner import EXECUTORS, CellConfig
+from experiments.sizing import CapacityGiven
 
 #: named flags that are aliases of `--backend-opt KEY=VALUE` (every selected backend)
 OPTION_ALIASES = {
@@ -51,6 +52,21 @@ def positive_float(text: str) -> float:
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"must be positive and finite, got {text}")
     return value
+
+
+def fraction(text: str) -> float:
+    """A share in (0, 1], as vLLM's --gpu-memory-utilization takes it."""
+    value = positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be at most 1 (a share of the device's memory), got {text}")
+    return value
+
+
+def rate(text: str) -> float:
+    """A positive number of requests/s, or `inf` (all at once)."""
+    if text.strip().lower() in ("inf", "+inf", "infinity"):
+        return math.inf
+    return positive_float(text)
 
 
 def add_backend_options(p: argparse.ArgumentParser) -> None:
@@ -101,7 +117,7 @@ def add_run_arguments(p: argparse.ArgumentParser, many_backends: bool) -> None:
     p.add_argument("--knob", action="append", metavar="NAME=VALUE", help="workload knob (repeatable)")
     p.add_argument("--trace", help="a Mooncake JSONL trace (shortcut for --workload mooncake --knob path=...)")
     p.add_argument("--seed", type=int, default=defaults.SEED)
-    p.add_argument("--capacity-tokens", type=positive_int, nargs="+", help="KV capacities in tokens")
+    add_capacity_options(p)
     p.add_argument("--protocol", default=defaults.PROTOCOL, choices=["replay", "serving", "both"])
     p.add_argument(
         "--executor",
@@ -147,10 +163,58 @@ def add_run_arguments(p: argparse.ArgumentParser, many_backends: bool) -> None:
     )
     add_backend_options(p)
     add_cluster_options(p)
+    add_timing_options(p)
     p.add_argument("--jobs", type=positive_int, default=defaults.JOBS, help="cells run in this many local processes")
     p.add_argument("--output-dir", default=str(defaults.OUTPUT_DIR))
     p.add_argument("--no-bounds", action="store_true", help="skip the infinite and Belady bounds")
     p.add_argument("--no-progress", action="store_true")
+
+
+def add_capacity_options(p: argparse.ArgumentParser) -> None:
+    """The KV capacity per replica, given one way (experiments/sizing.py)."""
+    p.add_argument("--capacity-tokens", type=positive_int, nargs="+", help="KV capacities in tokens")
+    p.add_argument(
+        "--capacity-gb",
+        type=positive_float,
+        nargs="+",
+        metavar="GB",
+        help="KV capacities in GB (10**9 bytes) of KV per replica, in whole pages of the --model's KV",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=fraction,
+        nargs="+",
+        metavar="U",
+        help="KV capacity as vLLM sizes it: U x the --device's memory minus the --model's weights, in whole "
+        "pages (vLLM's default U is 0.9; activations and CUDA graphs are not subtracted)",
+    )
+
+
+def add_timing_options(p: argparse.ArgumentParser) -> None:
+    """Serving's arrivals re-timed (experiments/retiming.py) and goodput's SLOs."""
+    p.add_argument(
+        "--time-scale",
+        type=positive_float,
+        metavar="X",
+        help="multiply every arrival and think time by X (2: the trace at half speed)",
+    )
+    p.add_argument(
+        "--request-rate",
+        type=rate,
+        metavar="R",
+        help="new arrival times: a Poisson process at R requests/s seeded by --seed, as vllm bench serve "
+        "(inf: all at time 0); not with --time-scale",
+    )
+    p.add_argument("--slo-ttft-ms", type=positive_float, metavar="MS", help="goodput's TTFT objective (ms)")
+    p.add_argument("--slo-tpot-ms", type=positive_float, metavar="MS", help="goodput's TPOT objective (ms)")
+
+
+def capacities_given(args: argparse.Namespace) -> CapacityGiven:
+    """How the command line gives the KV capacity per replica (default: the default tokens);
+    two ways at once is an `InputError` before any work."""
+    return CapacityGiven.of(
+        args.capacity_tokens, args.capacity_gb, args.gpu_memory_utilization, default=defaults.CAPACITIES
+    )
 
 
 def add_cluster_options(p: argparse.ArgumentParser) -> None:
@@ -239,4 +303,8 @@ def cell_template(args: argparse.Namespace, workload: str, knobs: dict[str, Any]
         scheduler=args.scheduler,
         async_scheduling=args.async_scheduling,
         step_ms=args.step_ms,
+        time_scale=args.time_scale,
+        request_rate=args.request_rate,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms,
     )

@@ -28,6 +28,7 @@ from experiments.cell_store import CellStore
 from experiments.cli.args import (
     add_run_arguments,
     backend_variants,
+    capacities_given,
     cell_template,
     check_calibration,
     check_model,
@@ -51,6 +52,7 @@ class Comparison:
     variants: list[BackendVariant]
     shapes: list[ClusterShape]
     capacities: list[int]
+    sizing: dict[int, dict[str, float]]  # how each capacity was given (experiments/sizing.py)
     out_dir: Path
     jobs: int
     progress: bool
@@ -87,11 +89,13 @@ def _compare(args: argparse.Namespace, single: bool) -> int:
     check_calibration(args.device_calibration)
     workload_name = "mooncake" if args.trace else args.workload
     template = cell_template(args, workload_name, knobs(args), args.page_size)
+    sized = capacities_given(args).cells(args.page_size, args.model, args.device)
     plan = Comparison(
         template=template,
         variants=variants,
         shapes=cluster_shapes_of(args, template),
-        capacities=args.capacity_tokens or list(defaults.CAPACITIES),
+        capacities=[tokens for tokens, _ in sized],
+        sizing=dict(sized),
         out_dir=Path(os.path.abspath(args.output_dir)),  # "." has no name to put OUT.partial beside
         jobs=args.jobs,
         progress=not args.no_progress,
@@ -111,12 +115,12 @@ def _compare_locked(plan: Comparison) -> int:
         check_capacity(workload, cap, page_size)
     started = time.perf_counter()
     template = dataclasses.replace(plan.template, provenance=provenance(workload.config))
-    cells = cells_over(template, plan.variants, plan.capacities, page_size, plan.shapes)
+    cells = cells_over(template, plan.variants, plan.capacities, page_size, plan.shapes, plan.sizing)
     store = CellStore(plan.out_dir.with_name(plan.out_dir.name + ".partial"))
     reused = sum(store.load(c) is not None for c in cells)
     if reused:
         print(f"compare: {reused} of {len(cells)} cells reused from {store.directory}", file=sys.stderr)
-    side = Task("bounds", bounds_of, (cells[0], page_size, plan.capacities)) if plan.with_bounds else None
+    side = Task("bounds", bounds_of, (cells[0], page_size, plan.capacities, cells)) if plan.with_bounds else None
     try:
         results, bound = run_cells(cells, plan.jobs, store, plan.progress, side)
     except TasksFailed as exc:

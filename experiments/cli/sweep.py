@@ -12,6 +12,7 @@ from experiments import defaults
 from experiments.cli.args import (
     add_run_arguments,
     backend_variants,
+    capacities_given,
     cell_template,
     check_calibration,
     check_model,
@@ -46,7 +47,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         variants=variants,
         shapes=cluster_shapes_of(args, template),
         workloads=_knobs_per_workload(args, names, given),
-        capacities=args.capacity_tokens or list(defaults.CAPACITIES),
+        capacities=capacities_given(args),
         page_sizes=page_sizes,
         jobs=args.jobs,
         ray=args.ray,
