@@ -280,10 +280,11 @@ def _timing_lines(settings: dict[str, Any]) -> list[str]:
     parts = []
     if settings.get("time_scale") is not None:
         parts.append(f"arrival and think times × {settings['time_scale']:g} (`--time-scale`)")
-    if settings.get("request_rate") is not None:
-        parts.append(
-            f"arrivals re-drawn as a Poisson process at {settings['request_rate']:g} requests/s (`--request-rate`)"
-        )
+    rate = settings.get("request_rate")
+    if rate == float("inf"):
+        parts.append("every request on its own arrives at time 0 (`--request-rate inf`)")
+    elif rate is not None:
+        parts.append(f"arrivals re-drawn as a Poisson process at {rate:g} requests/s (`--request-rate`)")
     slos = [
         f"{k} ≤ {settings[f'slo_{k.lower()}_ms']:g} ms" for k in ("TTFT", "TPOT") if settings.get(f"slo_{k.lower()}_ms")
     ]
