@@ -3,7 +3,7 @@
 - `--time-scale X`: every time of the workload's timeline × X: arrival times, and the
   think time before a conversation's next turn. X = 2 replays a trace at half its speed,
   0.5 at twice (SGLang `bench_serving --mooncake-slowdown-factor` scales a trace's
-  timestamps the same way).
+  timestamps so, counted from its first one; the FAST'25 traces start at 0).
 - `--request-rate R`: the requests that arrive on their own (all but a turn that follows
   another of the workload, `RequestSpec.after`) get new arrival times, in their order of
   arrival, from a Poisson process at R requests/s as `vllm bench serve --request-rate`
