@@ -19,15 +19,13 @@ from experiments.engine.executors import Executor
 from experiments.engine.request import ServingConfig, ServingResult
 from experiments.engine.scheduler import Scheduler
 from experiments.engine.vllm_scheduler import StepPlan, VllmScheduler
-from experiments.engine.vllm_timed import TimedVllmScheduler
 from experiments.workloads.spec import RequestSpec
 
 DEFAULT_CONFIG = ServingConfig()
 #: vLLM's `max_concurrent_batches` with async scheduling (batch queue size)
 ASYNC_BATCHES = 2
-#: `ServingConfig.scheduler` -> the policy's class (vllm: `VllmScheduler`'s decisions, with
-#: every token's arrival recorded for ITL, experiments/engine/vllm_timed.py)
-SCHEDULER_POLICIES: dict[str, type[Scheduler]] = {"vllm": TimedVllmScheduler, "legacy": Scheduler}
+#: `ServingConfig.scheduler` -> the policy's class
+SCHEDULER_POLICIES: dict[str, type[Scheduler]] = {"vllm": VllmScheduler, "legacy": Scheduler}
 
 
 def serve(

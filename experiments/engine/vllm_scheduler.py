@@ -289,7 +289,10 @@ class VllmScheduler(Scheduler):
         self.record_pages(plan.end)
 
     def process(self, plan: StepPlan) -> None:
-        """`update_from_output`: deliver each sampled token, publish, finish what stopped."""
+        """`update_from_output`: deliver each sampled token, publish, finish what stopped.
+        Who got a token at the step's end goes to the replica's `TokenGaps` (ITL; parallel
+        samples are left out, as TTFT and TPOT leave them out)."""
+        timed: list[Request] = []
         for (r, n, _), tok in zip(plan.items, plan.tokens, strict=True):
             if r.finished_at is not None:
                 continue  # finished while this step was in flight: vLLM forgot it
@@ -302,6 +305,8 @@ class VllmScheduler(Scheduler):
                 continue
             had_placeholders = v.placeholders > 0
             # deliver: the oldest undelivered token (steps are processed in order)
+            if r.sample_of is None:
+                timed.append(r)
             r.output.append(tok)
             v.known += 1
             r.generated += 1
@@ -313,6 +318,7 @@ class VllmScheduler(Scheduler):
                     self.publish(r, min(v.computed - v.in_flight, v.known))
             if r.generated >= r.target:
                 self.stop(r, plan.end, plan.index)
+        self.result.itl.step(timed, plan.end)
 
     def stop(self, r: Request, at: float, step: int | None) -> None:
         """`r` produced its last token: out of its queue, released, recorded."""
@@ -392,6 +398,7 @@ class VllmScheduler(Scheduler):
             r.computed_tokens += k
             r.generated += k
             r.output.extend(tokens)
+        self.result.itl.window([r for r, _, _ in items if r.sample_of is None], ends.tolist())
         for r, _, _ in items:
             if r.generated >= r.target:
                 self.stop(r, end, first + k - 1)
