@@ -21,15 +21,17 @@ it, so vLLM's pool of P blocks has P - 1 usable ones; compare at equal *usable* 
 blocks of the queue in LRU order and moves them to the head.
 
 How the state is kept (speed, not behaviour): per block a ref count in an array indexed by
-block id, the free queue a `BlockQueue` of ids (`cachelib/free_queue.py`), the hash table
-an index (`cachelib/hashing.py`: per block its hash and whether it is cached, per hash its
-blocks oldest first; a dict, `DictIndex`, for pools up to `big_pool` blocks, `BlockIndex`'s
-numpy table beyond, where a dict no longer fits the CPU caches), so admit, commit, release
-and eviction handle a request's blocks with a fixed number of numpy calls instead of a
-Python step per block. Arrays grow with the highest block id handed out, so a pool of
-10**9 blocks (`replay` with unlimited capacity) costs nothing until its blocks are used.
-For inspection and tests, `cache.blocks[i]` is a view of block i (`block_id`, `ref_cnt`,
-`block_hash`) and `cache._table` a view of the hash table (hash -> oldest block).
+block id, the free queue a `BlockQueue` of ids (`cachelib/free_queue.py`), and the hash
+table an index (`cachelib/hashing.py`) that holds per block whether it is cached and
+answers, per chain position, the oldest cached block of a hash: `RunIndex` for the
+built-in hashes, which chain (one entry per commit: publishing and evicting do no
+operation per block on a hash table), `DictIndex` for a custom `hash_fn` (one dict entry
+per hash). So admit, commit, release and eviction handle a request's blocks with a fixed
+number of numpy calls instead of a Python step per block. Arrays grow with the highest
+block id handed out, so a pool of 10**9 blocks (`replay` with unlimited capacity) costs
+nothing until its blocks are used. For inspection and tests, `cache.blocks[i]` is a view
+of block i (`block_id`, `ref_cnt`, `block_hash`) and `cache._table` a view of the hash
+table (hash -> oldest block).
 
 Options beyond vLLM: `hash_algorithm` (`xxh3_128` default, `sha256`), and
 `verify_tokens=True`, which stores each cached block's tokens, extra keys and parent, and
@@ -48,7 +50,7 @@ import numpy as np
 
 from cachelib.errors import InvalidRequestError
 from cachelib.free_queue import BlockQueue
-from cachelib.hashing import BlockHash, BlockHasher, BlockIndex, DictIndex, HashFn
+from cachelib.hashing import BlockHash, BlockHasher, DictIndex, HashFn, RunIndex
 from cachelib.interface import LiveState, Occupancy, PagePartition, PrefixCache
 from cachelib.registry import register_backend
 from cachelib.types import CopyOp, Match, Sequence
@@ -91,8 +93,8 @@ class BlockView:
 
     @property
     def block_hash(self) -> BlockHash | None:
-        digest = self._cache.index.digest
-        return digest[self.block_id] if self.block_id < digest.size else None
+        index = self._cache.index
+        return index.digests([self.block_id])[0] if self.block_id < index.cached.size else None
 
     @block_hash.setter
     def block_hash(self, value: BlockHash | None) -> None:
@@ -133,7 +135,7 @@ class _TableView:
 
     __slots__ = ("_index",)
 
-    def __init__(self, index: BlockIndex | DictIndex) -> None:
+    def __init__(self, index: RunIndex | DictIndex) -> None:
         self._index = index
 
     def __getitem__(self, h: BlockHash) -> int:
@@ -164,10 +166,10 @@ class APCCache(PrefixCache):
 
     decode_steps_are_noops = True  # full blocks are published only when they fill
     reuses_kv = True
-    #: pools of more blocks than this keep the hash table in a `BlockIndex` (numpy), smaller
-    #: ones in a `DictIndex` (a dict: faster while it fits the CPU caches). Speed only: the
-    #: two answer alike (tests set this to 0 to run everything on `BlockIndex`).
-    big_pool: ClassVar[int] = 1 << 17
+    #: the hash table for the built-in (chained) hashes: `RunIndex` (one entry per commit)
+    #: or `DictIndex` (one per block, what a `hash_fn` always gets: it need not chain).
+    #: Speed only: both answer alike, and the tests run on both.
+    index_type: ClassVar[type] = RunIndex
 
     def __init__(
         self,
@@ -187,8 +189,8 @@ class APCCache(PrefixCache):
         # per block id, for the ids handed out so far (`_cover`): how many tables hold it
         self._ref = np.zeros(0, dtype=np.int32)
         # the hash table: per block its hash while cached, per hash its blocks, oldest first
-        index = BlockIndex if num_pages > self.big_pool else DictIndex
-        self.index: BlockIndex | DictIndex = index(self.hasher.digest_size)
+        index = DictIndex if self.hasher.algorithm == "custom" else self.index_type
+        self.index: RunIndex | DictIndex = index()
         self._num_cached_free = 0  # hashed blocks with ref 0 (in the free queue)
         self._num_hashed = 0  # hashed blocks = table entries (each hashed block is one entry)
         self._memo_key = object()
@@ -260,9 +262,13 @@ class APCCache(PrefixCache):
         size = self.page_size
         tokens = seq.tokens
         hit: list[int] = []
-        for i, h in enumerate(hashes):
-            candidates = [chosen[i]] if chosen is not None else self.index.members(h)
-            if not candidates:
+        found_at = None if chosen is not None else self.index.candidates(hashes)
+        for i in range(len(hashes)):
+            if chosen is not None:
+                candidates = [chosen[i]]
+            elif i < len(found_at):
+                candidates = found_at[i]
+            else:
                 break
             want_parent = None if i == 0 else (hit[-1], self._generation[hit[-1]])
             extra = self.hasher.extra_bytes(seq.extra, i)
@@ -299,7 +305,7 @@ class APCCache(PrefixCache):
                 f"request {seq.request_id!r}: the match's blocks are not this cache's (another cache's match, or forged)"
             )
         hashes = self._block_hashes(seq, n)
-        if (n and self.index.digest[ids].tolist() != hashes[:n]) or (
+        if (n and self.index.digests(ids) != hashes[:n]) or (
             self.verify_tokens and len(self._verified_walk(seq, hashes[:n], hit)) != n
         ):
             raise InvalidRequestError(
@@ -387,7 +393,7 @@ class APCCache(PrefixCache):
         # (check_invariants proves a table's first num_cached blocks are exactly its hashed ones)
         # an equal block cached already keeps answering lookups; this one is its duplicate
         # (tables are append-only)
-        self.index.add(ids, self._block_hashes(seq, full)[start:full])
+        self.index.add(ids, self._block_hashes(seq, full)[start:full], start)
         if self.verify_tokens:
             self._record_contents(seq, held.blocks, start, full)
         self._num_hashed += full - start
@@ -403,7 +409,7 @@ class APCCache(PrefixCache):
             self._extra[bid] = self.hasher.extra_bytes(seq.extra, i)
             prev = ids[i - 1] if i else None
             self._parent[bid] = None if prev is None else (prev, self._generation[prev])
-            self._parent_hash[bid] = None if prev is None else self.index.digest[prev]
+            self._parent_hash[bid] = None if prev is None else self.index.digests([prev])[0]
 
     def _fork(self, parent: Sequence, held: _Held, child: Sequence) -> tuple[_Held, list[CopyOp]] | None:
         computed = parent.num_computed

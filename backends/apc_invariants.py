@@ -26,7 +26,8 @@ def check_apc(cache: APCCache) -> None:
     index = cache.index
     index.check(fail)
     used = queue.num_used  # ids 0 .. used-1 were handed out; the others never were
-    ref, hashed, hashes = cache._ref, index.cached, index.digest
+    ref, hashed = cache._ref, index.cached
+    hashes = index.digests(np.arange(hashed.size))
     if not ref.size == hashed.size or not used <= ref.size <= cache.num_pages:
         fail(f"per-block arrays of sizes {ref.size}/{hashed.size} for {used} blocks handed out")
     if ref[used:].any() or hashed[used:].any():
@@ -85,8 +86,10 @@ def check_apc(cache: APCCache) -> None:
             fail(f"{rid}: page table differs from the blocks held")
         fresh = cache.hasher.hash_blocks(seq.tokens, seq.extra, 0, held.num_cached, None)
         for i, (block, h) in enumerate(zip(held.blocks.tolist(), fresh, strict=False)):
-            if index.digest[block] != h:
+            if hashes[block] != h:
                 fail(f"{rid}: block {i} (page {block}) is cached under another content's hash")
+            if hasattr(index, "position") and index.position(block) != i:
+                fail(f"{rid}: block {i} (page {block}) is indexed at chain position {index.position(block)}")
 
 
 def _check_recorded_contents(cache: APCCache, fail) -> None:
@@ -96,7 +99,7 @@ def _check_recorded_contents(cache: APCCache, fail) -> None:
     another block's tokens, nor under another prefix."""
     hasher = cache.hasher
     size = cache._ref.size
-    digest = cache.index.digest
+    digest = cache.index.digests(np.arange(size))
     if not len(cache._tokens) == len(cache._extra) == len(cache._parent) == len(cache._generation) == size:
         fail("recorded contents do not cover every block handed out")
     for bid in np.flatnonzero(cache.index.cached).tolist():

@@ -248,7 +248,7 @@ class BlockQueue:
         if not ids.size:
             return
         pos = self._positions(ids)
-        if (pos < 0).any() or np.unique(ids).size != ids.size:
+        if (pos < 0).any() or len(set(ids.tolist())) != ids.size:
             bad = ids[pos < 0][:1].tolist() or ids[:1].tolist()
             raise ValueError(f"block {bad[0]} is not in the free queue (or named twice)")
         self._ring[pos] = _HOLE

@@ -40,9 +40,6 @@ HASH_ALGORITHMS: dict[str, HashFn] = {
 }
 
 
-DIGEST_SIZES = {"xxh3_128": 16, "sha256": 32}
-
-
 def _key(tag: bytes, payload: bytes) -> bytes:
     return tag + len(payload).to_bytes(4, "little") + payload
 
@@ -66,8 +63,6 @@ class BlockHasher:
                 ) from None
         self.page_size = page_size
         self.algorithm = algorithm if hash_fn is HASH_ALGORITHMS.get(algorithm) else "custom"
-        #: bytes per hash when every hash has that size (the built-in algorithms), else None
-        self.digest_size: int | None = DIGEST_SIZES.get(self.algorithm)
         self._fn = hash_fn
 
     def extra_bytes(self, extra: ExtraKeys, block: int) -> bytes:
@@ -121,416 +116,17 @@ class BlockHasher:
 
 
 _is_not_none = partial(operator.is_not, None)
-_EMPTY = -1  # a slot of `BlockIndex._blk` that holds no block
-#: a table slot: fingerprint and block side by side (one 16-byte gather reads both)
-_SLOT = np.dtype([("fp", "<u8"), ("blk", "<i8")])
-
-
-class BlockIndex:
-    """The cached blocks by chained hash: for every hash, its blocks, oldest first.
-
-    What apc looks up (`first_run`, `lookup`), publishes (`add`) and evicts (`remove`), a
-    whole request's blocks per call, each call a fixed number of numpy steps. A Python dict
-    costs one operation per block, ~0.1 µs in a small table but ~0.2-0.5 µs once it
-    outgrows the CPU caches (page size 1, a million blocks); `DictIndex` is that dict, for
-    small pools, with the same interface.
-
-    Layout. Per block id (grown with `cover`, so unused ids cost nothing): `cached`, and
-    `digest`, the hash it is cached under (None when not cached). The *oldest* block of
-    each hash is in one of two slots of a numpy table (`_tab[slot]` = the hash's
-    fingerprint, its first 8 bytes as an integer, and the block, side by side so a lookup
-    reads one cache line): slot 1 = fingerprint & mask, slot 2 = (fingerprint >> 32) &
-    mask, the first free when it was added; when both were taken, it
-    is in the overflow dict `_ovf` (hash -> block). `_away[slot 1]` counts the hashes of
-    that slot 1 kept elsewhere, so a lookup looks further only when one may be there. The
-    younger blocks of a hash (duplicates: an equal block cached again) are listed in
-    `_dups` (hash -> block ids, oldest first). `_where[b]` is b's slot, or `-2 - slot 1`
-    when b is in the overflow dict, or -1 (a duplicate, or not cached). A fingerprint match
-    is always confirmed on the whole hash, so the index is exact for any hash function. At
-    most a quarter of the slots are taken (`_regrow` doubles the table), so about one hash
-    in fifty overflows.
-    """
-
-    __slots__ = (
-        "cached",
-        "digest",
-        "_where",
-        "_tab",
-        "_fp",
-        "_blk",
-        "_away",
-        "_mask",
-        "_ovf",
-        "_dups",
-        "_primaries",
-        "_stride",
-    )
-
-    def __init__(self, digest_size: int | None = 16) -> None:
-        # hashes of a fixed size that is a multiple of 8 bytes give their fingerprints in
-        # one numpy view; other hash functions (tests' colliding ones) take the general path
-        self._stride = digest_size // 8 if digest_size and digest_size % 8 == 0 else 0
-        self.cached = np.zeros(0, dtype=bool)
-        self.digest = np.empty(0, dtype=object)
-        self._where = np.zeros(0, dtype=np.int64)
-        self._ovf: dict[BlockHash, int] = {}
-        self._dups: dict[BlockHash, list[int]] = {}
-        self._primaries = 0  # hashes with a cached block (= slot entries + overflow entries)
-        self._new_table(1024)
-
-    def _new_table(self, slots: int) -> None:
-        self._mask = np.uint64(slots - 1)
-        self._tab = np.zeros(slots, dtype=_SLOT)
-        self._fp = self._tab["fp"]  # views of the two fields
-        self._blk = self._tab["blk"]
-        self._blk[:] = _EMPTY
-        self._away = np.zeros(slots, dtype=np.int32)
-
-    def cover(self, num_blocks: int) -> None:
-        """Make the per-block arrays hold ids `0 .. num_blocks - 1` (the caller grows it
-        geometrically)."""
-        have = self.cached.size
-        if num_blocks <= have:
-            return
-        more = num_blocks - have
-        self.cached = np.concatenate([self.cached, np.zeros(more, dtype=bool)])
-        self.digest = np.concatenate([self.digest, np.full(more, None, dtype=object)])
-        self._where = np.concatenate([self._where, np.full(more, -1, dtype=np.int64)])
-
-    def __len__(self) -> int:
-        """Cached blocks (duplicates included)."""
-        return self._primaries + sum(map(len, self._dups.values()))
-
-    def fingerprints(self, hashes: list[BlockHash]) -> np.ndarray:
-        """The first 8 bytes of each hash as a little-endian uint64 (zero-padded if shorter)."""
-        if self._stride:
-            return np.frombuffer(b"".join(hashes), dtype=np.uint64)[:: self._stride]
-        pad = b"\0" * 8
-        return np.fromiter(
-            (int.from_bytes((h[:8] + pad)[:8], "little") for h in hashes), dtype=np.uint64, count=len(hashes)
-        )
-
-    def _slots(self, fps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        mask = self._mask
-        return (fps & mask).astype(np.int64), ((fps >> np.uint64(32)) & mask).astype(np.int64)
-
-    # -- reading ---------------------------------------------------------------------
-
-    def lookup(self, hashes: list[BlockHash]) -> np.ndarray:
-        """For each hash, its oldest cached block, or -1."""
-        fps = self.fingerprints(hashes)
-        keys = np.fromiter(hashes, dtype=object, count=len(hashes))
-        return self._find(hashes, keys, fps, *self._slots(fps))
-
-    def _find(
-        self, hashes: list[BlockHash], keys: np.ndarray, fps: np.ndarray, s1: np.ndarray, s2: np.ndarray
-    ) -> np.ndarray:
-        """The oldest block of each hash or -1 (`keys`: the hashes as an object array)."""
-        out = self._at(self._tab[s1], keys, fps)
-        far = ((out < 0) & (self._away[s1] > 0)).nonzero()[0]
-        if far.size:
-            got = self._at(self._tab[s2[far]], keys[far], fps[far])
-            out[far] = got
-            far = far[got < 0].tolist()
-            if far:
-                get = self._ovf.get
-                out[far] = [get(hashes[i], -1) for i in far]
-        return out
-
-    def _at(self, rows: np.ndarray, keys: np.ndarray, fps: np.ndarray) -> np.ndarray:
-        """The blocks of table `rows` where they hold `keys`, else -1."""
-        blocks = rows["blk"]
-        here = (blocks >= 0) & (rows["fp"] == fps)
-        j = here.nonzero()[0]
-        if j.size:  # the fingerprint matches: confirm on the whole hash
-            here[j] = self.digest[blocks[j]] == keys[j]
-        return np.where(here, blocks, -1)
-
-    def first_run(self, hashes: list[BlockHash]) -> list[int]:
-        """The oldest block of each of `hashes` up to the first one not cached."""
-        out: list[int] = []
-        start, step = 0, 64
-        while start < len(hashes):
-            got = self.lookup(hashes[start : start + step])
-            miss = (got < 0).nonzero()[0]
-            if miss.size:
-                return out + got[: miss[0]].tolist()
-            out += got.tolist()
-            start += step
-            step *= 4
-        return out
-
-    def members(self, h: BlockHash) -> list[int]:
-        """Every cached block of hash `h`, oldest first."""
-        (first,) = self.lookup([h]).tolist()
-        return [] if first < 0 else [first, *self._dups.get(h, ())]
-
-    def items(self) -> list[tuple[BlockHash, list[int]]]:
-        """(hash, its blocks oldest first) for every cached hash (for invariants and tests)."""
-        firsts = self._blk[self._blk >= 0].tolist() + list(self._ovf.values())
-        return [(h, [b, *self._dups.get(h, ())]) for h, b in zip(self.digest[firsts].tolist(), firsts, strict=True)]
-
-    # -- publishing and evicting ---------------------------------------------------------
-
-    def add(self, blocks: np.ndarray, hashes: list[BlockHash]) -> None:
-        """Cache `blocks[i]` under `hashes[i]`, in order: a hash cached already keeps its
-        oldest block and gets the new one as its youngest duplicate."""
-        n = blocks.size
-        if not n:
-            return
-        if (self._primaries + n) * 4 > self._blk.size:
-            self._regrow(self._primaries + n)
-        keys = np.fromiter(hashes, dtype=object, count=n)
-        fps = self.fingerprints(hashes)
-        s1, s2 = self._slots(fps)
-        old = self._find(hashes, keys, fps, s1, s2)
-        self.cached[blocks] = True
-        self.digest[blocks] = keys
-        if (old >= 0).any():
-            for i in (old >= 0).nonzero()[0].tolist():
-                self._dups.setdefault(hashes[i], []).append(int(blocks[i]))
-            new = (old < 0).nonzero()[0]
-            blocks, keys, fps, s1, s2 = blocks[new], keys[new], fps[new], s1[new], s2[new]
-            hashes = keys.tolist()
-        self._place(blocks, hashes, keys, fps, s1, s2)
-
-    def _place(
-        self,
-        blocks: np.ndarray,
-        hashes: list[BlockHash],
-        keys: np.ndarray,
-        fps: np.ndarray,
-        s1: np.ndarray,
-        s2: np.ndarray,
-    ) -> None:
-        """Index `blocks` as the oldest of their hashes, none of which is cached (two equal
-        hashes among them: the first is the oldest, the second its duplicate)."""
-        rest = self._claim(np.arange(blocks.size), s1, blocks, fps)[1]
-        if rest.size:  # slot 1 taken: an equal hash just put there, else try slot 2
-            rest = rest[~self._placed_equal(rest, s1, blocks, hashes, keys, fps)]
-        if rest.size:
-            won, rest = self._claim(rest, s2, blocks, fps)
-            np.add.at(self._away, s1[won], np.int32(1))  # (slot 2 is never slot 1: it was taken)
-        if rest.size:
-            rest = rest[~self._placed_equal(rest, s1, blocks, hashes, keys, fps)]
-            rest = rest[~self._placed_equal(rest, s2, blocks, hashes, keys, fps)]
-        if rest.size:  # both slots taken: the overflow dict
-            ids = blocks[rest].tolist()
-            firsts = list(map(self._ovf.setdefault, [hashes[i] for i in rest.tolist()], ids))
-            if firsts != ids:  # equal hashes among these: the first is in the dict
-                keep = np.array([f == b for f, b in zip(firsts, ids, strict=True)], dtype=bool)
-                for i in rest[~keep].tolist():
-                    self._dups.setdefault(hashes[i], []).append(int(blocks[i]))
-                rest = rest[keep]
-            self._where[blocks[rest]] = -2 - s1[rest]
-            np.add.at(self._away, s1[rest], np.int32(1))
-            self._primaries += rest.size
-
-    def _claim(
-        self, idx: np.ndarray, slots: np.ndarray, blocks: np.ndarray, fps: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Put `blocks[idx]` in their `slots[idx]` where free, the first (in order) of those
-        wanting one slot getting it: (those placed, the others)."""
-        want = slots[idx]
-        free = self._blk[want] < 0
-        if not free.any():
-            return idx[:0], idx
-        cand, at = idx[free], want[free]
-        self._blk[at[::-1]] = -2 - cand[::-1]  # the last write wins: the first candidate
-        won = self._blk[at] == -2 - cand
-        cand, at = cand[won], at[won]
-        self._blk[at] = blocks[cand]
-        self._fp[at] = fps[cand]
-        self._where[blocks[cand]] = at
-        self._primaries += cand.size
-        if cand.size == idx.size:
-            return cand, idx[:0]
-        taken = np.ones(idx.size, dtype=bool)
-        taken[free.nonzero()[0][won]] = False
-        return cand, idx[taken]
-
-    def _placed_equal(
-        self,
-        idx: np.ndarray,
-        slots: np.ndarray,
-        blocks: np.ndarray,
-        hashes: list[BlockHash],
-        keys: np.ndarray,
-        fps: np.ndarray,
-    ) -> np.ndarray:
-        """Which of `idx` find an equal hash (placed earlier in this batch) in their slot:
-        they become its duplicates."""
-        equal = self._at(self._tab[slots[idx]], keys[idx], fps[idx]) >= 0
-        for i in idx[equal].tolist():
-            self._dups.setdefault(hashes[i], []).append(int(blocks[i]))
-        return equal
-
-    def remove(self, blocks: np.ndarray) -> None:
-        """Uncache `blocks` (each cached, each once): the oldest remaining block of a hash
-        takes the place of an oldest one that goes."""
-        if not blocks.size:
-            return
-        if self._dups:
-            hashes = self.digest[blocks].tolist()
-            dups = self._dups
-            shared = [i for i, h in enumerate(hashes) if h in dups]
-            if shared:
-                for i in shared:
-                    self._remove_shared(int(blocks[i]), hashes[i])
-                keep = np.ones(blocks.size, dtype=bool)
-                keep[shared] = False
-                blocks = blocks[keep]
-        where = self._where[blocks]
-        in_slot = where >= 0
-        if not in_slot.all():
-            out = ~in_slot
-            ovf = self._ovf
-            for h in self.digest[blocks[out]].tolist():
-                del ovf[h]
-            np.subtract.at(self._away, -2 - where[out], np.int32(1))
-            where = where[in_slot]
-        home = (self._fp[where] & self._mask).astype(np.int64)
-        away = home != where
-        if away.any():
-            np.subtract.at(self._away, home[away], np.int32(1))
-        self._blk[where] = _EMPTY
-        self._primaries -= blocks.size
-        self._where[blocks] = -1
-        self.cached[blocks] = False
-        self.digest[blocks] = None
-
-    def _remove_shared(self, block: int, h: BlockHash) -> None:
-        """Uncache `block` of hash `h` (which had duplicates when the call began): if it is
-        the oldest, the next oldest takes its place (slot or overflow entry)."""
-        others = self._dups.get(h)
-        where = int(self._where[block])
-        if not others:  # the others went first: it is the only one left
-            if where >= 0:
-                home = int(self._fp[where] & self._mask)
-                if home != where:
-                    self._away[home] -= 1
-                self._blk[where] = _EMPTY
-            else:
-                del self._ovf[h]
-                self._away[-2 - where] -= 1
-            self._primaries -= 1
-        elif where == -1:
-            others.remove(block)
-        else:
-            nxt = others.pop(0)
-            if where >= 0:
-                self._blk[where] = nxt
-            else:
-                self._ovf[h] = nxt
-            self._where[nxt] = where
-        if others is not None and not others:
-            del self._dups[h]
-        self._where[block] = -1
-        self.cached[block] = False
-        self.digest[block] = None
-
-    def _regrow(self, need: int) -> None:
-        """A table of at least 8 slots per hash, every oldest block placed anew."""
-        slots = self._blk.size
-        while need * 8 > slots:
-            slots *= 2
-        firsts = np.concatenate([self._blk[self._blk >= 0], np.fromiter(self._ovf.values(), dtype=np.int64)])
-        self._new_table(slots)
-        self._ovf = {}
-        self._primaries = 0
-        self._where[firsts] = -1
-        keys = self.digest[firsts]
-        hashes = keys.tolist()
-        fps = self.fingerprints(hashes)
-        self._place(firsts, hashes, keys, fps, *self._slots(fps))
-
-    def reindex(self, block: int, h: BlockHash | None) -> None:
-        """Cache `block` under `h` instead (None: uncache it), as the youngest of `h`'s
-        blocks. For tests that corrupt a cache on purpose; not used by apc's own calls."""
-        self.cover(block + 1)
-        ids = np.array([block], dtype=np.int64)
-        if self.cached[block]:
-            self.remove(ids)
-        if h is not None:
-            self.add(ids, [h])
-
-    def make_oldest(self, h: BlockHash, block: int) -> None:
-        """Make `block` (cached under `h`) the oldest of `h`'s blocks. For tests, like
-        `reindex`."""
-        members = self.members(h)
-        if block not in members:
-            raise KeyError(f"block {block} is not cached under that hash")
-        if members[0] == block:
-            return
-        self.remove(np.array(members, dtype=np.int64))
-        order = [block] + [b for b in members if b != block]
-        self.add(np.array(order, dtype=np.int64), [h] * len(order))
-
-    # -- checking ----------------------------------------------------------------------
-
-    def check(self, fail) -> None:
-        """Call `fail(message)` on the first broken invariant of the layout."""
-        size = self.cached.size
-        if not self.digest.size == self._where.size == size:
-            fail(f"index arrays of sizes {size}/{self.digest.size}/{self._where.size}")
-        has_digest = np.fromiter((d is not None for d in self.digest.tolist()), dtype=bool, count=size)
-        if not np.array_equal(has_digest, self.cached):
-            b = int((has_digest != self.cached).nonzero()[0][0])
-            fail(f"block {b} cached={bool(self.cached[b])} but its hash is {self.digest[b]!r:.20}")
-        slots = (self._blk >= 0).nonzero()[0]
-        in_slots = self._blk[slots]
-        if (self._blk[self._blk < 0] != _EMPTY).any():
-            fail("a table slot holds neither a block nor the empty mark")
-        if in_slots.size and in_slots.max() >= size:
-            fail("a table slot holds a block beyond the per-block arrays")
-        slot_hashes = self.digest[in_slots].tolist()
-        if None in slot_hashes:
-            fail("a table slot holds a block that is not cached")
-        fps = self.fingerprints(slot_hashes) if slot_hashes else np.zeros(0, dtype=np.uint64)
-        s1, s2 = self._slots(fps)
-        if not np.array_equal(self._fp[slots], fps) or not ((s1 == slots) | (s2 == slots)).all():
-            fail("a table slot's fingerprint or place is not its block's hash")
-        if not np.array_equal(self._where[in_slots], slots):
-            fail("a block in a table slot does not know its slot")
-        away = np.zeros(self._blk.size, dtype=np.int32)
-        np.add.at(away, s1[s1 != slots], np.int32(1))
-        for h, b in self._ovf.items():
-            if not 0 <= b < size or self.digest[b] != h:
-                fail(f"overflow entry points at block {b}, not cached under that hash")
-            home = int(self._slots(self.fingerprints([h]))[0][0])
-            if self._where[b] != -2 - home:
-                fail(f"overflow block {b} does not know its slot 1")
-            away[home] += 1
-        if not np.array_equal(away, self._away):
-            fail("the counts of hashes kept away from their slot 1 are wrong")
-        firsts = slot_hashes + list(self._ovf)
-        if len(set(firsts)) != len(firsts):
-            fail("a hash has two oldest blocks")
-        if self._primaries != len(firsts):
-            fail(f"{len(firsts)} hashes indexed, count says {self._primaries}")
-        if (self.lookup(firsts) < 0).any() if firsts else False:
-            fail("an indexed hash is not found by a lookup")
-        seen = set(in_slots.tolist()) | set(self._ovf.values())
-        first_set = set(firsts)
-        for h, dups in self._dups.items():
-            if not dups or h not in first_set:
-                fail("a duplicate list that is empty or whose hash has no oldest block")
-            for b in dups:
-                if not 0 <= b < size or self.digest[b] != h or self._where[b] != -1 or b in seen:
-                    fail(f"duplicate block {b} is not cached under its hash once")
-                seen.add(b)
-        if seen != set(self.cached.nonzero()[0].tolist()):
-            fail("the indexed blocks are not exactly the cached ones")
 
 
 class DictIndex:
-    """`BlockIndex`'s interface on a Python dict (hash -> oldest block) and a list of
-    duplicates per hash: one dict operation per block, which beats a handful of numpy
-    steps per block while the dict fits the CPU caches (small pools)."""
+    """The cached blocks by hash, one dict entry per hash (hash -> its oldest block, the
+    younger ones listed apart): one dict operation per block published or evicted. Exact
+    for any hash function; `RunIndex` does the same with no per-block table operation for
+    hashes that chain (the built-in algorithms)."""
 
     __slots__ = ("cached", "digest", "_first", "_dups")
 
-    def __init__(self, digest_size: int | None = 16) -> None:
+    def __init__(self) -> None:
         self.cached = np.zeros(0, dtype=bool)
         self.digest = np.empty(0, dtype=object)
         self._first: dict[BlockHash, int] = {}
@@ -560,7 +156,19 @@ class DictIndex:
     def items(self) -> list[tuple[BlockHash, list[int]]]:
         return [(h, [b, *self._dups.get(h, ())]) for h, b in self._first.items()]
 
-    def add(self, blocks: np.ndarray, hashes: list[BlockHash]) -> None:
+    def digests(self, blocks) -> list[BlockHash | None]:
+        return self.digest[np.asarray(blocks, dtype=np.int64)].tolist()
+
+    def candidates(self, hashes: list[BlockHash]) -> list[list[int]]:
+        out = []
+        for h in hashes:
+            members = self.members(h)
+            if not members:
+                break
+            out.append(members)
+        return out
+
+    def add(self, blocks: np.ndarray, hashes: list[BlockHash], start: int = 0) -> None:
         self.cached[blocks] = True
         self.digest[blocks] = np.fromiter(hashes, dtype=object, count=len(hashes))  # (a list converts slower)
         ids = blocks.tolist()
@@ -595,7 +203,8 @@ class DictIndex:
             del self._dups[h]
 
     def reindex(self, block: int, h: BlockHash | None) -> None:
-        """As `BlockIndex.reindex` (tests)."""
+        """Cache `block` under `h` instead (None: uncache it), as the youngest of `h`'s
+        blocks. For tests that corrupt a cache on purpose; not used by apc's own calls."""
         self.cover(block + 1)
         ids = np.array([block], dtype=np.int64)
         if self.cached[block]:
@@ -603,7 +212,15 @@ class DictIndex:
         if h is not None:
             self.add(ids, [h])
 
-    make_oldest = BlockIndex.make_oldest
+    def make_oldest(self, h: BlockHash, block: int) -> None:
+        """Make `block` (cached under `h`) the oldest of `h`'s blocks (tests)."""
+        members = self.members(h)
+        if block not in members:
+            raise KeyError(f"block {block} is not cached under that hash")
+        if members[0] != block:
+            others = [b for b in members if b != block]
+            self._first[h] = block
+            self._dups[h] = others
 
     def check(self, fail) -> None:
         has_digest = np.fromiter((d is not None for d in self.digest.tolist()), dtype=bool, count=self.cached.size)
@@ -621,3 +238,233 @@ class DictIndex:
                 seen.add(b)
         if seen != set(self.cached.nonzero()[0].tolist()):
             fail("the indexed blocks are not exactly the cached ones")
+
+
+class _Run:
+    """Blocks committed together: chain positions `start ..`, their hashes and block ids."""
+
+    __slots__ = ("start", "keys", "blocks", "live")
+
+    def __init__(self, start: int, keys: list[BlockHash], blocks: np.ndarray) -> None:
+        self.start = start
+        self.keys = keys
+        self.blocks = blocks
+        self.live = blocks.size  # of its blocks, how many are still cached
+
+
+_NEVER = np.iinfo(np.int64).max
+
+
+class RunIndex:
+    """The cached blocks by *chained* hash, kept per commit: a run is the blocks one commit
+    published, at chain positions `start, start + 1, ...`, with their hashes. Publishing a
+    run is one dict operation (`_starts`: its first hash -> its id) and a few array writes;
+    evicting a block clears its `cached` flag (a run goes when its last block does). No
+    operation per block on a hash table.
+
+    A lookup walks the chain: at each position the runs that start there are found by the
+    position's hash (chained hashes: equal hashes mean equal prefixes, so a run holding a
+    query's hash at position i starts at a position whose hash the query shares too), each
+    run agrees with the query up to its first different hash, and the answer at a position
+    is the oldest cached block (smallest commit order `seq`) of the runs covering it, as a
+    hash table that keeps a hash's oldest block would answer. Exact for the built-in
+    algorithms (a collision of xxh3-128 or sha256 aside, which misleads any hash table);
+    a hash function that does not chain (tests' colliding ones) needs `DictIndex`.
+    """
+
+    __slots__ = ("cached", "_run", "_off", "_seq", "_runs", "_starts", "_next_run", "_next_seq")
+
+    def __init__(self) -> None:
+        self.cached = np.zeros(0, dtype=bool)
+        self._run = np.zeros(0, dtype=np.int64)  # per block: its run while cached
+        self._off = np.zeros(0, dtype=np.int64)  # per block: its place in its run
+        self._seq = np.zeros(0, dtype=np.int64)  # per block: commit order (older = smaller)
+        self._runs: dict[int, _Run] = {}
+        self._starts: dict[BlockHash, list[int]] = {}  # first hash of a run -> run ids
+        self._next_run = 0
+        self._next_seq = 0
+
+    def cover(self, num_blocks: int) -> None:
+        """Make the per-block arrays hold ids `0 .. num_blocks - 1`."""
+        more = num_blocks - self.cached.size
+        if more > 0:
+            self.cached = np.concatenate([self.cached, np.zeros(more, dtype=bool)])
+            self._run = np.concatenate([self._run, np.full(more, -1, dtype=np.int64)])
+            self._off = np.concatenate([self._off, np.zeros(more, dtype=np.int64)])
+            self._seq = np.concatenate([self._seq, np.zeros(more, dtype=np.int64)])
+
+    def __len__(self) -> int:
+        return int(np.count_nonzero(self.cached))
+
+    # -- publishing and evicting ---------------------------------------------------------
+
+    def add(self, blocks: np.ndarray, hashes: list[BlockHash], start: int = 0) -> None:
+        """Cache `blocks[i]` under `hashes[i]`, at chain positions `start + i`, as one run."""
+        n = blocks.size
+        if not n:
+            return
+        r = self._next_run
+        self._next_run += 1
+        self._runs[r] = _Run(start, hashes, blocks.copy())
+        self._starts.setdefault(hashes[0], []).append(r)
+        self.cached[blocks] = True
+        self._run[blocks] = r
+        self._off[blocks] = np.arange(n)
+        self._seq[blocks] = np.arange(self._next_seq, self._next_seq + n)
+        self._next_seq += n
+
+    def remove(self, blocks: np.ndarray) -> None:
+        """Uncache `blocks` (each cached, each once)."""
+        if not blocks.size:
+            return
+        self.cached[blocks] = False
+        runs = self._run[blocks]
+        self._run[blocks] = -1
+        # evicted in LRU order, a run's blocks come in a few stretches: count per stretch
+        cut = (runs[1:] != runs[:-1]).nonzero()[0] + 1
+        ends = [*cut.tolist(), runs.size]
+        gone: dict[int, int] = {}
+        begin = 0
+        for r, end in zip(runs[[0, *ends[:-1]]].tolist(), ends, strict=True):
+            gone[r] = gone.get(r, 0) + end - begin
+            begin = end
+        for r, k in gone.items():
+            run = self._runs[r]
+            run.live -= k
+            if not run.live:
+                del self._runs[r]
+                others = self._starts[run.keys[0]]
+                others.remove(r)
+                if not others:
+                    del self._starts[run.keys[0]]
+
+    # -- reading ---------------------------------------------------------------------
+
+    def _fold(
+        self, r: int, run: _Run, hashes: list[BlockHash], at: int, best: np.ndarray, best_block: np.ndarray
+    ) -> None:
+        """Offer run `r`'s blocks still cached in it for the positions where it agrees with
+        `hashes` (a block evicted from the run and cached again elsewhere is not its own)."""
+        keys = run.keys
+        n = min(len(keys), len(hashes) - at)
+        same = list(map(operator.eq, keys[:n], hashes[at : at + n]))
+        try:
+            n = same.index(False)
+        except ValueError:
+            pass
+        blocks = run.blocks[:n]
+        seq = np.where(self._run[blocks] == r, self._seq[blocks], _NEVER)
+        window = best[at : at + n]
+        older = seq < window
+        window[older] = seq[older]
+        best_block[at : at + n][older] = blocks[older]
+
+    def first_run(self, hashes: list[BlockHash]) -> list[int]:
+        """The oldest cached block of each chain position of `hashes`, up to the first
+        position with none."""
+        m = len(hashes)
+        best = np.full(m, _NEVER, dtype=np.int64)
+        best_block = np.full(m, -1, dtype=np.int64)
+        runs, starts = self._runs, self._starts.get
+        lo, step = 0, 64
+        while lo < m:
+            hi = min(m, lo + step)
+            for i, found in enumerate(map(starts, hashes[lo:hi]), lo):
+                if found:
+                    for r in found:
+                        run = runs[r]
+                        if run.start == i:
+                            self._fold(r, run, hashes, i, best, best_block)
+            miss = (best[lo:hi] == _NEVER).nonzero()[0]
+            if miss.size:
+                return best_block[: lo + int(miss[0])].tolist()
+            lo, step = hi, step * 4
+        return best_block.tolist()
+
+    def candidates(self, hashes: list[BlockHash]) -> list[list[int]]:
+        """Per chain position of `hashes`, every cached block there, oldest first, up to
+        the first position with none (for verify_tokens' walk)."""
+        out: list[list[int]] = []
+        active: list[int] = []
+        for i, h in enumerate(hashes):
+            active += [r for r in self._starts.get(h, ()) if self._runs[r].start == i]
+            here = []
+            for r in active:
+                run = self._runs[r]
+                j = i - run.start
+                if j < len(run.keys) and run.keys[j] == h:
+                    b = int(run.blocks[j])
+                    if self._run[b] == r:
+                        here.append((int(self._seq[b]), b))
+            if not here:
+                break
+            out.append([b for _, b in sorted(here)])
+        return out
+
+    def digests(self, blocks) -> list[BlockHash | None]:
+        """The hash each of `blocks` is cached under (None: not cached)."""
+        blocks = np.asarray(blocks, dtype=np.int64)
+        runs = self._runs
+        return [
+            None if r < 0 else runs[r].keys[o]
+            for r, o in zip(self._run[blocks].tolist(), self._off[blocks].tolist(), strict=True)
+        ]
+
+    def items(self) -> list[tuple[BlockHash, list[int]]]:
+        """(hash, its cached blocks oldest first) for every cached hash."""
+        groups: dict[BlockHash, list[tuple[int, int]]] = {}
+        for b in self.cached.nonzero()[0].tolist():
+            (h,) = self.digests([b])
+            groups.setdefault(h, []).append((int(self._seq[b]), b))
+        return [(h, [b for _, b in sorted(v)]) for h, v in groups.items()]
+
+    def members(self, h: BlockHash) -> list[int]:
+        return dict(self.items()).get(h, [])
+
+    # -- for tests that corrupt a cache on purpose ---------------------------------------
+
+    def position(self, block: int) -> int:
+        run = self._runs[int(self._run[block])]
+        return run.start + int(self._off[block])
+
+    def reindex(self, block: int, h: BlockHash | None) -> None:
+        """Cache `block` under `h` instead, at its chain position, as the youngest of `h`'s
+        blocks (None: uncache it)."""
+        self.cover(block + 1)
+        at = self.position(block) if self.cached[block] else 0
+        ids = np.array([block], dtype=np.int64)
+        if self.cached[block]:
+            self.remove(ids)
+        if h is not None:
+            self.add(ids, [h], at)
+
+    def make_oldest(self, h: BlockHash, block: int) -> None:
+        members = self.members(h)
+        if block not in members:
+            raise KeyError(f"block {block} is not cached under that hash")
+        if members[0] != block:
+            self._seq[block] = self._seq[members[0]] - 1
+
+    def check(self, fail) -> None:
+        """Call `fail(message)` on the first broken invariant of the layout."""
+        size = self.cached.size
+        if not self._run.size == self._off.size == self._seq.size == size:
+            fail("index arrays of different sizes")
+        live = np.zeros(self._next_run, dtype=np.int64)
+        for b in self.cached.nonzero()[0].tolist():
+            r = int(self._run[b])
+            run = self._runs.get(r)
+            if run is None or not 0 <= self._off[b] < run.blocks.size or run.blocks[self._off[b]] != b:
+                fail(f"cached block {b} is not where its run says")
+            live[r] += 1
+        if (self._run[~self.cached] != -1).any():
+            fail("a block that is not cached belongs to a run")
+        for r, run in self._runs.items():
+            if run.live != live[r] or not run.live:
+                fail(f"run {r} counts {run.live} cached blocks, holds {live[r]}")
+            if len(run.keys) != run.blocks.size or r not in self._starts.get(run.keys[0], ()):
+                fail(f"run {r} is not indexed under its first hash")
+        for h, rs in self._starts.items():
+            for r in rs:
+                if r not in self._runs or self._runs[r].keys[0] != h:
+                    fail("a run start points at a run gone or with another first hash")

@@ -7,14 +7,14 @@ import pytest
 
 from backends.apc import APCCache
 from cachelib import CopyOp, ExtraKeys, StaleMatchError, create_cache
+from cachelib.hashing import DictIndex, RunIndex
 from tests.helpers import run_prompt, seq, unchanged
 
 
-@pytest.fixture(autouse=True, params=["dict", "numpy"])
+@pytest.fixture(autouse=True, params=[RunIndex, DictIndex])
 def table(request, monkeypatch):
-    """Every test on both hash tables: a dict (small pools) and the numpy `BlockIndex`."""
-    if request.param == "numpy":
-        monkeypatch.setattr(APCCache, "big_pool", 0)
+    """Every test on both hash tables: per commit (`RunIndex`) and per block (`DictIndex`)."""
+    monkeypatch.setattr(APCCache, "index_type", request.param)
     return request.param
 
 

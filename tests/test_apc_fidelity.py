@@ -9,6 +9,7 @@ import pytest
 
 from backends.apc import APCCache
 from cachelib import create_cache
+from cachelib.hashing import DictIndex, RunIndex
 from experiments.engine import replay, unlimited_pages
 from experiments.workloads.mooncake import load_mooncake
 from tests.reference.vllm_kv_manager import VllmModel
@@ -84,11 +85,10 @@ def test_unlimited_capacity_hits_equal_the_infinite_cache_count(trace):
     cache.check_invariants()
 
 
-@pytest.mark.parametrize("table", ["dict", "numpy"])
+@pytest.mark.parametrize("table", [RunIndex, DictIndex])
 @pytest.mark.parametrize("capacity_tokens, concurrency", [(200_000, 1), (200_000, 4), (40_000, 2)])
 def test_same_decisions_as_vllm_model_under_pressure(trace, capacity_tokens, concurrency, table, monkeypatch):
-    if table == "numpy":  # the hash table large pools use, on this one too
-        monkeypatch.setattr(APCCache, "big_pool", 0)
+    monkeypatch.setattr(APCCache, "index_type", table)
     n = 2000 if concurrency == 1 else 400
     requests = trace[:n]
     fast = Recorder(create_cache("apc", num_pages=capacity_tokens // 16, page_size=16))

@@ -1,5 +1,6 @@
-"""apc's hash table (`BlockIndex`, and `DictIndex` for small pools) against a plain model:
-for every hash, its cached blocks in the order they were added; lookups answer the oldest."""
+"""apc's hash tables against a plain model: for every hash, its cached blocks in the order
+they were published; a lookup answers the oldest. `DictIndex` (one entry per hash, any hash
+function) and `RunIndex` (one entry per commit, chained hashes), and whole caches on each."""
 
 from __future__ import annotations
 
@@ -12,54 +13,52 @@ import xxhash
 from backends.apc import APCCache
 from cachelib import CopyOp, ExtraKeys, Sequence
 from cachelib.errors import InvariantViolation
-from cachelib.hashing import BlockIndex, DictIndex
+from cachelib.hashing import BlockHasher, DictIndex, RunIndex
 
 
 def _fail(msg: str) -> None:
     raise InvariantViolation(msg)
 
 
-#: hash families: the real one, and the kinds a custom hash_fn can be (all exact by design)
+def _model_run(model: dict[bytes, list[int]], hashes: list[bytes]) -> list[int]:
+    out = []
+    for h in hashes:
+        if not model.get(h):
+            break
+        out.append(model[h][0])
+    return out
+
+
+#: hash families a custom hash_fn can be (DictIndex is exact for any function)
 FAMILIES = {
-    # 16 random bytes, the default (fast fingerprints)
-    "xxh3": (16, lambda k: xxhash.xxh3_128_digest(k.to_bytes(8, "little"))),
-    # 32 bytes (sha256's size)
-    "wide": (32, lambda k: xxhash.xxh3_128_digest(k.to_bytes(8, "little")) * 2),
-    # short digests of any length: padded fingerprints
-    "short": (None, lambda k: k.to_bytes(3, "little")[: 1 + k % 3]),
-    # equal fingerprints (first 8 bytes), different hashes: every lookup must confirm
-    "same-fingerprint": (None, lambda k: b"\0" * 8 + k.to_bytes(4, "little")),
-    # few distinct hashes: duplicates everywhere
-    "colliding": (16, lambda k: xxhash.xxh3_128_digest((k % 5).to_bytes(8, "little"))),
+    "xxh3": lambda k: xxhash.xxh3_128_digest(k.to_bytes(8, "little")),
+    "short": lambda k: k.to_bytes(3, "little")[: 1 + k % 3],
+    "same-prefix": lambda k: b"\0" * 8 + k.to_bytes(4, "little"),
+    "colliding": lambda k: xxhash.xxh3_128_digest((k % 5).to_bytes(8, "little")),
 }
 
 
-@pytest.mark.parametrize("kind", [BlockIndex, DictIndex])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("seed", range(6))
-def test_index_equals_the_model_under_random_batches(kind, family, seed):
-    size, make = FAMILIES[family]
+def test_dict_index_equals_the_model_under_random_batches(family, seed):
+    make = FAMILIES[family]
     rng = random.Random(seed)
-    index = kind(size)
-    num_blocks = 3000
-    index.cover(num_blocks)
+    index = DictIndex()
+    index.cover(3000)
     model: dict[bytes, list[int]] = {}
-    free = list(range(num_blocks))
+    free = list(range(3000))
     rng.shuffle(free)
     cached: list[int] = []
     for _ in range(60):
         if rng.random() < 0.55 and free:
-            n = min(len(free), rng.choice([1, 3, 40, 400]))
-            blocks = [free.pop() for _ in range(n)]
-            # hashes repeat: from a small pool, so equal hashes meet in and across batches
-            keys = [make(rng.randrange(600)) for _ in blocks]
+            blocks = [free.pop() for _ in range(min(len(free), rng.choice([1, 3, 40, 400])))]
+            keys = [make(rng.randrange(600)) for _ in blocks]  # repeats, in and across batches
             index.add(np.array(blocks, dtype=np.int64), keys)
             for b, h in zip(blocks, keys, strict=True):
                 model.setdefault(h, []).append(b)
             cached += blocks
         elif cached:
-            n = min(len(cached), rng.choice([1, 5, 60, 500]))
-            gone = rng.sample(cached, n)
+            gone = rng.sample(cached, min(len(cached), rng.choice([1, 5, 60, 500])))
             index.remove(np.array(gone, dtype=np.int64))
             for b in gone:
                 cached.remove(b)
@@ -70,52 +69,77 @@ def test_index_equals_the_model_under_random_batches(kind, family, seed):
                     del model[h]
         index.check(_fail)
         probe = list(model) + [make(600 + i) for i in range(5)]
-        want = [model[h][0] if h in model else -1 for h in probe]
-        assert index.lookup(probe).tolist() == want
-        assert all(index.members(h) == model[h] for h in model)
-        assert {h: bs for h, bs in index.items()} == model
+        assert index.lookup(probe).tolist() == [model[h][0] if h in model else -1 for h in probe]
+        assert dict(index.items()) == model
+        assert index.first_run(probe) == _model_run(model, probe)
         assert len(index) == len(cached)
-        assert sorted(np.flatnonzero(index.cached).tolist()) == sorted(cached)
 
 
-@pytest.mark.parametrize("kind", [BlockIndex, DictIndex])
-def test_first_run_stops_at_the_first_miss(kind):
-    index = kind(16)
-    index.cover(1000)
-    keys = [xxhash.xxh3_128_digest(i.to_bytes(8, "little")) for i in range(900)]
-    index.add(np.arange(700), keys[:700])
-    assert index.first_run(keys) == list(range(700))
-    index.remove(np.array([450]))
-    assert index.first_run(keys) == list(range(450))
-    assert index.first_run([keys[800], *keys]) == []
-
-
-@pytest.mark.parametrize("kind", [BlockIndex, DictIndex])
-def test_check_sees_a_block_under_another_hash(kind):
-    index = kind(16)
-    index.cover(10)
-    index.add(np.arange(4), [xxhash.xxh3_128_digest(bytes([i])) for i in range(4)])
-    index.check(_fail)
-    index.digest[2] = xxhash.xxh3_128_digest(b"other")
-    with pytest.raises(InvariantViolation):
+@pytest.mark.parametrize("seed", range(10))
+def test_run_index_equals_the_model_on_chained_hashes(seed):
+    """Commits of random prompts sharing prefixes (so equal blocks are published again, and
+    runs start anywhere), random evictions: every walk answers as the model."""
+    rng = random.Random(seed)
+    hasher = BlockHasher(2)
+    index = RunIndex()
+    index.cover(4000)
+    model: dict[bytes, list[int]] = {}
+    free = list(range(4000))
+    rng.shuffle(free)
+    cached: dict[int, bytes] = {}
+    stems = [[rng.randrange(4) for _ in range(rng.randrange(0, 30))] for _ in range(5)]
+    for _ in range(120):
+        if rng.random() < 0.6 and len(free) > 60:
+            tokens = np.array(rng.choice(stems) + [rng.randrange(4) for _ in range(rng.randrange(2, 40))])
+            hashes = hasher.hash_blocks(tokens, ExtraKeys(), 0, tokens.size // 2, None)
+            start = len(_model_run(model, hashes))  # what a request would hit, then publish the rest
+            start = rng.randrange(0, start + 1) if rng.random() < 0.3 else start  # or recompute some
+            blocks = [free.pop() for _ in hashes[start:]]
+            if blocks:
+                index.add(np.array(blocks, dtype=np.int64), hashes[start:], start)
+                for b, h in zip(blocks, hashes[start:], strict=True):
+                    model.setdefault(h, []).append(b)
+                    cached[b] = h
+            probe = hashes + [b"never"]
+        elif cached:
+            gone = rng.sample(sorted(cached), min(len(cached), rng.choice([1, 4, 30])))
+            index.remove(np.array(gone, dtype=np.int64))
+            for b in gone:
+                h = cached.pop(b)
+                model[h].remove(b)
+                if not model[h]:
+                    del model[h]
+                free.append(b)
+            continue
+        else:
+            continue
         index.check(_fail)
+        assert index.first_run(probe) == _model_run(model, probe)
+        want = []
+        for h in probe:
+            if not model.get(h):
+                break
+            want.append(model[h])
+        assert index.candidates(probe) == want
+        assert sorted(index.digests(list(cached))) == sorted(cached.values())
+        assert dict(index.items()) == model
 
 
 def _constant(data: bytes) -> bytes:
     return b"\x07" * 16
 
 
-@pytest.mark.parametrize("options", [{}, {"verify_tokens": True}, {"hash_fn": _constant, "verify_tokens": True}])
+@pytest.mark.parametrize("options", [{}, {"verify_tokens": True}, {"hash_algorithm": "sha256"}])
 @pytest.mark.parametrize("seed", range(8))
-def test_numpy_table_and_dict_make_the_same_decisions(monkeypatch, options, seed):
+def test_run_index_and_dict_make_the_same_decisions(monkeypatch, options, seed):
     """The same random calls (shared prefixes, decode, forks, releases, explicit evictions,
     memory pressure) on a cache with each table: the same matches, tables, copies, stats and
     LRU order after every call, and both pass check_invariants."""
     caches = []
-    for big_pool in (1 << 40, 0):  # a dict, then the numpy table, for the same small pool
-        monkeypatch.setattr(APCCache, "big_pool", big_pool)
+    for kind in (DictIndex, RunIndex):
+        monkeypatch.setattr(APCCache, "index_type", kind)
         caches.append(APCCache(num_pages=40, page_size=4, **options))
-    assert isinstance(caches[0].index, DictIndex) and isinstance(caches[1].index, BlockIndex)
+    assert isinstance(caches[0].index, DictIndex) and isinstance(caches[1].index, RunIndex)
     rng = random.Random(seed)
     prefixes = [[rng.randrange(50) for _ in range(rng.randrange(1, 14))] for _ in range(4)]
     live: list[list[Sequence]] = []  # per cache, the same sequences by position
