@@ -322,12 +322,15 @@ class RunIndex:
         self._run[blocks] = -1
         # evicted in LRU order, a run's blocks come in a few stretches: count per stretch
         cut = (runs[1:] != runs[:-1]).nonzero()[0] + 1
-        ends = [*cut.tolist(), runs.size]
-        gone: dict[int, int] = {}
-        begin = 0
-        for r, end in zip(runs[[0, *ends[:-1]]].tolist(), ends, strict=True):
-            gone[r] = gone.get(r, 0) + end - begin
-            begin = end
+        if not cut.size:
+            gone = {int(runs[0]): runs.size}
+        else:
+            ends = [*cut.tolist(), runs.size]
+            gone = {}
+            begin = 0
+            for r, end in zip(runs[[0, *ends[:-1]]].tolist(), ends, strict=True):
+                gone[r] = gone.get(r, 0) + end - begin
+                begin = end
         for r, k in gone.items():
             run = self._runs[r]
             run.live -= k
@@ -353,7 +356,10 @@ class RunIndex:
         except ValueError:
             pass
         blocks = run.blocks[:n]
-        seq = np.where(self._run[blocks] == r, self._seq[blocks], _NEVER)
+        seq = self._seq[blocks]
+        mine = self._run[blocks] == r
+        if not mine.all():
+            seq = np.where(mine, seq, _NEVER)
         window = best[at : at + n]
         older = seq < window
         window[older] = seq[older]
