@@ -15,7 +15,7 @@ import hashlib
 import operator
 from collections.abc import Callable
 from functools import partial
-from itertools import takewhile
+from itertools import islice, takewhile
 
 import numpy as np
 import xxhash
@@ -116,6 +116,7 @@ class BlockHasher:
 
 
 _is_not_none = partial(operator.is_not, None)
+_true = partial(operator.is_, True)
 
 
 class DictIndex:
@@ -348,13 +349,8 @@ class RunIndex:
     ) -> None:
         """Offer run `r`'s blocks still cached in it for the positions where it agrees with
         `hashes` (a block evicted from the run and cached again elsewhere is not its own)."""
-        keys = run.keys
-        n = min(len(keys), len(hashes) - at)
-        same = list(map(operator.eq, keys[:n], hashes[at : at + n]))
-        try:
-            n = same.index(False)
-        except ValueError:
-            pass
+        # the agreement, compared up to the first different hash only (C-level)
+        n = len(list(takewhile(_true, map(operator.eq, run.keys, islice(hashes, at, None)))))
         blocks = run.blocks[:n]
         seq = self._seq[blocks]
         mine = self._run[blocks] == r
