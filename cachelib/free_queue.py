@@ -347,14 +347,14 @@ class BlockQueue:
         taken out keeps its old index, which then holds a hole or another id."""
         if ids.size and (ids.min() < 0 or ids.max() >= self.num_blocks):
             raise ValueError(f"block ids must be in [0, {self.num_blocks})")
-        pos = np.full(ids.size, -1, dtype=np.int64)  # never-used ids: no position
-        used = ids < self._fresh
-        hint = self._pos[ids[used]]
-        inside = (hint >= 0) & (hint < self._ring.size)
-        hint[inside & (self._ring[np.where(inside, hint, 0)] != ids[used])] = -1
-        hint[~inside] = -1
-        pos[used] = hint
-        return pos
+        if ids.size and ids.max() >= self._fresh:  # never-used ids have no position
+            pos = np.full(ids.size, -1, dtype=np.int64)
+            used = ids < self._fresh
+            pos[used] = self._positions(ids[used])
+            return pos
+        hint = self._pos[ids]
+        ring = self._ring
+        return np.where(ring[np.clip(hint, 0, ring.size - 1)] == ids, hint, -1)
 
     def _grow_pos(self) -> None:
         """`_pos` covers exactly the ids handed out so far."""
