@@ -14,6 +14,9 @@ free queue as the LRU order (DESIGN §4 apc). What it reproduces, decision for d
   tail if hashed (evicted late) or to the head if not (reused first).
 - Blocks that fill during decode are cached too. A block recomputed while an equal one is
   cached becomes a duplicate (tables are append-only); lookups return the oldest.
+- KV events (`subscribe`): the blocks a commit hashes are stored (vLLM's `BlockStored` from
+  `cache_full_blocks`, duplicates included, with the parent block's hash), each evicted
+  block removed (`BlockRemoved` from `_maybe_evict_cached_block`), keyed by block hash.
 
 Differences from vLLM, on purpose: there is no reserved null block (vLLM gives block 0 to
 it, so vLLM's pool of P blocks has P - 1 usable ones; compare at equal *usable* blocks), and
@@ -52,6 +55,7 @@ from cachelib.errors import InvalidRequestError
 from cachelib.free_queue import BlockQueue
 from cachelib.hashing import BlockHash, BlockHasher, DictIndex, HashFn, RunIndex
 from cachelib.interface import LiveState, Occupancy, PagePartition, PrefixCache
+from cachelib.kv_events import PageKeys, PagesRemoved, PagesStored
 from cachelib.registry import register_backend
 from cachelib.types import CopyOp, Match, Sequence
 
@@ -166,6 +170,7 @@ class APCCache(PrefixCache):
 
     decode_steps_are_noops = True  # full blocks are published only when they fill
     reuses_kv = True
+    emits_kv_events = True  # vLLM's BlockStored when blocks are hashed, BlockRemoved when evicted
     #: the hash table for the built-in (chained) hashes: `RunIndex` (one entry per commit)
     #: or `DictIndex` (one per block, what a `hash_fn` always gets: it need not chain).
     #: Speed only: both answer alike, and the tests run on both.
@@ -184,6 +189,7 @@ class APCCache(PrefixCache):
         if not isinstance(verify_tokens, bool):
             raise InvalidRequestError(f"verify_tokens must be a bool, got {verify_tokens!r}")
         self.hasher = BlockHasher(page_size, hash_algorithm, hash_fn)
+        self._page_keys = PageKeys(page_size, hash_algorithm, hash_fn)  # what events name blocks by
         self.verify_tokens = verify_tokens
         self.free_queue = BlockQueue(num_pages)
         # per block id, for the ids handed out so far (`_cover`): how many tables hold it
@@ -351,11 +357,20 @@ class APCCache(PrefixCache):
             self._cover(queue.num_used)
         victims = new[self.index.cached[new]]
         if victims.size:  # lazy eviction: a block leaves the table only now
-            self.index.remove(victims)
-            self._evicted(victims)
+            self._uncache(victims)
         # (a queued block has no user: check_invariants proves it, no per-call test here)
         self._ref[new] = 1
         return new
+
+    def _uncache(self, victims: np.ndarray) -> None:
+        """Take the cached blocks `victims` out of the hash table: vLLM's
+        `_maybe_evict_cached_block`, which emits a `BlockRemoved` for each."""
+        listener = self._kv_listener
+        keys = self.index.digests(victims) if listener is not None else None
+        self.index.remove(victims)
+        self._evicted(victims)
+        if keys is not None:
+            listener.on_kv_event(PagesRemoved(keys))
 
     def _evicted(self, blocks: np.ndarray) -> None:
         """Book-keeping for the cached blocks just evicted."""
@@ -393,11 +408,14 @@ class APCCache(PrefixCache):
         # (check_invariants proves a table's first num_cached blocks are exactly its hashed ones)
         # an equal block cached already keeps answering lookups; this one is its duplicate
         # (tables are append-only)
-        self.index.add(ids, self._block_hashes(seq, full)[start:full], start)
+        hashes = self._block_hashes(seq, full)
+        self.index.add(ids, hashes[start:full], start)
         if self.verify_tokens:
             self._record_contents(seq, held.blocks, start, full)
         self._num_hashed += full - start
         held.num_cached = full
+        if self._kv_listener is not None:  # vLLM's BlockStored from cache_full_blocks
+            self._emit_kv_event(PagesStored(hashes[start:full], hashes[start - 1] if start else None))
 
     def _record_contents(self, seq: Sequence, blocks: np.ndarray, start: int, stop: int) -> None:
         size = self.page_size
@@ -451,11 +469,22 @@ class APCCache(PrefixCache):
         queued = self.free_queue.ids(fresh=False)
         victims = queued[self.index.cached[queued]][:num_pages]
         if victims.size:
-            self.index.remove(victims)
+            self._uncache(victims)
             self.free_queue.remove_n(victims)
             self.free_queue.appendleft_n(victims)  # the first victim at the head
-            self._evicted(victims)
         return int(victims.size)
+
+    # -- KV events ------------------------------------------------------------------
+
+    def page_keys(self) -> PageKeys:
+        """The block hashes themselves (vLLM's events carry them)."""
+        return self._page_keys
+
+    def _kv_subscribed(self) -> None:
+        if self._num_hashed:
+            raise InvalidRequestError(
+                f"subscribe to an apc cache's KV events before it caches a block (it holds {self._num_hashed})"
+            )
 
     # -- observation ----------------------------------------------------------------
 

@@ -84,6 +84,8 @@ class PagedCache(PrefixCache):
 
     reuses_kv = True  # a declared prefix's blocks
     declares_prefixes = True
+    #: no KV events: what it shares is declared up front, not published as requests run
+    emits_kv_events = False
 
     def __init__(self, num_pages: int, page_size: int) -> None:
         super().__init__(num_pages, page_size)

@@ -84,8 +84,9 @@ from backends.radix_policy import EvictionPolicy, make_policy
 from backends.radix_tree import RadixNode, RadixTree
 from cachelib.errors import InvalidRequestError
 from cachelib.interface import LiveState, Occupancy, PagePartition, PrefixCache
+from cachelib.kv_events import PageKeys, PagesRemoved, PagesStored
 from cachelib.registry import register_backend
-from cachelib.types import CopyOp, Match, Sequence
+from cachelib.types import CopyOp, ExtraKeys, Match, Sequence
 
 #: how admission (and a further prefill chunk) evicts when free pages are short:
 #: `shortfall` = SGLang 0.5.23's `evict_to_free_tokens` (the demand minus what is free),
@@ -121,6 +122,44 @@ class _Held(LiveState):
         self.covered = covered
 
 
+class RadixEvents:
+    """The radix cache's KV events, as SGLang 0.5.23 publishes them
+    (`mem_cache/events.py`, `KVCacheEventRecorder`): a node the tree creates is stored
+    (`record_store`, from `_insert_helper`), a node it evicts removed (`record_remove`,
+    from `evict`), one key per page. A split changes no page's key (SGLang slices the
+    node's `hash_value` list, `split_node_hash_value`); the node's keys are kept on it
+    (`RadixNode.page_keys`) from its creation, so its eviction names what was stored.
+
+    The keys chain over the prefix as SGLang's do (`get_hash_str(page, prior_hash)`, the
+    first page of a node chained from its parent's last): here with the apc hasher
+    (xxh3-128 over the page's int32 tokens, `cache_salt` on the first page and `lora_id`
+    on every page: the namespace the tree keeps requests apart by) where SGLang hashes
+    SHA-256 and publishes its first 64 bits; the same prefix gets the same key either way.
+    """
+
+    __slots__ = ("keys", "emit", "_hasher", "_extra")
+
+    def __init__(self, keys: PageKeys, emit) -> None:
+        self.keys = keys
+        self.emit = emit  # the cache's listener call
+        self._hasher = keys.hasher()
+        self._extra: dict[tuple, ExtraKeys] = {}  # namespace -> the extra keys that enter its keys
+
+    def stored(self, leaf: RadixNode, tokens: np.ndarray, pos: int, end: int) -> None:
+        parent = leaf.parent
+        prior = parent.page_keys[-1] if parent.parent is not None else None
+        ns = leaf.namespace
+        extra = self._extra.get(ns)
+        if extra is None:
+            extra = self._extra[ns] = ExtraKeys(cache_salt=ns[0], lora_id=ns[1])
+        ps = self.keys.page_size
+        leaf.page_keys = self._hasher.hash_blocks(tokens, extra, pos // ps, end // ps, prior)
+        self.emit(PagesStored(leaf.page_keys, prior))
+
+    def removed(self, node: RadixNode) -> None:
+        self.emit(PagesRemoved(node.page_keys))
+
+
 @register_backend("radix")
 class RadixCache(PrefixCache):
     """SGLang RadixAttention over `num_pages` pages of `page_size` tokens.
@@ -136,6 +175,7 @@ class RadixCache(PrefixCache):
 
     decode_steps_are_noops = True  # decode tokens enter the tree at release, as in SGLang
     reuses_kv = True
+    emits_kv_events = True  # RadixEvents: a node's pages stored when created, removed when evicted
 
     def __init__(
         self,
@@ -435,6 +475,20 @@ class RadixCache(PrefixCache):
 
     def _evict(self, num_pages: int) -> int:
         return self._evict_tokens(num_pages * self.page_size)
+
+    # -- KV events --------------------------------------------------------------------
+
+    def page_keys(self) -> PageKeys:
+        """Chained page keys over the tokens and the namespace (`RadixEvents`)."""
+        return PageKeys(self.page_size, namespace_only=True)
+
+    def _kv_subscribed(self) -> None:
+        if self.tree.num_nodes:
+            raise InvalidRequestError(
+                f"subscribe to a radix cache's KV events before it holds a page (it holds {self.tree.num_nodes} nodes)"
+            )
+        if self.tree.events is None:
+            self.tree.events = RadixEvents(self.page_keys(), self._emit_kv_event)
 
     # -- observation ------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from cachelib.errors import InvariantViolation
+from cachelib.types import ExtraKeys
 
 if TYPE_CHECKING:
     from backends.radix import RadixCache
@@ -25,6 +26,8 @@ def check_radix(cache: RadixCache) -> None:
         _fail(f"free count {cache._num_free}, actual {len(cache._free_pages())} (or an empty run)")
     _check_tree(cache)
     _check_sequences(cache)
+    if cache.tree.events is not None:
+        _check_page_keys(cache)
     if cache._contents is not None:
         _check_contents(cache, cache._contents)
 
@@ -140,3 +143,19 @@ def _check_contents(cache: RadixCache, contents: np.ndarray) -> None:
         pages = np.asarray(seq.page_table, dtype=np.int64)[t // ps] if t.size else t
         if not np.array_equal(contents[pages * ps + t % ps], seq.tokens[: seq.num_computed]):
             _fail(f"{rid}: its table points at pages holding other tokens")
+
+
+def _check_page_keys(cache: RadixCache) -> None:
+    """While someone listens to KV events: every node's page keys are the cache's
+    `page_keys()` of the tokens on its root path, under its namespace (what its
+    `PagesStored` said and its `PagesRemoved` will say)."""
+    tree = cache.tree
+    scheme = cache.page_keys()
+    ps = cache.page_size
+    for node in tree.nodes():
+        path = tree.path(node)
+        tokens = np.concatenate([x.key for x in path])
+        salt, lora = node.namespace
+        want = scheme.keys(tokens, ExtraKeys(cache_salt=salt, lora_id=lora))[node.start // ps :]
+        if node.page_keys != want:
+            _fail(f"{node}: page keys are not the chained keys of its prefix")

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from heapq import heapify, heappop, heappush
+from typing import Protocol
 
 import numpy as np
 
@@ -59,6 +60,7 @@ class RadixNode:
         "cand_key",
         "namespace",
         "policy_state",
+        "page_keys",
     )
 
     def __init__(
@@ -79,6 +81,8 @@ class RadixNode:
         self.cand_key: tuple | None = None  # its current entry in the eviction queue, if there
         self.namespace = None if parent is None else parent.namespace
         self.policy_state: object = None  # what the eviction policy keeps per node, if anything
+        #: the KV-event key of each of its pages (`RadixEvents`), kept only while someone listens
+        self.page_keys: list[bytes] | None = None
 
     def __repr__(self) -> str:
         return f"RadixNode(#{self.node_id}, start={self.start}, len={len(self.key)}, lock={self.lock_ref})"
@@ -149,6 +153,17 @@ class EvictionQueue:
         return self._heap
 
 
+class TreeEvents(Protocol):
+    """What the tree reports while someone listens to the cache's KV events
+    (`backends.radix.RadixEvents`)."""
+
+    def stored(self, leaf: RadixNode, tokens: np.ndarray, pos: int, end: int) -> None:
+        """`leaf`, just created, holds `tokens[pos:end]` of a sequence: key its pages."""
+
+    def removed(self, node: RadixNode) -> None:
+        """`node` was just evicted."""
+
+
 class RadixTree:
     """Radix tree over token ids with page-granular keys and policy-ordered leaf eviction."""
 
@@ -164,6 +179,10 @@ class RadixTree:
         self.clock = 0
         self._next_id = 0
         self.on_evict: Callable[[tuple, int, np.ndarray], None] | None = None
+        #: set while a listener subscribes to the cache's KV events: the tree then keeps each
+        #: node's page keys and reports every node it creates or evicts (SGLang's
+        #: `record_store` / `record_remove`); None costs one test per new leaf and per eviction
+        self.events: TreeEvents | None = None
 
     # -- small helpers ----------------------------------------------------------------
 
@@ -270,6 +289,10 @@ class RadixTree:
         child.parent = new
         new.children[child.edge] = child
         self.policy.split(new, child)
+        if child.page_keys is not None:  # the pages keep their keys (SGLang's split_node_hash_value)
+            cut = m // self.page_size
+            new.page_keys = child.page_keys[:cut]
+            child.page_keys = child.page_keys[cut:]
         if self.policy.rekey_on_split and child.cand_key is not None:
             self._rekey(child)  # it starts deeper now
         return new
@@ -372,6 +395,8 @@ class RadixTree:
             leaf.hit_count = 1 if end > count_from else 0
             leaf.lock_ref = 1  # held by the caller from birth; `node` is held too (no candidate)
             self.protected_tokens += end - pos
+            if self.events is not None:
+                self.events.stored(leaf, tokens, pos, end)
             node = leaf
         return node, matched, runs
 
@@ -436,6 +461,8 @@ class RadixTree:
             give(node.pages)
             if self.on_evict is not None:
                 self.on_evict(node.namespace, node.start, node.key)
+            if self.events is not None:
+                self.events.removed(node)
             node.pages = None
             node.parent = None
             if parent.parent is not None and not parent.children and parent.lock_ref == 0:

@@ -15,6 +15,7 @@ from cachelib.errors import (
     UnknownSequenceError,
 )
 from cachelib.interface import PrefixCache
+from cachelib.kv_events import KvEvent, KvEventListener, PageKeys, PagesRemoved, PagesStored
 from cachelib.registry import available_backends, create_cache, get_backend, register_backend
 from cachelib.types import CacheStats, CopyOp, ExtraKeys, Match, MultiModalSpan, Sequence
 
@@ -25,8 +26,13 @@ __all__ = [
     "ExtraKeys",
     "InvalidRequestError",
     "InvariantViolation",
+    "KvEvent",
+    "KvEventListener",
     "Match",
     "MultiModalSpan",
+    "PageKeys",
+    "PagesRemoved",
+    "PagesStored",
     "PrefixCache",
     "Sequence",
     "StaleMatchError",

@@ -28,6 +28,10 @@ admission rule stricter than the allocation it makes: vLLM V1 admits a waiting r
 if its whole prompt fits (`can_admit(seq, m, len(seq))`) while it allocates the first chunk
 (`admit(seq, m, chunk)`). Each backend's `_admit` decides fit through the same predicate
 (`_can_admit`, or one helper both call), so the two never disagree.
+
+A backend that declares `emits_kv_events` (apc, radix) tells listeners (`subscribe`) of the
+pages it publishes and evicts, as vLLM's and SGLang's KV events do (cachelib/kv_events.py);
+with no listener nothing is computed for them, and with one no decision changes.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from typing import Any, ClassVar, NamedTuple
 import numpy as np
 
 from cachelib.errors import InvalidRequestError, StaleMatchError, UnknownSequenceError
+from cachelib.kv_events import KvEvent, KvEventFanout, KvEventListener, PageKeys
 from cachelib.types import CacheStats, CopyOp, Match, Sequence
 
 
@@ -85,6 +90,10 @@ class PrefixCache(ABC):
     #: True when the backend takes declared prefixes (`register_prefix`, `prefix_sequence`,
     #: `unregister_prefix`, and `Sequence.prefix_id`): paged
     declares_prefixes: ClassVar[bool] = False
+    #: True when the backend publishes KV events to a listener (`subscribe`, `page_keys`):
+    #: "pages stored" as it publishes full pages, "pages removed" as it evicts them
+    #: (cachelib/kv_events.py). apc and radix do; none and paged publish nothing
+    emits_kv_events: ClassVar[bool] = False
 
     def __init__(self, num_pages: int, page_size: int) -> None:
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
@@ -104,6 +113,9 @@ class PrefixCache(ABC):
         self._counters = dict(
             lookups=0, lookup_tokens=0, admitted=0, admitted_tokens=0, hit_tokens=0, evicted_pages=0, copied_pages=0
         )
+        #: who hears this cache's KV events (`subscribe`); None = no one, and then the only
+        #: cost of events on the hot path is this attribute tested against None
+        self._kv_listener: KvEventListener | None = None
 
     # -- the contract ---------------------------------------------------------------
 
@@ -254,6 +266,43 @@ class PrefixCache(ABC):
     def pages_for(self, num_tokens: int) -> int:
         """Pages needed to hold `num_tokens` tokens."""
         return -(-num_tokens // self.page_size)
+
+    # -- KV events --------------------------------------------------------------------
+
+    def subscribe(self, listener: KvEventListener) -> None:
+        """From now on, tell `listener` of every page this cache publishes (`PagesStored`)
+        and every published page it evicts (`PagesRemoved`), as each happens, inside the
+        call that does it (cachelib/kv_events.py). Decisions do not change: events only
+        report them. More listeners may subscribe; each hears every event.
+
+        Subscribe before the cache publishes its first page: a listener rebuilds the
+        cache's content from events alone, so one that missed a `PagesStored` could not
+        place the `PagesRemoved` that follows. A backend that does not emit
+        (`emits_kv_events` False) refuses."""
+        if not self.emits_kv_events:
+            raise InvalidRequestError(f"a {self.name} cache publishes no KV events (its emits_kv_events is False)")
+        self._kv_subscribed()
+        current = self._kv_listener
+        if current is None:
+            self._kv_listener = listener
+        elif isinstance(current, KvEventFanout):
+            self._kv_listener = KvEventFanout(*current.listeners, listener)
+        else:
+            self._kv_listener = KvEventFanout(current, listener)
+
+    def page_keys(self) -> PageKeys:
+        """How this cache's events name pages: a router computes a request's page keys with
+        it to look them up in what the events told it. Only for `emits_kv_events` backends."""
+        raise InvalidRequestError(f"a {self.name} cache publishes no KV events, hence no page keys")
+
+    def _emit_kv_event(self, event: KvEvent) -> None:
+        """Tell the listeners (a backend calls this only after testing `_kv_listener`)."""
+        self._kv_listener.on_kv_event(event)
+
+    def _kv_subscribed(self) -> None:
+        """A listener is subscribing (emitting backends override this): refuse if a page is
+        published already, and start keeping what events need."""
+        raise InvalidRequestError(f"a {self.name} cache publishes no KV events")
 
     # -- what a backend implements ------------------------------------------------------
 
