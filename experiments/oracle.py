@@ -251,7 +251,7 @@ def _mooncake_keys(requests: Seq[RequestSpec], page_size: int) -> PageKeys | Non
     num = 0
     for d in range(int(depth.max(initial=0))):
         at = first[: np.searchsorted(-depth, -d)] + d  # block d of every request that has one
-        prev = node[at - 1] + np.int64(1) if d else np.zeros(at.size, dtype=np.int64)
+        prev = node[at - 1].astype(np.int64) + 1 if d else np.zeros(at.size, dtype=np.int64)
         key = prev * width + dense[at]  # below (total + 1) ** 2: no overflow under 3e9 blocks
         uk, inv = np.unique(key, return_inverse=True)
         node[at] = num + inv
