@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cachelib import create_cache
+from cachelib import available_backends, create_cache, get_backend
 from cachelib.interface import PrefixCache
 from experiments import defaults
 from experiments.backend_options import variant_label
@@ -178,7 +178,13 @@ class CellConfig:
             return
         if self.router is None:
             raise ConfigError(f"a cluster of {n} replicas needs a router (--router NAME)")
-        make_router(self.router, n, self.router_options)  # an unknown router or a refused option fails here
+        router = make_router(self.router, n, self.router_options)  # an unknown router or a refused option fails here
+        if router.subscribes_kv_events and self.backend in available_backends():
+            if not get_backend(self.backend).emits_kv_events:
+                raise ConfigError(
+                    f"router {self.router!r} needs KV events, which backend {self.backend!r} does not publish "
+                    "(emits_kv_events is False): pair it with apc or radix, or choose another router"
+                )
         if self.protocol != "serving":
             raise ConfigError(
                 f"a cluster of {n} replicas runs the serving protocol only (--protocol serving); the replay "

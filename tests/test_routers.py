@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 
+from cachelib import PageKeys
 from experiments.errors import InputError, UsageError
 from experiments.routers import ROUTERS, StaticView, make_router, resolve_routers
 from experiments.routers.approx_tree import ApproxTree, block_keys
@@ -264,10 +265,13 @@ def test_block_keys_are_stable_and_one_per_full_block():
 def test_every_router_is_registered_and_routes_in_range():
     assert list(ROUTERS) == [
         "round_robin", "random", "least_load", "power_of_two", "consistent_hash", "session", "cache_aware",
+        "precise", "kv_cost",
     ]  # fmt: skip
     for name in ROUTERS:
         r = make_router(name, 3)
-        assert r.name == name and not r.subscribes_kv_events
+        assert r.name == name and r.subscribes_kv_events == (name in ("precise", "kv_cost"))
+        for i in range(3 if r.subscribes_kv_events else 0):  # what the cluster driver does first
+            r.on_kv_subscribed(i, PageKeys(16))
         assert r.route(req("q", A), StaticView(3)) in range(3)
 
 

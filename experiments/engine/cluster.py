@@ -22,6 +22,15 @@ Decode windows (k decode steps at once) stay exact: a replica's window ends befo
 arrival anywhere in the cluster (any arrival may be routed to it), and before the earliest
 time a turn still waiting for its predecessor could arrive (`ClusterClock.horizon`).
 
+A router that `subscribes_kv_events` (`precise`, `kv_cost`) is subscribed to every
+replica's cache before the first request (`subscribe_router`): it learns how the replica
+names its pages (`PrefixCache.page_keys`), then hears each "pages stored" / "pages removed"
+as the cache call that causes it runs (`KvEventRelay`, tagging it with the replica). Like
+the rest of the view, what it hears is at most one step ahead; a real router hears vLLM's
+events batched per engine step and a network hop later. The time a router spends on events
+is counted as the router's, not the cache's. A backend that publishes no events (`none`,
+`paged`) is refused for such a router before any work.
+
 Async scheduling (two batches in flight, `serving.drive_async`) runs one replica only: the
 async loop processes a step's output and schedules the next at the same instant, which the
 event order above does not interleave with routing; `serve_cluster` refuses it for N > 1.
@@ -35,9 +44,10 @@ import numbers
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from cachelib.interface import PrefixCache
+from cachelib.kv_events import KvEvent
 from experiments.engine.cache_client import CacheClient
 from experiments.engine.clock import VirtualClock
 from experiments.engine.executors import Executor
@@ -96,9 +106,18 @@ def session_ids(requests: Seq[RequestSpec]) -> dict[str, str]:
     return root
 
 
+class Loads(NamedTuple):
+    """A replica's work in tokens and pages, summed over its waiting and running requests
+    (`ClusterView.outstanding_tokens`, `prefill_tokens`, `active_pages`)."""
+
+    outstanding: int
+    prefill: int
+    pages: int
+
+
 class ReplicaView:
     """The routers' `ClusterView` (experiments/routers/base.py) over the live replicas.
-    Outstanding tokens are summed over a replica's requests when asked, and kept until the
+    A replica's `Loads` are summed over its requests when first asked, and kept until the
     replica steps or gets a request (`invalidate`)."""
 
     def __init__(self, replicas: Seq[Scheduler], clock: VirtualClock, sessions: dict[str, str]) -> None:
@@ -107,7 +126,7 @@ class ReplicaView:
         self.sessions = sessions
         self.num_replicas = len(replicas)
         self.page_size = replicas[0].cache.page_size
-        self._outstanding: list[int | None] = [None] * len(replicas)
+        self._loads: list[Loads | None] = [None] * len(replicas)
 
     @property
     def now(self) -> float:
@@ -124,21 +143,34 @@ class ReplicaView:
         return len(s.waiting) + len(s.running)
 
     def outstanding_tokens(self, i: int) -> int:
-        cached = self._outstanding[i]
+        return self.loads(i).outstanding
+
+    def prefill_tokens(self, i: int) -> int:
+        return self.loads(i).prefill
+
+    def active_pages(self, i: int) -> int:
+        return self.loads(i).pages
+
+    def loads(self, i: int) -> Loads:
+        cached = self._loads[i]
         if cached is None:
-            cached = self._outstanding[i] = self.count_outstanding(self.replicas[i])
+            cached = self._loads[i] = self.count_loads(self.replicas[i], self.page_size)
         return cached
 
     @staticmethod
-    def count_outstanding(s: Scheduler) -> int:
-        """Prompt tokens whose KV is not computed plus output tokens not generated, over the
-        replica's waiting and running requests (a preempted request's prompt counts again)."""
-        total = 0
+    def count_loads(s: Scheduler, page_size: int) -> Loads:
+        """Over the replica's waiting and running requests: prompt tokens whose KV is not
+        computed (a preempted request's prompt counts again) plus output tokens not
+        generated; the prompt tokens alone; the full pages of their prompts."""
+        outstanding = prefill = pages = 0
         for queue in (s.waiting, s.running):
             for r in queue:
                 prompt = r.spec.prompt_len
-                total += prompt - min(r.seq.num_computed + r.lag, prompt) + r.target - r.generated
-        return total
+                left = prompt - min(r.seq.num_computed + r.lag, prompt)
+                prefill += left
+                outstanding += left + r.target - r.generated
+                pages += prompt // page_size
+        return Loads(outstanding, prefill, pages)
 
     def kv_usage(self, i: int) -> float:
         cache = self.replicas[i].cache
@@ -148,7 +180,40 @@ class ReplicaView:
         return self.sessions.get(request.request_id)
 
     def invalidate(self, i: int) -> None:
-        self._outstanding[i] = None
+        self._loads[i] = None
+
+
+class KvEventRelay:
+    """Subscribed to one replica's cache for a router that `subscribes_kv_events`: passes
+    each event on tagged with the replica (`Router.on_kv_event(replica, event)`), and
+    times it, since it runs inside a cache call that the replica's `CacheClient` times:
+    the driver moves that time from the cache's account to the router's."""
+
+    __slots__ = ("router", "replica", "seconds")
+
+    def __init__(self, router: Router, replica: int) -> None:
+        self.router = router
+        self.replica = replica
+        self.seconds = 0.0
+
+    def on_kv_event(self, event: KvEvent) -> None:
+        t0 = time.perf_counter()
+        self.router.on_kv_event(self.replica, event)
+        self.seconds += time.perf_counter() - t0
+
+
+def subscribe_router(router: Router, caches: Seq[PrefixCache]) -> list[KvEventRelay]:
+    """Subscribe a router that `subscribes_kv_events` to every replica's cache (none for
+    another router): first how the replica names its pages, then its events."""
+    if not router.subscribes_kv_events:
+        return []
+    relays = []
+    for i, cache in enumerate(caches):
+        router.on_kv_subscribed(i, cache.page_keys())
+        relay = KvEventRelay(router, i)
+        cache.subscribe(relay)
+        relays.append(relay)
+    return relays
 
 
 @dataclass
@@ -275,11 +340,10 @@ def serve_cluster(
     """Serve `requests` on one replica per cache (each with the executor at its position),
     `router` choosing each request's replica; see the module docstring."""
     n = len(caches)
-    _check_cluster(n, executors, router, config)
-    refuse_beams(requests)
     clients = [c if isinstance(c, CacheClient) else CacheClient(c) for c in caches]
-    if len({c.cache.page_size for c in clients}) > 1:
-        raise ValueError("every replica of a cluster must have the same page size")
+    _check_cluster([c.cache for c in clients], executors, router, config)
+    refuse_beams(requests)
+    relays = subscribe_router(router, [c.cache for c in clients])
     clock = ClusterClock(requests)
     policy = SCHEDULER_POLICIES[config.scheduler]
     replicas = [policy(c, e, config, clock, keep_outputs=keep_outputs) for c, e in zip(clients, executors, strict=True)]
@@ -288,23 +352,25 @@ def serve_cluster(
     cluster.run(bar)
     if bar is not None:
         bar.close()
+    events_seconds = [r.seconds for r in relays] or [0.0] * n
     for i, (s, c) in enumerate(zip(replicas, clients, strict=True)):
         s.result.makespan = cluster.last[i]
-        s.result.cache_seconds = c.seconds
+        s.result.cache_seconds = c.seconds - events_seconds[i]
         for rec in s.result.requests:
             rec["replica"] = i
     return ClusterResult(
         [s.result for s in replicas],
         router.name,
         makespan=max(cluster.last),
-        router_seconds=cluster.router_seconds,
+        router_seconds=cluster.router_seconds + sum(events_seconds),
         decisions=cluster.decisions,
         router_stats=router.stats(),
     )
 
 
-def _check_cluster(n: int, executors: Seq[Executor], router: Router, config: ServingConfig) -> None:
+def _check_cluster(caches: Seq[PrefixCache], executors: Seq[Executor], router: Router, config: ServingConfig) -> None:
     """Refuse a cluster that cannot run, before any work."""
+    n = len(caches)
     if n < 1:
         raise ValueError("a cluster needs at least one replica")
     if len(executors) != n or router.num_replicas != n:
@@ -317,5 +383,11 @@ def _check_cluster(n: int, executors: Seq[Executor], router: Router, config: Ser
             "async scheduling runs one replica's engine loop (serving.drive_async); a cluster of "
             f"{n} replicas runs the synchronous loop: drop --async-scheduling or use --replicas 1"
         )
-    if router.subscribes_kv_events:
-        raise ValueError(f"router {router.name!r} needs KV events, which the caches do not publish yet")
+    if len({c.page_size for c in caches}) > 1:
+        raise ValueError("every replica of a cluster must have the same page size")
+    silent = sorted({c.name for c in caches if not c.emits_kv_events})
+    if router.subscribes_kv_events and silent:
+        raise ValueError(
+            f"router {router.name!r} needs KV events, which a {', '.join(silent)} cache does not publish "
+            "(emits_kv_events is False): use a backend that does (apc, radix) or another router"
+        )

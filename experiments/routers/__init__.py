@@ -6,6 +6,9 @@
 - `load`: `round_robin`, `random`, `least_load`, `power_of_two`.
 - `affinity`: `consistent_hash` (a prefix key, bounded loads), `session`.
 - `cache_aware`: SGLang's cache-aware router over an approximate tree (`approx_tree`).
+- `precise` (llm-d's precise prefix-cache scorer with its load scorers) and `kv_cost`
+  (Dynamo's KV router cost): over each replica's exact cache, rebuilt from its KV events
+  (`kv_index`).
 - `registry`: the routers by name and their typed options (`--router`, `--router-opt`).
 
 Nothing here imports the engine: the cluster driver (experiments/engine/cluster.py) calls

@@ -9,14 +9,20 @@ implements it over the live replicas, and `StaticView` is a fixed one for hand-m
 
 Capabilities are declared, never probed: a router that needs more than the view declares it
 as a class attribute (`subscribes_kv_events`), and the driver refuses what it cannot give.
+A subscribing router hears each replica's KV events ("pages stored", "pages removed",
+cachelib/kv_events.py) through `on_kv_event(replica, event)`, as llm-d's and Dynamo's
+routers subscribe to every vLLM instance's event stream, and is told first how each
+replica names its pages (`on_kv_subscribed`: the backend's hashing, which a real router is
+configured with).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
+from cachelib.kv_events import KvEvent, PageKeys
 from experiments.workloads.spec import RequestSpec
 
 
@@ -37,6 +43,12 @@ class ClusterView(Protocol):
       router cannot know its prefix hit) plus the output tokens it has still to generate;
     - `kv_usage(i)`: pages pinned by live requests / pages of its cache (vLLM's
       `kv_cache_usage`), in [0, 1];
+    - `prefill_tokens(i)`: the prompt tokens of its requests whose KV is not computed yet
+      (a waiting request's whole prompt): the prefill work queued there, what Dynamo's
+      router tracks per worker from routing a request until its prefill completes;
+    - `active_pages(i)`: the full pages of its requests' prompts (`prompt // page_size`
+      each), from routing until the request finishes: Dynamo's "active blocks" of a
+      worker (by default its router counts prompt blocks, not output ones);
     - `session(request)`: the session id the request's client sends (a conversation's first
       request id; None outside a conversation, see `engine.cluster.session_ids`);
     - `now`: the time of the decision (seconds, the run's clock); `page_size`: the replicas'
@@ -59,6 +71,10 @@ class ClusterView(Protocol):
 
     def kv_usage(self, i: int) -> float: ...
 
+    def prefill_tokens(self, i: int) -> int: ...
+
+    def active_pages(self, i: int) -> int: ...
+
     def session(self, request: RequestSpec) -> str | None: ...
 
 
@@ -75,8 +91,9 @@ class Router(ABC):
     #: registry name (`--router NAME`)
     name: ClassVar[str] = "abstract"
     #: True when the router needs the replicas' KV events ("pages stored", "pages removed",
-    #: as vLLM's `BlockStored` / `BlockRemoved`) through `on_kv_event`. The caches do not
-    #: publish them yet (issue 13, item 3): the driver refuses such a router until they do.
+    #: as vLLM's `BlockStored` / `BlockRemoved`) through `on_kv_event`: the driver subscribes
+    #: it to every replica's cache, and refuses it before any work over a backend that
+    #: publishes none (`PrefixCache.emits_kv_events`)
     subscribes_kv_events: ClassVar[bool] = False
 
     def __init__(self, num_replicas: int) -> None:
@@ -89,9 +106,14 @@ class Router(ABC):
     def route(self, request: RequestSpec, view: ClusterView) -> int:
         """The replica `request` goes to."""
 
-    def on_kv_event(self, replica: int, event: Any) -> None:
-        """A KV event of `replica`'s cache (only for routers that `subscribes_kv_events`).
-        The hook the cache observer of issue 13, item 3 will call."""
+    def on_kv_subscribed(self, replica: int, page_keys: PageKeys) -> None:
+        """The driver subscribed this router to `replica`'s cache, whose events name pages
+        by `page_keys` (called once per replica, before any event and any `route`)."""
+        raise NotImplementedError(f"router {self.name!r} does not subscribe to KV events")
+
+    def on_kv_event(self, replica: int, event: KvEvent) -> None:
+        """A KV event of `replica`'s cache, as it happens (only for routers that
+        `subscribes_kv_events`)."""
         raise NotImplementedError(f"router {self.name!r} does not subscribe to KV events")
 
     def stats(self) -> dict[str, int]:
@@ -112,6 +134,8 @@ class StaticView:
     running_counts: list[int] = field(default_factory=list)
     outstanding: list[int] = field(default_factory=list)
     usage: list[float] = field(default_factory=list)
+    prefill: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
     sessions: dict[str, str] = field(default_factory=dict)
     page_size: int = 16
     time: float = 0.0
@@ -122,7 +146,9 @@ class StaticView:
         self.running_counts = self.running_counts or [0] * n
         self.outstanding = self.outstanding or [0] * n
         self.usage = self.usage or [0.0] * n
-        for what in ("waiting_counts", "running_counts", "outstanding", "usage"):
+        self.prefill = self.prefill or [0] * n
+        self.pages = self.pages or [0] * n
+        for what in ("waiting_counts", "running_counts", "outstanding", "usage", "prefill", "pages"):
             if len(getattr(self, what)) != n:
                 raise ValueError(f"StaticView.{what} needs {n} entries")
 
@@ -144,6 +170,12 @@ class StaticView:
 
     def kv_usage(self, i: int) -> float:
         return self.usage[i]
+
+    def prefill_tokens(self, i: int) -> int:
+        return self.prefill[i]
+
+    def active_pages(self, i: int) -> int:
+        return self.pages[i]
 
     def session(self, request: RequestSpec) -> str | None:
         return self.sessions.get(request.request_id)

@@ -22,12 +22,15 @@ from experiments.errors import InputError, UsageError
 from experiments.routers.affinity import ConsistentHash, Session
 from experiments.routers.base import Router
 from experiments.routers.cache_aware import CacheAware
+from experiments.routers.kv_cost import KvCost
 from experiments.routers.load import LeastLoad, PowerOfTwo, RandomRouter, RoundRobin
+from experiments.routers.precise import Precise
 from experiments.workloads.registry import WorkloadError, coerce_knob
 
 #: every router, by `--router` name, in the order `--router` lists default to
 ROUTERS: dict[str, type[Router]] = {
-    cls.name: cls for cls in (RoundRobin, RandomRouter, LeastLoad, PowerOfTwo, ConsistentHash, Session, CacheAware)
+    cls.name: cls
+    for cls in (RoundRobin, RandomRouter, LeastLoad, PowerOfTwo, ConsistentHash, Session, CacheAware, Precise, KvCost)
 }
 
 

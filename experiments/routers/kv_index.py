@@ -1,0 +1,73 @@
+"""`KvIndex`: each replica's cached pages, rebuilt from its KV events alone, and the longest
+cached prefix of a request on each replica. The index behind `precise` (llm-d's kv-cache
+indexer, `llm-d-kv-cache` `kvblock.Index` fed by `kvevents.Pool`) and `kv_cost` (Dynamo's
+`KvIndexer`, a radix tree of blocks tagged with worker ids, fed by the workers' events).
+
+Per replica a count per page key: a "pages stored" adds one per key, a "pages removed"
+takes one off, and a key is cached while its count is positive. Counting, not a set, keeps
+it exact when a cache holds two pages under one key (apc's duplicates, which vLLM stores
+and removes one by one): llm-d's index keeps a set of pods per key and would drop the key at
+the first removal. So the index is the replica's cache, exactly, at every event
+(tests/test_kv_events.py proves the events say so).
+
+A request's page keys are computed as the replica's backend computes them
+(`PrefixCache.page_keys`, handed over when the router is subscribed): llm-d's token
+processor and Dynamo's router both hash the prompt into block keys the way vLLM does, for
+the same reason. Replicas whose schemes are equal share one computation per request.
+"""
+
+from __future__ import annotations
+
+from itertools import takewhile
+
+from cachelib.kv_events import KvEvent, PageKeys, PagesStored
+from experiments.workloads.spec import RequestSpec
+
+
+class KvIndex:
+    """What each of `num_replicas` caches holds, by page key (see the module docstring)."""
+
+    def __init__(self, num_replicas: int) -> None:
+        self.num_replicas = num_replicas
+        self.pages: list[dict[bytes, int]] = [{} for _ in range(num_replicas)]
+        #: pages held per replica (Dynamo's tree size, its tie-breaker)
+        self.sizes = [0] * num_replicas
+        self.schemes: list[PageKeys | None] = [None] * num_replicas
+
+    def watch(self, replica: int, scheme: PageKeys) -> None:
+        """`replica`'s events name pages by `scheme`."""
+        self.schemes[replica] = scheme
+
+    def apply(self, replica: int, event: KvEvent) -> None:
+        """One event of `replica`'s cache. A removal of a key never stored is a broken event
+        stream: it raises (KeyError) instead of being ignored."""
+        pages = self.pages[replica]
+        if event.__class__ is PagesStored:
+            for key in event.keys:
+                pages[key] = pages.get(key, 0) + 1
+            self.sizes[replica] += len(event.keys)
+            return
+        for key in event.keys:
+            left = pages[key] - 1
+            if left:
+                pages[key] = left
+            else:
+                del pages[key]
+        self.sizes[replica] -= len(event.keys)
+
+    def overlaps(self, request: RequestSpec) -> tuple[list[int], int]:
+        """(per replica, how many of the request's full pages are cached there consecutively
+        from the first; how many full pages the prompt has)."""
+        if None in self.schemes:
+            raise RuntimeError("KvIndex.overlaps before every replica was subscribed (watch)")
+        prompt = request.prompt
+        keys_of: dict[PageKeys, list[bytes]] = {}
+        matched = []
+        total = 0
+        for replica, scheme in enumerate(self.schemes):
+            keys = keys_of.get(scheme)
+            if keys is None:
+                keys = keys_of[scheme] = scheme.keys(prompt, request.extra)
+                total = len(keys)
+            matched.append(sum(1 for _ in takewhile(self.pages[replica].__contains__, keys)))
+        return matched, total
