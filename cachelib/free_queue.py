@@ -331,9 +331,10 @@ class BlockQueue:
             raise InvariantViolation("free queue holds an id that was never handed out")
         if np.unique(live).size != live.size:
             raise InvariantViolation("free queue holds an id twice")
-        if pos.size != self._fresh:
+        if pos.size < self._fresh or (pos[self._fresh :] != -1).any():
             raise InvariantViolation(f"free queue tracks {pos.size} positions, {self._fresh} ids handed out")
         found = self._positions(np.arange(self._fresh))
+        pos = pos[: self._fresh]
         if not np.array_equal(pos[live], where) or np.count_nonzero(found >= 0) != live.size:
             raise InvariantViolation("free queue links broken: a position does not point at its id")
         count = live.size + self.num_blocks - self._fresh
@@ -357,10 +358,12 @@ class BlockQueue:
         return np.where(ring[np.clip(hint, 0, ring.size - 1)] == ids, hint, -1)
 
     def _grow_pos(self) -> None:
-        """`_pos` covers exactly the ids handed out so far."""
-        extra = self._fresh - self._pos.size
-        if extra > 0:
-            self._pos = np.concatenate([self._pos, np.full(extra, -1, dtype=np.int64)])
+        """`_pos` covers the ids handed out so far (grown geometrically: an id never
+        handed out has no position)."""
+        have = self._pos.size
+        if self._fresh > have:
+            size = min(self.num_blocks, max(self._fresh, 2 * have, 1024))
+            self._pos = np.concatenate([self._pos, np.full(size - have, -1, dtype=np.int64)])
 
     def _compact(self, room: int) -> None:
         """Drop the holes and re-centre the entries in a ring with `room` free at both ends."""
