@@ -5,6 +5,12 @@ router (it is single-replica serving, exactly as before clusters); every size ab
 paired with every router (default: every registered router). `cells_over` expands a
 template over capacities x shapes x backend variants, capacity first, so a capacity's
 table lists each shape's backends together.
+
+A router that needs KV events (`precise`, `kv_cost`) cannot run over a backend that
+publishes none (`none`, `paged`). Named with `--router`, the pair is refused before any
+work (`check_shapes`, through `CellConfig`); taken by default (no `--router`), the pair is
+left out of the grid (`ClusterShape.pairs_with`), so `compare --replicas 4` over every
+backend still runs every router each backend can serve.
 """
 
 from __future__ import annotations
@@ -14,10 +20,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cachelib import available_backends, get_backend
 from experiments.backend_options import BackendVariant
 from experiments.cell_runs import cells_for
 from experiments.errors import InputError
-from experiments.routers.registry import ROUTERS, RouterVariant, parse_router_opt, resolve_routers, split_router_list
+from experiments.routers.registry import (
+    ROUTERS,
+    RouterVariant,
+    parse_router_opt,
+    resolve_routers,
+    router_class,
+    split_router_list,
+)
 from experiments.runner import CellConfig
 
 
@@ -27,6 +41,15 @@ class ClusterShape:
 
     replicas: int = 1
     router: RouterVariant | None = None
+    #: False when the router came from the default list (no `--router`)
+    named: bool = True
+
+    def pairs_with(self, backend: str) -> bool:
+        """Whether the grid pairs this shape with `backend`: always, except a router taken by
+        default that needs KV events with a backend that publishes none."""
+        if self.named or self.router is None or not router_class(self.router.name).subscribes_kv_events:
+            return True
+        return backend not in available_backends() or get_backend(backend).emits_kv_events
 
     def apply(self, cfg: CellConfig) -> CellConfig:
         """`cfg` as a cell of this shape (CellConfig checks the combination). A cluster runs
@@ -60,13 +83,19 @@ def cluster_shapes(replicas: Sequence[int], routers: Sequence[str], router_opts:
             raise InputError("--router and --router-opt choose a cluster's router: add --replicas N with N > 1")
         return [ClusterShape()]
     variants = resolve_routers(specs or list(ROUTERS), given)
-    return [ClusterShape(n, None if n == 1 else v) for n in sizes for v in ([None] if n == 1 else variants)]
+    named = bool(specs)
+    return [ClusterShape(n, None if n == 1 else v, named) for n in sizes for v in ([None] if n == 1 else variants)]
 
 
-def check_shapes(template: CellConfig, shapes: Sequence[ClusterShape]) -> None:
-    """Each shape with the template's settings (async scheduling refuses a cluster), before any work."""
+def check_shapes(template: CellConfig, shapes: Sequence[ClusterShape], backends: Sequence[BackendVariant] = ()) -> None:
+    """Each shape with the template's settings (async scheduling refuses a cluster) and with
+    each backend it pairs with (a named router needing KV events refuses one that publishes
+    none), before any work."""
     for shape in shapes:
         shape.apply(template)
+        for variant in backends:
+            if shape.pairs_with(variant.name):
+                shape.apply(dataclasses.replace(template, backend=variant.name))
 
 
 def cells_over(
@@ -83,5 +112,7 @@ def cells_over(
         cell
         for cap in capacities
         for shape in shapes
-        for cell in cells_for(shape.apply(template), variants, [cap], page_size, sizing)
+        for cell in cells_for(
+            shape.apply(template), [v for v in variants if shape.pairs_with(v.name)], [cap], page_size, sizing
+        )
     ]

@@ -13,11 +13,14 @@ import numpy as np
 import pytest
 
 from cachelib import ExtraKeys, PageKeys, PagesRemoved, PagesStored, Sequence, create_cache
+from experiments.__main__ import main
+from experiments.backend_options import BackendVariant
+from experiments.cluster_grid import cells_over, check_shapes, cluster_shapes
 from experiments.engine import CacheClient, CostModelExecutor, FixedStepExecutor, ServingConfig, VirtualClock
 from experiments.engine.cluster import ReplicaView, serve_cluster
 from experiments.engine.vllm_scheduler import VllmScheduler
 from experiments.errors import InputError
-from experiments.routers import StaticView, make_router
+from experiments.routers import ROUTERS, StaticView, make_router
 from experiments.routers.kv_cost import softmax_pick
 from experiments.routers.kv_index import KvIndex
 from experiments.routers.precise import kv_usage_scores, queue_scores
@@ -89,7 +92,7 @@ def test_precise_scores_the_longest_cached_prefix_over_the_prompt_plus_load():
     # equal loads: each load scorer gives 1.0 everywhere; prefix weight 2 x matched / 4 pages
     assert r.scores(req(), view()) == [2 * 3 / 4 + 2, 2 * 1 / 4 + 2, 2.0]
     assert r.route(req(), view()) == 0
-    assert r.counters == {"prefix_hit": 2}
+    assert r.counters == {"prefix_hit": 1}
 
 
 def test_precise_loses_a_replica_score_when_it_evicts_the_prefix():
@@ -315,3 +318,33 @@ def test_a_router_on_events_is_refused_over_a_backend_without_them(backend, name
         serve_cluster(caches, specs, [CostModelExecutor(), CostModelExecutor()], make_router(name, 2))
     with pytest.raises(InputError, match=f"router '{name}' needs KV events.* backend '{backend}'"):
         CellConfig(backend, "no_sharing", 4000, protocol="serving", replicas=2, router=name)
+
+
+def test_by_default_a_grid_leaves_out_event_routers_over_silent_backends():
+    """No --router: every router, but precise and kv_cost only over backends that publish
+    events. Named, the pair is refused before any work (below)."""
+    template = CellConfig("", "no_sharing", 0, protocol="serving")
+    variants = [BackendVariant("apc"), BackendVariant("none")]
+    shapes = cluster_shapes([1, 2], [], [])
+    check_shapes(template, shapes, variants)
+    cells = cells_over(template, variants, [4000], 16, shapes)
+    pairs = [(c.backend, c.router) for c in cells]
+    assert pairs[:2] == [("apc", None), ("none", None)]
+    assert {r for b, r in pairs if b == "apc"} == {None, *ROUTERS}
+    assert {r for b, r in pairs if b == "none"} == {None, *ROUTERS} - {"precise", "kv_cost"}
+    named = cluster_shapes([2], ["precise"], [])
+    with pytest.raises(InputError, match="router 'precise' needs KV events.* backend 'none'"):
+        check_shapes(template, named, variants)
+
+
+def test_the_command_line_refuses_a_named_event_router_over_a_silent_backend(tmp_path, capsys, monkeypatch):
+    import experiments.cli.compare as cli_compare
+
+    def started(*args, **kwargs):
+        pytest.fail("work started before the settings were checked")
+
+    monkeypatch.setattr(cli_compare, "build_workload", started)
+    argv = ["compare", "--workload", "multi_turn_chat", "--backend", "apc,paged", "--capacity-tokens", "3000",
+            "--replicas", "2", "--router", "kv_cost", "--no-progress", "--output-dir", str(tmp_path / "o")]  # fmt: skip
+    assert main(argv) == 3
+    assert "router 'kv_cost' needs KV events, which backend 'paged' does not publish" in capsys.readouterr().err

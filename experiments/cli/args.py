@@ -244,10 +244,13 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-def cluster_shapes_of(args: argparse.Namespace, template: CellConfig) -> list[ClusterShape]:
-    """The cluster shapes of the command line, checked with the template's settings."""
+def cluster_shapes_of(
+    args: argparse.Namespace, template: CellConfig, variants: list[BackendVariant]
+) -> list[ClusterShape]:
+    """The cluster shapes of the command line, checked with the template's settings and
+    the backends they pair with."""
     shapes = cluster_shapes(args.replicas, args.router, args.router_opt)
-    check_shapes(template, shapes)
+    check_shapes(template, shapes, variants)
     return shapes
 
 

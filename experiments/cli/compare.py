@@ -93,7 +93,7 @@ def _compare(args: argparse.Namespace, single: bool) -> int:
     plan = Comparison(
         template=template,
         variants=variants,
-        shapes=cluster_shapes_of(args, template),
+        shapes=cluster_shapes_of(args, template, variants),
         capacities=[tokens for tokens, _ in sized],
         sizing=dict(sized),
         out_dir=Path(os.path.abspath(args.output_dir)),  # "." has no name to put OUT.partial beside

@@ -45,7 +45,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     plan = SweepPlan(
         template=template,
         variants=variants,
-        shapes=cluster_shapes_of(args, template),
+        shapes=cluster_shapes_of(args, template, variants),
         workloads=_knobs_per_workload(args, names, given),
         capacities=capacities_given(args),
         page_sizes=page_sizes,

@@ -18,6 +18,7 @@ the same reason. Replicas whose schemes are equal share one computation per requ
 
 from __future__ import annotations
 
+from collections import Counter
 from itertools import takewhile
 
 from cachelib.kv_events import KvEvent, PageKeys, PagesStored
@@ -29,7 +30,7 @@ class KvIndex:
 
     def __init__(self, num_replicas: int) -> None:
         self.num_replicas = num_replicas
-        self.pages: list[dict[bytes, int]] = [{} for _ in range(num_replicas)]
+        self.pages: list[Counter[bytes]] = [Counter() for _ in range(num_replicas)]
         #: pages held per replica (Dynamo's tree size, its tie-breaker)
         self.sizes = [0] * num_replicas
         self.schemes: list[PageKeys | None] = [None] * num_replicas
@@ -43,16 +44,14 @@ class KvIndex:
         stream: it raises (KeyError) instead of being ignored."""
         pages = self.pages[replica]
         if event.__class__ is PagesStored:
-            for key in event.keys:
-                pages[key] = pages.get(key, 0) + 1
+            pages.update(event.keys)  # counted in one C loop
             self.sizes[replica] += len(event.keys)
             return
+        pop = pages.pop  # dict.pop: a missing key raises, where Counter's [] would say 0
         for key in event.keys:
-            left = pages[key] - 1
+            left = pop(key) - 1
             if left:
                 pages[key] = left
-            else:
-                del pages[key]
         self.sizes[replica] -= len(event.keys)
 
     def overlaps(self, request: RequestSpec) -> tuple[list[int], int]:
@@ -69,5 +68,5 @@ class KvIndex:
             if keys is None:
                 keys = keys_of[scheme] = scheme.keys(prompt, request.extra)
                 total = len(keys)
-            matched.append(sum(1 for _ in takewhile(self.pages[replica].__contains__, keys)))
+            matched.append(len(list(takewhile(self.pages[replica].__contains__, keys))))
         return matched, total

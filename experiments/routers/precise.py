@@ -96,12 +96,16 @@ class Precise(Router):
         self.index.apply(replica, event)
 
     def route(self, request: RequestSpec, view: ClusterView) -> int:
-        return self.pick(self.scores(request, view))
-
-    def scores(self, request: RequestSpec, view: ClusterView) -> list[float]:
-        """Each replica's weighted sum of the scorers' scores."""
         matched, total = self.index.overlaps(request)
         self.count("prefix_hit" if max(matched) > 0 else "no_hit")
+        return self.pick(self.weighted(matched, total, view))
+
+    def scores(self, request: RequestSpec, view: ClusterView) -> list[float]:
+        """Each replica's score for `request` now (read-only: what `route` would compare)."""
+        return self.weighted(*self.index.overlaps(request), view)
+
+    def weighted(self, matched: list[int], total: int, view: ClusterView) -> list[float]:
+        """Each replica's weighted sum of the scorers' scores."""
         totals = [self.prefix_weight * s for s in prefix_scores(matched, total)]
         for scorer in self.load_scorers:
             load = queue_scores(view) if scorer == "queue" else kv_usage_scores(view)
