@@ -7,6 +7,10 @@ multimodal input's hash on every block it overlaps (DESIGN §4 apc).
 
 Tokens enter as their little-endian int32 bytes, a fixed width per block, and each extra
 key is length-prefixed, so the byte string of a block is unambiguous.
+
+The tables apc keeps cached blocks in, by hash, are here too: `RunIndex` (one entry per
+commit, relying on the chaining above) and `DictIndex` (one entry per hash, for any hash
+function). Both answer, per chain position, a hash's oldest cached block.
 """
 
 from __future__ import annotations
