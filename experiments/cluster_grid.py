@@ -98,6 +98,17 @@ def check_shapes(template: CellConfig, shapes: Sequence[ClusterShape], backends:
                 shape.apply(dataclasses.replace(template, backend=variant.name))
 
 
+def left_out(shapes: Sequence[ClusterShape], variants: Sequence[BackendVariant]) -> list[str]:
+    """The default router x backend pairs the grid leaves out (a KV-event router over a
+    backend that publishes none), as `router over backend` lines for the user to read."""
+    return [
+        f"{shape.router.label} over {v.label}"  # type: ignore[union-attr]  # a left-out shape has a router
+        for shape in shapes
+        for v in variants
+        if not shape.pairs_with(v.name)
+    ]
+
+
 def cells_over(
     template: CellConfig,
     variants: Sequence[BackendVariant],

@@ -32,7 +32,7 @@ from experiments.backend_options import BackendVariant
 from experiments.cell_pool import Failure, TasksFailed
 from experiments.cell_runs import run_cells
 from experiments.cell_store import CellStore
-from experiments.cluster_grid import SINGLE, ClusterShape, cells_over
+from experiments.cluster_grid import SINGLE, ClusterShape, cells_over, left_out
 from experiments.output_dir import OutputLock, StagedDir, check_writable_dir
 from experiments.provenance import provenance
 from experiments.results import REPORT_ENTRIES, document, write, write_per_request
@@ -91,6 +91,12 @@ def _sweep_locked(plan: SweepPlan, out_dir: Path) -> int:
     every = [c for _, _, _, cells in grid for c in cells]
     todo = [c for c in every if store.load(c) is None]
     print(f"sweep: {len(every)} cells, {len(every) - len(todo)} already done, {len(todo)} to run", file=sys.stderr)
+    skipped = left_out(plan.shapes, plan.variants)
+    if skipped:  # nothing left out silently: say which default pairs cannot run
+        print(
+            f"sweep: left out (the router needs KV events the backend does not publish): {'; '.join(skipped)}",
+            file=sys.stderr,
+        )
     try:
         if plan.ray:
             _run_on_ray(todo, store, plan)

@@ -304,3 +304,36 @@ def test_options_are_typed_and_defaults_dropped_from_the_label():
     assert list(option_parameters("consistent_hash")) == ["prefix_pages", "load_factor", "virtual_nodes"]
     with pytest.raises(UsageError, match="same variant twice"):
         resolve_routers(["random", "random[seed=0]"], [])
+
+
+def test_default_routers_left_out_over_backends_without_events_are_named(tmp_path, capsys):
+    """Taken by default, a KV-event router is not paired with a backend that publishes no
+    events; the command says so instead of dropping the pair silently."""
+    from experiments.cli.main import main
+
+    rc = main(
+        [
+            "compare",
+            "--workload",
+            "shared_doc_qa",
+            "--knob",
+            "num_requests=12",
+            "--knob",
+            "num_documents=2",
+            "--replicas",
+            "2",
+            "--backend",
+            "none",
+            "--capacity-tokens",
+            "200000",
+            "--protocol",
+            "serving",
+            "--output-dir",
+            str(tmp_path / "out"),
+            "--no-progress",
+            "--no-bounds",
+        ]  # fmt: skip
+    )
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "left out" in err and "precise over none" in err and "kv_cost over none" in err

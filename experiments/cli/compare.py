@@ -36,7 +36,7 @@ from experiments.cli.args import (
     knobs,
     positive_int,
 )
-from experiments.cluster_grid import ClusterShape, cells_over
+from experiments.cluster_grid import ClusterShape, cells_over, left_out
 from experiments.errors import UsageError
 from experiments.output_dir import OutputLock, StagedDir, check_replaceable, check_writable_dir
 from experiments.provenance import provenance
@@ -116,6 +116,12 @@ def _compare_locked(plan: Comparison) -> int:
     started = time.perf_counter()
     template = dataclasses.replace(plan.template, provenance=provenance(workload.config))
     cells = cells_over(template, plan.variants, plan.capacities, page_size, plan.shapes, plan.sizing)
+    skipped = left_out(plan.shapes, plan.variants)
+    if skipped:  # nothing left out silently: say which default pairs cannot run
+        print(
+            f"compare: left out (the router needs KV events the backend does not publish): {'; '.join(skipped)}",
+            file=sys.stderr,
+        )
     store = CellStore(plan.out_dir.with_name(plan.out_dir.name + ".partial"))
     reused = sum(store.load(c) is not None for c in cells)
     if reused:
