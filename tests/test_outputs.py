@@ -30,6 +30,12 @@ SMALL = ["--workload", "shared_doc_qa", "--knob", "num_documents=4", "--knob", "
 FAST = [*SMALL, "--protocol", "replay", "--no-bounds"]
 
 
+def _interruptible() -> None:
+    """In the child: Ctrl-C as a terminal delivers it. A suite started in the background by a
+    shell (`nohup make test &`) inherits SIGINT ignored, which a child would keep."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """`python -m experiments ...` in a child process, stderr captured."""
     return subprocess.Popen(
@@ -38,6 +44,7 @@ def cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_interruptible,
         env={**os.environ, **(env or {})},
     )
 
@@ -97,6 +104,15 @@ def test_staged_dir_without_the_exchange_falls_back_to_two_renames(tmp_path, mon
 
 
 def test_an_interrupt_inside_a_critical_section_lands_after_it():
+    # Python's own Ctrl-C handler, even when the suite was started with SIGINT ignored
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _critical_section_defers_the_interrupt()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _critical_section_defers_the_interrupt() -> None:
     finished = False
     with pytest.raises(KeyboardInterrupt), DeferredInterrupts():
         os.kill(os.getpid(), signal.SIGINT)
