@@ -107,9 +107,7 @@ def drive_async(clock: VirtualClock, scheduler: VllmScheduler, index_of: dict[st
             queue.appendleft(plan)
             if len(queue) < ASYNC_BATCHES and (plan.items or scheduler.has_requests):
                 continue  # launch the next one before waiting on this
-        elif not queue:
-            continue
-        plan = queue.pop()
+        plan = queue.pop()  # nothing more to schedule, or both slots taken: wait on the oldest
         clock.now = max(clock.now, plan.end)
         scheduler.process(plan)
         if bar is not None and len(scheduler.result.requests) > bar.n:

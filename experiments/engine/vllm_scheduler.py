@@ -129,8 +129,8 @@ class VllmScheduler(Scheduler):
     # -- the synchronous loop's step ----------------------------------------------------
 
     def step(self) -> float | None:
-        """`EngineCore.step`: schedule, execute, process; returns when the step ends
-        (`now` for an empty one), None when nothing can ever run (the head is aborted)."""
+        """`EngineCore.step`: schedule, execute, process; returns when the step ends (`now`
+        for an empty one, after aborting a head that can never fit: `stuck`)."""
         plan = self.schedule()
         if not plan.items:
             if self.stuck(plan):
