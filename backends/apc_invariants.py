@@ -88,7 +88,7 @@ def check_apc(cache: APCCache) -> None:
         for i, (block, h) in enumerate(zip(held.blocks.tolist(), fresh, strict=False)):
             if hashes[block] != h:
                 fail(f"{rid}: block {i} (page {block}) is cached under another content's hash")
-            if hasattr(index, "position") and index.position(block) != i:
+            if index.knows_positions and index.position(block) != i:
                 fail(f"{rid}: block {i} (page {block}) is indexed at chain position {index.position(block)}")
 
 

@@ -20,6 +20,7 @@ import operator
 from collections.abc import Callable
 from functools import partial
 from itertools import islice, takewhile
+from typing import ClassVar
 
 import numpy as np
 import xxhash
@@ -128,6 +129,9 @@ class DictIndex:
     younger ones listed apart): one dict operation per block published or evicted. Exact
     for any hash function; `RunIndex` does the same with no per-block table operation for
     hashes that chain (the built-in algorithms)."""
+
+    #: False: it does not know a block's chain position (`RunIndex.position`)
+    knows_positions: ClassVar[bool] = False
 
     __slots__ = ("cached", "digest", "_first", "_dups")
 
@@ -276,6 +280,9 @@ class RunIndex:
     algorithms (a collision of xxh3-128 or sha256 aside, which misleads any hash table);
     a hash function that does not chain (tests' colliding ones) needs `DictIndex`.
     """
+
+    #: True: `position(block)` is the chain position a cached block is indexed at
+    knows_positions: ClassVar[bool] = True
 
     __slots__ = ("cached", "_run", "_off", "_seq", "_runs", "_starts", "_next_run", "_next_seq")
 
