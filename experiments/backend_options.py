@@ -48,8 +48,8 @@ class OptionGiven:
 
 
 @dataclass(frozen=True)
-class BackendVariant:
-    """A registered backend and its non-default options (constructor order)."""
+class Variant:
+    """A registered name (a backend, a router) and its non-default options (constructor order)."""
 
     name: str
     options: tuple[tuple[str, Any], ...] = ()
@@ -62,8 +62,12 @@ class BackendVariant:
         return dict(self.options)
 
 
+class BackendVariant(Variant):
+    """A registered backend and its non-default options (constructor order)."""
+
+
 def variant_label(name: str, options: dict[str, Any]) -> str:
-    """`name`, or `name[k=v,...]` with the options as `--backend` takes them."""
+    """`name`, or `name[k=v,...]` with the options as `--backend` and `--router` take them."""
     if not options:
         return name
     return f"{name}[{','.join(f'{k}={option_text(v)}' for k, v in options.items())}]"

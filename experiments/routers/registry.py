@@ -14,10 +14,9 @@ differs.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 from typing import Any
 
-from experiments.backend_options import OptionGiven, option_text
+from experiments.backend_options import OptionGiven, Variant, variant_label
 from experiments.errors import InputError, UsageError
 from experiments.routers.affinity import ConsistentHash, Session
 from experiments.routers.base import Router
@@ -34,26 +33,12 @@ ROUTERS: dict[str, type[Router]] = {
 }
 
 
-@dataclass(frozen=True)
-class RouterVariant:
+class RouterVariant(Variant):
     """A registered router and its non-default options (constructor order)."""
 
-    name: str
-    options: tuple[tuple[str, Any], ...] = ()
 
-    @property
-    def label(self) -> str:
-        return router_label(self.name, dict(self.options))
-
-    def options_dict(self) -> dict[str, Any]:
-        return dict(self.options)
-
-
-def router_label(name: str, options: dict[str, Any]) -> str:
-    """`name`, or `name[k=v,...]` as `--router` takes it."""
-    if not options:
-        return name
-    return f"{name}[{','.join(f'{k}={option_text(v)}' for k, v in options.items())}]"
+#: `name`, or `name[k=v,...]` as `--router` takes it (the backends' label rule)
+router_label = variant_label
 
 
 def router_class(name: str) -> type[Router]:
