@@ -35,9 +35,8 @@ import math
 
 import numpy as np
 
-from cachelib.kv_events import KvEvent, PageKeys
-from experiments.routers.base import ClusterView, Router
-from experiments.routers.kv_index import KvIndex
+from experiments.routers.base import ClusterView
+from experiments.routers.kv_index import EventIndexRouter
 from experiments.workloads.spec import RequestSpec
 
 
@@ -59,11 +58,10 @@ def softmax_pick(costs: list[float], temperature: float, sample: float) -> int:
     return len(costs) - 1
 
 
-class KvCost(Router):
+class KvCost(EventIndexRouter):
     """Dynamo's KV router cost (see the module docstring)."""
 
     name = "kv_cost"
-    subscribes_kv_events = True
 
     def __init__(self, num_replicas: int, overlap_weight: float = 1.0, temperature: float = 0.0, seed: int = 0) -> None:
         super().__init__(num_replicas)
@@ -73,14 +71,7 @@ class KvCost(Router):
             )
         self.overlap_weight = overlap_weight
         self.temperature = temperature
-        self.index = KvIndex(num_replicas)
         self.rng = np.random.default_rng(seed)
-
-    def on_kv_subscribed(self, replica: int, page_keys: PageKeys) -> None:
-        self.index.watch(replica, page_keys)
-
-    def on_kv_event(self, replica: int, event: KvEvent) -> None:
-        self.index.apply(replica, event)
 
     def route(self, request: RequestSpec, view: ClusterView) -> int:
         costs = self.costs(request, view)

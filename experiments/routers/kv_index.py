@@ -22,6 +22,7 @@ from collections import Counter
 from itertools import takewhile
 
 from cachelib.kv_events import KvEvent, PageKeys, PagesStored
+from experiments.routers.base import Router
 from experiments.workloads.spec import RequestSpec
 
 
@@ -70,3 +71,20 @@ class KvIndex:
                 total = len(keys)
             matched.append(len(list(takewhile(self.pages[replica].__contains__, keys))))
         return matched, total
+
+
+class EventIndexRouter(Router):
+    """A router that keeps every replica's exact cache state, rebuilt from its KV events
+    (`index`: a `KvIndex`); `precise` and `kv_cost` score against it."""
+
+    subscribes_kv_events = True
+
+    def __init__(self, num_replicas: int) -> None:
+        super().__init__(num_replicas)
+        self.index = KvIndex(num_replicas)
+
+    def on_kv_subscribed(self, replica: int, page_keys: PageKeys) -> None:
+        self.index.watch(replica, page_keys)
+
+    def on_kv_event(self, replica: int, event: KvEvent) -> None:
+        self.index.apply(replica, event)

@@ -34,9 +34,8 @@ import math
 
 import numpy as np
 
-from cachelib.kv_events import KvEvent, PageKeys
-from experiments.routers.base import ClusterView, Router
-from experiments.routers.kv_index import KvIndex
+from experiments.routers.base import ClusterView
+from experiments.routers.kv_index import EventIndexRouter
 from experiments.workloads.spec import RequestSpec
 
 LOAD_SCORERS = ("queue+kv_usage", "queue", "kv_usage")
@@ -63,11 +62,10 @@ def kv_usage_scores(view: ClusterView) -> list[float]:
     return [1.0 - view.kv_usage(i) for i in range(view.num_replicas)]
 
 
-class Precise(Router):
+class Precise(EventIndexRouter):
     """llm-d's precise prefix-cache scorer with its load scorers (see the module docstring)."""
 
     name = "precise"
-    subscribes_kv_events = True
 
     def __init__(
         self,
@@ -86,14 +84,7 @@ class Precise(Router):
         self.prefix_weight = prefix_weight
         self.load_weight = load_weight
         self.load_scorers = load_scorers.split("+")
-        self.index = KvIndex(num_replicas)
         self.rng = np.random.default_rng(seed)
-
-    def on_kv_subscribed(self, replica: int, page_keys: PageKeys) -> None:
-        self.index.watch(replica, page_keys)
-
-    def on_kv_event(self, replica: int, event: KvEvent) -> None:
-        self.index.apply(replica, event)
 
     def route(self, request: RequestSpec, view: ClusterView) -> int:
         matched, total = self.index.overlaps(request)
