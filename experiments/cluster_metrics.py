@@ -9,7 +9,7 @@ rate, TTFT, TPOT, ITL and E2E in ms (mean, p50, p90, p99; `metrics.latency_secti
 goodput when SLOs are given (a replica's over the cluster's makespan, so the replicas'
 add up to the cluster's), preemptions and tokens served; the load imbalance (max / mean of
 tokens served over the replicas); and what the router cost (CPU time per decision,
-`time.perf_counter` around `route`, reading the view included) and counted.
+thread CPU time around `route`, `engine.cache_client.CPU_CLOCK`, reading the view included) and counted.
 """
 
 from __future__ import annotations

@@ -225,7 +225,9 @@ def pages_figure(results: dict[str, Any]) -> Any | None:
 
     caps = results["capacities"]
     labels = [
-        b for b in _labels(results) if any(lab == b and _get(c, "serving", "pages_timeline") for lab, c in _all(results))
+        b
+        for b in _labels(results)
+        if any(lab == b and _get(c, "serving", "pages_timeline") for lab, c in _all(results))
     ]
     if not labels:
         return None

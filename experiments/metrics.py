@@ -8,6 +8,9 @@ over the values, as vLLM's bench computes them), over the requests that finished
 - TPOT: per request, `(finished − first token) / (tokens − 1)`, requests of 2+ tokens;
 - ITL: every gap between two consecutive tokens of a request (engine/token_gaps.py);
 - E2E: arrival to the last token.
+Throughput as `vllm bench serve` names it (`serving_metrics`), over the run's makespan:
+`request_throughput` (requests finished /s), `output_throughput` (tokens generated /s) and
+`total_token_throughput` (prompt tokens of the finished requests plus tokens generated, /s).
 Goodput, when SLOs are given (`--slo-ttft-ms`, `--slo-tpot-ms`): requests/s over the run
 (its makespan) that met every SLO given, TTFT and TPOT each at most its SLO; a one-token
 request's TPOT counts as 0 (vLLM's `calculate_metrics`: `all_tpots` gets 0 for it).
@@ -123,11 +126,15 @@ def serving_metrics(res: ServingResult, stats: CacheStats, *, setup_seconds: flo
         "copied_pages": stats.copied_pages,
         "peak_pages": res.peak_pages,
         "metadata_bytes_end": stats.metadata_bytes,
+        # CPU time in cache calls (engine/cache_client.py CPU_CLOCK), per request and sample
         "cache_us_per_request": res.cache_seconds / len(res.requests) * 1e6 if res.requests else 0.0,
         "ttft_p50": _pct(ttft, 50),
         "ttft_p99": _pct(ttft, 99),
         "tpot_p50": _pct(tpot, 50),
-        "throughput_tokens_per_s": generated / span if res.makespan > 0 else None,
+        # vLLM's names (`vllm/benchmarks/serve.py` BenchmarkMetrics), over the makespan
+        "request_throughput": len(done) / span if res.makespan > 0 else None,
+        "output_throughput": generated / span if res.makespan > 0 else None,
+        "total_token_throughput": (prompt + generated) / span if res.makespan > 0 else None,
         "makespan_s": res.makespan,
         "prefix_setup_s": setup_seconds,
         "preemptions": res.preemptions,

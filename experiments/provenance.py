@@ -36,9 +36,22 @@ def _git(*args: str) -> str | None:
 
 
 def git_commit() -> str:
-    """The short commit of the package's own checkout, or "unknown" when it is not one."""
-    out = _git("rev-parse", "--short", "HEAD")
-    return out.strip() if out else "unknown"
+    """The short commit of the package's own checkout, or "unknown" when it is not one:
+    the checkout's top level must be `PACKAGE_ROOT` itself, so a copy installed into
+    site-packages of a venv that lies inside some repository never reports that repository."""
+    out = _git("rev-parse", "--show-toplevel", "--short", "HEAD")
+    lines = out.splitlines() if out else []
+    if len(lines) != 2 or Path(lines[0]).resolve() != PACKAGE_ROOT:
+        return "unknown"
+    return lines[1]
+
+
+def package_version() -> str:
+    """The installed distribution's version (pyproject.toml), "0" when it is not installed."""
+    try:
+        return metadata.version(DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        return "0"
 
 
 @functools.cache
@@ -47,10 +60,7 @@ def code_version() -> str:
 
     Cached per process: a process runs the code it imported when it started, so its cells
     all carry one version even if files change on disk meanwhile."""
-    try:
-        version = metadata.version(DISTRIBUTION)
-    except metadata.PackageNotFoundError:
-        version = "0"
+    version = package_version()
     commit = git_commit()
     if commit == "unknown":
         return version  # an installed copy: the version is all there is

@@ -1,20 +1,24 @@
-"""Render a comparison from its results JSON: Markdown tables, PNG plots, CSV.
+"""Render a comparison from its results JSON: Markdown tables, figures (PNG and PDF), CSV.
 
 Everything is drawn from `results.json` alone, so `python -m experiments report DIR`
-regenerates every figure and table of a run without rerunning it.
+regenerates every figure and table of a run without rerunning it. The figures are
+experiments/figures.py's (matplotlib's object API: rendering never switches the caller's
+plotting backend). Documents written before `schema_version` 2 still render: their
+missing numbers show as "—", and their cache times are labelled wall time, as measured.
 """
 
 from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from experiments.labels import cell_label_of
 from experiments.routers.registry import router_label
 
+#: the main table of each capacity: (column, getter, format). `{cache}` in a name reads
+#: "cache CPU µs/req" or, in a document from before the CPU clock, "cache wall µs/req"
 COLUMNS = [
     ("replay hit rate", lambda c: _get(c, "replay", "hit_rate"), "{:.2%}"),
     ("serving hit rate", lambda c: _get(c, "serving", "hit_rate"), "{:.2%}"),
@@ -22,10 +26,11 @@ COLUMNS = [
     ("evicted pages", lambda c: _get(c, "serving", "evicted_pages"), "{:,}"),
     ("peak pages", lambda c: _get(c, "serving", "peak_pages"), "{:,}"),
     ("metadata bytes", lambda c: _get(c, "serving", "metadata_bytes_end"), "{:,}"),
-    ("cache µs/req (replay)", lambda c: _get(c, "replay", "us_per_request"), "{:.0f}"),
-    ("TTFT p50 (s)", lambda c: _get(c, "serving", "ttft_p50"), "{:.3f}"),
-    ("TTFT p99 (s)", lambda c: _get(c, "serving", "ttft_p99"), "{:.3f}"),
-    ("throughput (tok/s)", lambda c: _get(c, "serving", "throughput_tokens_per_s"), "{:,.0f}"),
+    ("{cache} (replay)", lambda c: _get(c, "replay", "us_per_request"), "{:.0f}"),
+    ("{cache} (serving)", lambda c: _get(c, "serving", "cache_us_per_request"), "{:.0f}"),
+    ("TTFT p50 (ms)", lambda c: _ms(_get(c, "serving", "ttft_p50")), "{:,.1f}"),
+    ("TTFT p99 (ms)", lambda c: _ms(_get(c, "serving", "ttft_p99")), "{:,.1f}"),
+    ("output token throughput (tok/s)", lambda c: _output_throughput(c), "{:,.0f}"),
     ("preemptions", lambda c: _get(c, "serving", "preemptions"), "{:,}"),
 ]
 
@@ -36,7 +41,7 @@ COLUMNS = [
 #: others are the cell's `config` keys (`step_ms` empty but for the fixed executor)
 CSV_CONFIG = (
     "backend", "label", "backend_options", "workload", "capacity_tokens", "page_size", "executor", "device", "ordering",
-    "scheduler", "async_scheduling", "step_ms",
+    "scheduler", "async_scheduling", "step_ms", "model", "token_budget", "max_running", "protocol", "seed",
 )  # fmt: skip
 #: the configuration columns a document with a cluster cell adds (one replica: 1, empty, {})
 CLUSTER_CONFIG = ("replicas", "router", "router_options")
@@ -88,7 +93,9 @@ CSV_FIELDS = [
             "ttft_p50",
             "ttft_p99",
             "tpot_p50",
-            "throughput_tokens_per_s",
+            "request_throughput",
+            "output_throughput",
+            "total_token_throughput",
             "makespan_s",
             "preemptions",
             "aborted",
@@ -96,6 +103,10 @@ CSV_FIELDS = [
         ],
     ),
 ]
+#: the bounds at a cell's capacity (replay protocol, page-granular), when the document has them
+BOUNDS_CSV = ("bounds.infinite.hit_rate", "bounds.belady.hit_rate")
+#: a cluster cell's pooled cache (`bounds.pooled`): its backend's replay hit rate and Belady's
+POOLED_CSV = ("bounds.pooled.replay.hit_rate", "bounds.pooled.belady.hit_rate")
 #: the metric columns a document with a cluster cell adds (its `cluster` section)
 CLUSTER_CSV = [("cluster", ["hit_rate", "load_imbalance", "preemptions", "router_decisions", "router_us_per_decision"])]
 #: latencies (`serving.latency`, metrics.latency_section) and their statistics
@@ -106,34 +117,29 @@ STATS = ("mean", "p50", "p90", "p99")
 #: latency statistic, and goodput
 ADDED_CONFIG = ("capacity_gb", "gpu_memory_utilization", "time_scale", "request_rate", "slo_ttft_ms", "slo_tpot_ms")
 ADDED_CSV = (
-    ["kv_capacity.given", "kv_capacity.gb"]
+    ["kv_capacity.given", "kv_capacity.pages", "kv_capacity.gb", "kv_capacity.kv_bytes_per_token"]
     + [f"serving.latency.{m}.{s}" for m in LATENCIES for s in STATS]
     + ["serving.latency.goodput.good_requests", "serving.latency.goodput.requests_per_s"]
 )
-#: the latency table (`latency_markdown`): (column, path under `serving.latency`, format)
-LATENCY_COLUMNS = [
-    ("TTFT mean (ms)", ("ttft_ms", "mean"), "{:,.0f}"),
-    ("TTFT p50 (ms)", ("ttft_ms", "p50"), "{:,.0f}"),
-    ("TTFT p90 (ms)", ("ttft_ms", "p90"), "{:,.0f}"),
-    ("TTFT p99 (ms)", ("ttft_ms", "p99"), "{:,.0f}"),
-    ("TPOT p50 (ms)", ("tpot_ms", "p50"), "{:.1f}"),
-    ("TPOT p99 (ms)", ("tpot_ms", "p99"), "{:.1f}"),
-    ("ITL p50 (ms)", ("itl_ms", "p50"), "{:.1f}"),
-    ("ITL p90 (ms)", ("itl_ms", "p90"), "{:.1f}"),
-    ("ITL p99 (ms)", ("itl_ms", "p99"), "{:.1f}"),
-    ("E2E p50 (ms)", ("e2e_ms", "p50"), "{:,.0f}"),
-    ("E2E p99 (ms)", ("e2e_ms", "p99"), "{:,.0f}"),
+#: the latency table (`latency_markdown`): one row per cell and latency, the four statistics
+LATENCY_ROWS = (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms"))
+#: the throughput table (`latency_markdown`): (column, key of `serving`, format), as `vllm
+#: bench serve` names them; goodput (`serving.latency.goodput`) follows when SLOs were set
+THROUGHPUT_COLUMNS = [
+    ("request throughput (req/s)", "request_throughput", "{:,.2f}"),
+    ("output token throughput (tok/s)", "output_throughput", "{:,.0f}"),
+    ("total token throughput (tok/s)", "total_token_throughput", "{:,.0f}"),
+    ("duration (s)", "makespan_s", "{:,.1f}"),
 ]
-GOODPUT_COLUMN = ("goodput (req/s)", ("goodput", "requests_per_s"), "{:.2f}")
-
-
-#: backends often coincide (none and paged without declared prefixes): vary the dash too
-_STYLES = ["-", "--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1))]
-
-
-def _style(results: dict[str, Any], backend: str) -> dict[str, Any]:
-    i = results["backends"].index(backend) if backend in results["backends"] else 0
-    return {"linestyle": _STYLES[i % len(_STYLES)], "color": f"C{i % 10}"}
+GOODPUT_COLUMN = "request goodput (req/s)"
+#: each figure's caption in report.md (experiments/figures.py draws them)
+CAPTIONS = {
+    "hit_rate_vs_capacity": "Replay hit rate of each backend against the KV capacity (log axis, a tick at each "
+    "capacity run), with the infinite-capacity bound (dashed) and Belady's offline optimum (dotted, stars).",
+    "ttft_cdf": "CDF of TTFT (queueing included) per capacity, on one log axis in ms shared by every panel.",
+    "pages_in_use": "Pages pinned by running requests over time, as a share of the capacity (the dashed "
+    "ceiling): a row per capacity, a column per backend; thin line every sampled step, thick a moving mean.",
+}
 
 
 def label(cell: dict[str, Any]) -> str:
@@ -145,6 +151,21 @@ def label(cell: dict[str, Any]) -> str:
 
 def _get(cell: dict, section: str, key: str) -> Any:
     return cell.get(section, {}).get(key)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000.0
+
+
+def _output_throughput(cell: dict[str, Any]) -> float | None:
+    """Tokens generated per second; a document before vLLM's names called it `throughput_tokens_per_s`."""
+    serving = cell.get("serving", {})
+    return serving.get("output_throughput", serving.get("throughput_tokens_per_s"))
+
+
+def _cache_clock(results: dict[str, Any]) -> str:
+    """How a document's cache times read in a column name: CPU time since `clocks` exist."""
+    return "cache CPU µs/req" if "clocks" in results else "cache wall µs/req"
 
 
 def _path(tree: Any, dotted: str | tuple[str, ...]) -> Any:
@@ -175,15 +196,24 @@ def load(path: str | Path) -> dict[str, Any]:
 
 
 def write_csv(results: dict[str, Any], path: Path) -> None:
-    """One row per cell: its configuration and every scalar metric. The cluster columns
-    (`CLUSTER_CSV`) are there only when a cell is a cluster, so a document of one-replica
-    cells writes the same file as before clusters existed."""
+    """One row per cell: its configuration (backend options and every workload knob
+    included, `workload.<knob>`), every scalar metric, and the bounds at its capacity
+    (`BOUNDS_CSV`). The cluster columns (`CLUSTER_CSV`) are there only when a cell is a
+    cluster; the `ADDED_CSV` ones when the cells have those sections."""
     clusters = any("cluster" in cell for cell in results["cells"])
     extended = any("kv_capacity" in cell for cell in results["cells"])
     added = list(ADDED_CSV) if extended else []
     config = list(CSV_CONFIG) + (list(CLUSTER_CONFIG) if clusters else []) + (list(ADDED_CONFIG) if extended else [])
+    knobs = list(dict.fromkeys(k for cell in results["cells"] for k in cell.get("workload_config") or {}))
     fields = CSV_FIELDS + (CLUSTER_CSV if clusters else [])
-    header = config + [f"{section}.{k}" for section, keys in fields for k in keys] + added
+    bounds = list(BOUNDS_CSV) + (list(POOLED_CSV) if clusters else []) if results.get("bounds") else []
+    header = (
+        config
+        + [f"workload.{k}" for k in knobs]
+        + [f"{section}.{k}" for section, keys in fields for k in keys]
+        + added
+        + bounds
+    )
     with path.open("w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(header)
@@ -196,9 +226,40 @@ def write_csv(results: dict[str, Any], path: Path) -> None:
                 "router_options": json.dumps(cfg["router_options"]),
             }
             row = [given[k] if k in given else cfg.get(k) for k in config]
+            workload = cell.get("workload_config") or {}
+            row += [_csv_value(workload.get(k)) for k in knobs]
             for section, keys in fields:
                 row += [_get(cell, section, k) for k in keys]
-            w.writerow(row + [_path(cell, k) for k in added])
+            if "serving" in cell and "output_throughput" not in cell["serving"]:  # before vLLM's names
+                row[header.index("serving.output_throughput")] = _output_throughput(cell)
+            row += [_path(cell, k) for k in added]
+            w.writerow(row + [_bound(results["bounds"], cell, k) for k in bounds])
+
+
+def _csv_value(value: Any) -> Any:
+    """A knob as a CSV cell: scalars as they are, lists and dicts as JSON."""
+    return json.dumps(value) if isinstance(value, list | dict) else value
+
+
+def _bound(bounds: dict[str, Any], cell: dict[str, Any], column: str) -> float | None:
+    """A `BOUNDS_CSV` / `POOLED_CSV` column's hit rate for `cell` (None where it has none)."""
+    cfg = cell["config"]
+    cap = cfg["capacity_tokens"]
+    if column == "bounds.infinite.hit_rate":
+        return bounds["infinite"]["hit_rate"]
+    if column == "bounds.belady.hit_rate":
+        return _path(bounds, ("belady", str(cap), "hit_rate"))
+    replicas = cfg.get("replicas", 1)
+    if replicas == 1:
+        return None
+    page = bounds.get("page_size", 1)
+    entry = _path(bounds, ("pooled", str(replicas * (cap // page) * page)))
+    if entry is None:
+        return None
+    if column == "bounds.pooled.belady.hit_rate":
+        return entry["belady"]["hit_rate"]
+    backend = cell_label_of({**cfg, "replicas": 1})
+    return _path(entry, ("replay", backend, "hit_rate"))
 
 
 def _executor(cfg: dict[str, Any]) -> str:
@@ -217,7 +278,7 @@ def markdown(results: dict[str, Any], figures: list[str]) -> str:
         f"# Prefix-cache comparison: {results['workload']['name']}",
         "",
         f"Command: `{results['command']}`  ",
-        f"Created {results['created']} at commit `{results['commit']}`; page size {cfg['page_size']}, "
+        f"Created {results['created']} at commit `{results['commit']}`{_package(results)}; page size {cfg['page_size']}, "
         f"{_executor(cfg)}, {_scheduler(cfg)}, token budget {cfg['token_budget']}, "
         f"ordering {cfg['ordering']}; workload knobs `{json.dumps(results['workload']['config'])}`.",
         "",
@@ -227,10 +288,11 @@ def markdown(results: dict[str, Any], figures: list[str]) -> str:
     ]
     lines += _timing_lines(results["settings"])
     bounds = results.get("bounds")
+    names = [name.format(cache=_cache_clock(results)) for name, _, _ in COLUMNS]
     for cap in results["capacities"]:
         cells = [c for c in results["cells"] if c["config"]["capacity_tokens"] == cap]
-        lines += [f"## Capacity {_capacity(cells, cap)}", ""]
-        lines.append("| backend | " + " | ".join(name for name, _, _ in COLUMNS) + " |")
+        lines += [f"## Capacity {_capacity(cells, cap, cfg.get('model'))}", ""]
+        lines.append("| backend | " + " | ".join(names) + " |")
         lines.append("|---" * (len(COLUMNS) + 1) + "|")
         for c in cells:
             lines.append(f"| {label(c)} | " + " | ".join(_fmt(get(c), spec) for _, get, spec in COLUMNS) + " |")
@@ -249,20 +311,35 @@ def markdown(results: dict[str, Any], figures: list[str]) -> str:
     lines += cluster_markdown(results)
     lines += latency_markdown(results)
     for fig in figures:
-        lines += [f"![{fig}]({fig})", ""]
+        caption = CAPTIONS.get(fig, "")
+        lines += [f"![{fig}]({fig}.png)", "", f"*{fig}* ([PDF]({fig}.pdf)). {caption}".rstrip(), ""]
+    clock = (
+        "CPU time of the thread inside cache calls per request (`time.thread_time`, steadier than wall time on a "
+        "busy machine)"
+        if "clocks" in results
+        else "wall time inside cache calls per request (this document predates the CPU clock)"
+    )
     lines += [
         "How to read: *hit rate* is the share of prompt tokens whose KV was reused; *prefill tokens",
         "computed* counts recomputation after preemption too; *peak pages* is the most pages pinned at",
-        "once; *cache µs/req* is CPU time inside cache calls per request (replay protocol). TTFT is",
-        "arrival to first token on the virtual clock, so it includes queueing.",
+        f"once; *cache µs/req* is {clock}, under the replay and the serving",
+        "protocol. TTFT is arrival to first token on the virtual clock, so it includes queueing.",
         "",
     ]
     return "\n".join(lines)
 
 
-def _capacity(cells: list[dict[str, Any]], cap: int) -> str:
+def _package(results: dict[str, Any]) -> str:
+    """` (prefix-cache-lab 0.1.0, results schema 2)`, where the document says."""
+    package = results.get("package")
+    if not package:
+        return ""
+    return f" ({package['name']} {package['version']}, results schema {results.get('schema_version', 1)})"
+
+
+def _capacity(cells: list[dict[str, Any]], cap: int, model: str | None = None) -> str:
     """A capacity as a heading names it: tokens, and where the cells say (`kv_capacity`) its
-    GB and how it was given."""
+    GB for `model` and how it was given."""
     kv = next((c["kv_capacity"] for c in cells if "kv_capacity" in c), None)
     if kv is None:
         return f"{cap:,} tokens"
@@ -272,7 +349,8 @@ def _capacity(cells: list[dict[str, Any]], cap: int) -> str:
         "gpu_memory_utilization": f", --gpu-memory-utilization {kv.get('gpu_memory_utilization', 0):g} of "
         f"{(kv.get('device_memory_bytes') or 0) / 1e9:g} GB less {(kv.get('weight_bytes') or 0) / 1e9:.2f} GB of weights",
     }[kv["given"]]
-    return f"{cap:,} tokens ({kv['gb']:.2f} GB of KV{how})"
+    model_text = f" for {model}" if model else ""
+    return f"{cap:,} tokens ({kv['gb']:.2f} GB of KV{model_text}{how})"
 
 
 def _timing_lines(settings: dict[str, Any]) -> list[str]:
@@ -347,8 +425,10 @@ def _cluster_bounds(cells: list[dict[str, Any]], bounds: dict[str, Any], cap: in
 
 
 def latency_markdown(results: dict[str, Any]) -> list[str]:
-    """Per capacity, the latencies of every cell that has them (`serving.latency`: ms, as
-    `vllm bench serve` reports them), goodput when SLOs were set; none: no lines."""
+    """Per capacity, for every cell that has them (`serving.latency`): a table of its TTFT,
+    TPOT, ITL and E2E latency in ms (mean, p50, p90, p99, as `vllm bench serve` reports
+    them) and one of its throughput, as vLLM names it, with goodput when SLOs were set;
+    none: no lines."""
     lines: list[str] = []
     for cap in results["capacities"]:
         cells = [
@@ -356,122 +436,44 @@ def latency_markdown(results: dict[str, Any]) -> list[str]:
         ]
         if not cells:
             continue
-        columns = LATENCY_COLUMNS + (
-            [GOODPUT_COLUMN] if any("goodput" in c["serving"]["latency"] for c in cells) else []
-        )
-        lines += [f"## Latency at {cap:,} tokens per replica", ""]
-        lines.append("| cell | " + " | ".join(name for name, _, _ in columns) + " |")
-        lines.append("|---" * (len(columns) + 1) + "|")
+        lines += [f"## Latency and throughput at {cap:,} tokens per replica", ""]
+        lines.append("| cell | latency | " + " | ".join(f"{s} (ms)" for s in STATS) + " |")
+        lines.append("|---" * (len(STATS) + 2) + "|")
         for c in cells:
-            row = " | ".join(_fmt(_path(c["serving"]["latency"], path), spec) for _, path, spec in columns)
-            lines.append(f"| {label(c)} | {row} |")
+            for i, (name, key) in enumerate(LATENCY_ROWS):
+                stats = " | ".join(_fmt(_path(c["serving"]["latency"], (key, s)), "{:,.1f}") for s in STATS)
+                lines.append(f"| {label(c) if i == 0 else ''} | {name} | {stats} |")
+        lines.append("")
+        goodput = any("goodput" in c["serving"]["latency"] for c in cells)
+        names = [name for name, _, _ in THROUGHPUT_COLUMNS] + ([GOODPUT_COLUMN] if goodput else [])
+        lines.append("| cell | " + " | ".join(names) + " |")
+        lines.append("|---" * (len(names) + 1) + "|")
+        for c in cells:
+            row = [_fmt(c["serving"].get(key), spec) for _, key, spec in THROUGHPUT_COLUMNS]
+            if goodput:
+                row.append(_fmt(_path(c["serving"]["latency"], ("goodput", "requests_per_s")), "{:,.2f}"))
+            lines.append(f"| {label(c)} | " + " | ".join(row) + " |")
         lines.append("")
     if lines:
         lines += [
             "Latencies are on the virtual clock, over the requests that finished: TTFT from arrival (queueing",
             "included) to the first token, TPOT per request after the first token, ITL every gap between two",
             "consecutive tokens of a request (a stall behind another request's prefill is in it), E2E arrival to",
-            "last token; goodput is the requests/s that met every SLO given (`vllm bench serve --goodput`).",
+            "last token. Throughputs are over the run's duration (first arrival at 0 to the last token), named",
+            "as `vllm bench serve` names them: requests finished, tokens generated, and prompt plus generated",
+            "tokens per second; goodput is the requests/s that met every SLO given (`vllm bench serve --goodput`).",
             "",
         ]
     return lines
 
 
-def plots(results: dict[str, Any], out_dir: Path) -> list[str]:
-    """Hit rate vs capacity with the bounds; TTFT CDF; pages in use over time."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    _plot_hit_rate(plt, results, out_dir / "hit_rate_vs_capacity.png")
-    names = ["hit_rate_vs_capacity.png"]
-    for fname, draw, xlabel, ylabel in (
-        ("ttft_cdf.png", _draw_ttft, "TTFT (s, virtual clock)", "fraction of requests"),
-        ("pages_in_use.png", _draw_pages, "time (s, virtual clock)", "pages pinned"),
-    ):
-        if _plot_per_capacity(plt, results, out_dir / fname, draw, (xlabel, ylabel)):
-            names.append(fname)
-    return names
-
-
-def _plot_hit_rate(plt: Any, results: dict[str, Any], path: Path) -> None:
-    """Each backend's replay hit rate against capacity, with the bounds."""
-    caps = results["capacities"]
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for b in results["backends"]:
-        ys = [
-            next(
-                (
-                    _get(c, "replay", "hit_rate")
-                    for c in results["cells"]
-                    if label(c) == b and c["config"]["capacity_tokens"] == cap
-                ),
-                None,
-            )
-            for cap in caps
-        ]
-        ax.plot(caps, [y if y is not None else float("nan") for y in ys], marker="o", label=b, **_style(results, b))
-    if results.get("bounds"):
-        bd = results["bounds"]
-        ax.plot(caps, [bd["belady"][str(c)]["hit_rate"] for c in caps], "k:", marker="s", label="Belady (offline)")
-        ax.axhline(bd["infinite"]["hit_rate"], color="k", linestyle="--", linewidth=1, label="infinite capacity")
-    ax.set_xscale("log")
-    ax.set_xlabel("KV capacity (tokens)")
-    ax.set_ylabel("prompt-token hit rate (replay)")
-    ax.set_title(f"{results['workload']['name']}: hit rate vs capacity")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def _plot_per_capacity(
-    plt: Any, results: dict[str, Any], path: Path, draw: Callable[..., bool], labels: tuple[str, str]
-) -> bool:
-    """One panel per capacity, each serving cell drawn by `draw`; False (no file) when none drew."""
-    caps = results["capacities"]
-    fig, axes = plt.subplots(1, len(caps), figsize=(4.2 * len(caps), 3.6), squeeze=False)
-    drew = False
-    for ax, cap in zip(axes[0], caps, strict=True):
-        for c in results["cells"]:
-            if c["config"]["capacity_tokens"] == cap and "serving" in c:
-                drew |= draw(ax, c, _style(results, label(c)))
-        ax.set_title(f"{cap:,} tokens")
-        ax.set_xlabel(labels[0])
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel(labels[1])
-    if drew:
-        axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    if drew:
-        fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return drew
-
-
-def _draw_ttft(ax, cell, style) -> bool:
-    q = cell["serving"]["ttft_quantiles"]
-    if not q:
-        return False
-    ax.plot(q, [i / (len(q) - 1) if len(q) > 1 else 1.0 for i in range(len(q))], label=label(cell), **style)
-    return True
-
-
-def _draw_pages(ax, cell, style) -> bool:
-    tl = cell["serving"]["pages_timeline"]
-    if not tl:
-        return False
-    ax.step([t for t, _ in tl], [p for _, p in tl], where="post", label=label(cell), linewidth=1, **style)
-    return True
-
-
 def render(results: dict[str, Any], out_dir: str | Path) -> list[Path]:
-    """Write report.md, results.csv and the PNG plots into `out_dir`; returns the paths."""
+    """Write report.md, results.csv and the figures (PNG and PDF) into `out_dir`; returns the paths."""
+    from experiments.figures import FORMATS, draw_all
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    figures = plots(results, out)
+    figures = draw_all(results, out)
     (out / "report.md").write_text(markdown(results, figures))
     write_csv(results, out / "results.csv")
-    return [out / "report.md", out / "results.csv", *(out / f for f in figures)]
+    return [out / "report.md", out / "results.csv", *(out / f"{f}.{fmt}" for f in figures for fmt in FORMATS)]

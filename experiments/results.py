@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from experiments.provenance import code_version, git_commit
+from experiments.provenance import DISTRIBUTION, code_version, git_commit, package_version
 from experiments.report import render
 from experiments.runner import PER_REQUEST, CellConfig
 from experiments.workloads.generators import Workload
@@ -22,12 +22,19 @@ SETTINGS = (
 #: the per-request results of a run's serving cells, one JSON object a line (`write_per_request`)
 PER_REQUEST_FILE = "per_request.jsonl"
 #: what a run puts in a report folder (glob patterns): replaced as a whole by the next run
-REPORT_ENTRIES = ("results.json", "report.md", "results.csv", "*.png", PER_REQUEST_FILE)
+REPORT_ENTRIES = ("results.json", "report.md", "results.csv", "*.png", "*.pdf", PER_REQUEST_FILE)
+#: the layout of results.json, raised when a key changes meaning or goes (not when one is
+#: added). 1: documents without the key (before issue 15); 2: `schema_version`, `package`,
+#: `clocks`, every cell with `kv_capacity` and `serving.latency`, vLLM's throughput names
+SCHEMA_VERSION = 2
+#: what the timing numbers of a document measured (experiments/engine/cache_client.py CPU_CLOCK)
+CLOCKS = {
+    "cache": "CPU time of the running thread inside cache calls (time.thread_time)",
+    "router": "CPU time of the running thread inside route and KV-event handling (time.thread_time)",
+    "wall_seconds": "wall time of the whole cell (time.perf_counter)",
+}
 #: settings added with clusters, shared by every cell of a document: in `settings` when given
 ADDED_SETTINGS = ("time_scale", "request_rate", "slo_ttft_ms", "slo_tpot_ms")
-#: what a cell's result holds beyond what it held before clusters (experiments/sizing.py,
-#: metrics.latency_section): `kv_capacity` and `serving.latency`
-ADDED_SECTIONS = ("kv_capacity", "serving.latency")
 #: the engine's per-request times (seconds, on the run's clock), as per_request.jsonl names them
 TIME_KEYS = {"arrival": "arrival_s", "first_token_at": "first_token_at_s", "finished_at": "finished_at_s",
              "ttft": "ttft_s", "tpot": "tpot_s"}  # fmt: skip
@@ -64,35 +71,26 @@ def document(
     `backends` are the variants' labels (`radix`, `radix[eviction_policy=lfu]`), in the
     order of the cells; report.py draws one line per label. The cells' per-request records
     (`runner.PER_REQUEST`) are left out: they go to per_request.jsonl (`write_per_request`).
-
-    A document whose cells are all plain (one replica, no sizing, re-timing or SLO setting:
-    `CellConfig.plain`) leaves out `ADDED_SECTIONS` too, so it reads exactly as documents
-    written before them (tests/test_behaviour_unchanged.py reproduces reports/example); a
-    document with a cluster or such a setting has them in every cell, one replica included."""
-    added = not all(c.plain for c in cells)
+    `schema_version` names the layout (`SCHEMA_VERSION`), `package` the distribution and its
+    version, `commit` the package's own checkout (not the current directory's; "unknown"
+    outside a git checkout), `clocks` what the timing numbers measured."""
     settings = {k: getattr(cells[0], k) for k in SETTINGS}
     settings.update({k: v for k in ADDED_SETTINGS if (v := getattr(cells[0], k)) is not None})
     return {
+        "schema_version": SCHEMA_VERSION,
         "command": command_line(argv),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "package": {"name": DISTRIBUTION, "version": package_version()},
         "commit": git_commit(),  # of the package's own checkout, not the current directory's
         "code_version": code_version(),
+        "clocks": CLOCKS,
         "workload": {"name": workload.name, "config": workload.config, "requests": len(workload)},
         "settings": settings,
         "backends": backends,
         "capacities": capacities,
         "bounds": bounds,
-        "cells": [_cell(r, added) for r in results],
+        "cells": [{k: v for k, v in r.items() if k != PER_REQUEST} for r in results],
     }
-
-
-def _cell(result: dict[str, Any], added: bool) -> dict[str, Any]:
-    """A cell's result as the document holds it: no per-request records, and without
-    `ADDED_SECTIONS` unless `added` (see `document`)."""
-    out = {k: v for k, v in result.items() if k != PER_REQUEST and (added or k != "kv_capacity")}
-    if not added and "serving" in out:
-        out["serving"] = {k: v for k, v in out["serving"].items() if k != "latency"}
-    return out
 
 
 def write(doc: dict[str, Any], out_dir: str | Path) -> list[Path]:
@@ -106,19 +104,32 @@ def write(doc: dict[str, Any], out_dir: str | Path) -> list[Path]:
 def per_request_rows(cells: list[CellConfig], results: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
     """Every request of every serving cell, by cell then `request_index` (its line in the
     trace, its position in the workload's requests; a parallel sample shares its parent's
-    and follows it): the cell's `backend` label, `capacity_tokens` and `page_size`, then
-    every key of the engine's per-request record, times renamed with their unit (`TIME_KEYS`).
-    A cluster cell's rows also name its `replicas` and `router` after `page_size`, and end
-    with the `replica` that served the request."""
+    and follows it), every row with the same keys, so the file loads as one table (README
+    *Per-request results*): the cell (`backend` label, `capacity_tokens`, `page_size`,
+    `replicas`, `router`: null for one replica), then every key of the engine's per-request
+    record, times renamed with their unit (`TIME_KEYS`) and `e2e_s` (arrival to last token)
+    after `finished_at_s`, and last the `replica` that served it (0 for one replica)."""
     for cfg, res in zip(cells, results, strict=True):
         records = res.get(PER_REQUEST)
         if records is None:
             continue  # replay only
-        head = {"backend": cfg.backend_label, "capacity_tokens": cfg.capacity_tokens, "page_size": cfg.page_size}
-        if cfg.replicas > 1:  # a cluster cell: its shape, and each row its `replica`
-            head.update(replicas=cfg.replicas, router=cfg.router_label)
+        head = {
+            "backend": cfg.backend_label,
+            "capacity_tokens": cfg.capacity_tokens,
+            "page_size": cfg.page_size,
+            "replicas": cfg.replicas,
+            "router": cfg.router_label,
+        }
         for rec in sorted(records, key=lambda r: (r["request_index"], r.get("sample_of") is not None)):
-            yield {**head, **{TIME_KEYS.get(k, k): v for k, v in rec.items()}}
+            row = dict(head)
+            for k, v in rec.items():
+                if k == "replica":
+                    continue  # last, below
+                row[TIME_KEYS.get(k, k)] = v
+                if k == "finished_at":
+                    row["e2e_s"] = None if v is None else v - rec["arrival"]
+            row["replica"] = rec.get("replica", 0)
+            yield row
 
 
 def write_per_request(cells: list[CellConfig], results: list[dict[str, Any]], out_dir: str | Path) -> Path | None:

@@ -41,14 +41,13 @@ from __future__ import annotations
 import heapq
 import math
 import numbers
-import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from cachelib.interface import PrefixCache
 from cachelib.kv_events import KvEvent
-from experiments.engine.cache_client import CacheClient
+from experiments.engine.cache_client import CPU_CLOCK, CacheClient
 from experiments.engine.clock import VirtualClock
 from experiments.engine.executors import Executor
 from experiments.engine.request import ServingConfig, ServingResult
@@ -197,9 +196,9 @@ class KvEventRelay:
         self.seconds = 0.0
 
     def on_kv_event(self, event: KvEvent) -> None:
-        t0 = time.perf_counter()
+        t0 = CPU_CLOCK()
         self.router.on_kv_event(self.replica, event)
-        self.seconds += time.perf_counter() - t0
+        self.seconds += CPU_CLOCK() - t0
 
 
 def subscribe_router(router: Router, caches: Seq[PrefixCache]) -> list[KvEventRelay]:
@@ -287,9 +286,9 @@ class Cluster:
 
     def decide(self, spec: RequestSpec) -> int:
         """The router's replica for `spec`, timed; an answer out of range is a `RouterError`."""
-        t0 = time.perf_counter()
+        t0 = CPU_CLOCK()
         i = self.router.route(spec, self.view)
-        self.router_seconds += time.perf_counter() - t0
+        self.router_seconds += CPU_CLOCK() - t0
         self.decisions += 1
         n = len(self.replicas)
         if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < n:
