@@ -181,7 +181,7 @@ def ttft_figure(results: dict[str, Any]) -> Any | None:
         floor = 10 ** math.floor(math.log10(min(positive)))
     clipped = any((v <= 0).any() for v in values)
     nrows, ncols = _grid(len(caps))
-    fig = _new_figure(3.4 * ncols + 1.4, 2.5 * nrows + 0.6)
+    fig = _new_figure(3.2 * ncols + 1.4, 2.8 * nrows + 0.7)
     axes = fig.subplots(nrows, ncols, sharex=True, sharey=True, squeeze=False).ravel()
     handles: dict[str, Any] = {}
     for ax, cap in zip(axes, caps, strict=False):
@@ -232,7 +232,8 @@ def pages_figure(results: dict[str, Any]) -> Any | None:
     if not labels:
         return None
     nrows, ncols = len(caps), len(labels)
-    fig = _new_figure(1.75 * ncols + 0.9, 1.35 * nrows + 1.0)
+    width = 1.75 * ncols + 0.9
+    fig = _new_figure(width, max(1.35 * nrows + 1.0, width / 2.4))  # few capacities: taller panels, not a strip
     axes = fig.subplots(nrows, ncols, sharex=True, sharey=True, squeeze=False)
     for i, cap in enumerate(caps):
         cells = dict(_cells_at(results, cap))

@@ -3,8 +3,13 @@
 `reports/example/results.json` was written by `python -m experiments compare --output-dir
 reports/example --no-progress`; the same command into a temporary folder must give every
 number again (hit rates, evictions, TTFT quantiles, the pages timeline, ...), except what
-is measured on the wall clock (cache seconds, µs per request, wall seconds) and what names
-the run (creation time, commit, code version, command).
+is measured (cache seconds, µs per request, wall seconds) and what names the run (creation
+time, commit, package and code version, command).
+
+The example was regenerated when the document gained `schema_version`, `package`, `clocks`,
+every cell's `kv_capacity` and `serving.latency`, and vLLM's throughput names (issue 15);
+every number it held before stayed the same (`throughput_tokens_per_s` is now
+`output_throughput`, the same values).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ NOT_COMPARED = frozenset(
         "created",
         "commit",
         "code_version",
+        "package",
         "provenance",
         "command",
     }

@@ -28,10 +28,10 @@ TINY = ["--workload", "shared_doc_qa", "--knob", "num_documents=2", "--knob", f"
 FIXED = ["--executor", "fixed", "--step-ms", "20"]
 #: per_request.jsonl's keys, in order: the cell, then the engine's record (times in seconds)
 PER_REQUEST_FIELDS = [
-    "backend", "capacity_tokens", "page_size", "request_index", "request_id", "arrival_s", "prompt_tokens",
-    "output_tokens", "hit_tokens_first", "hit_tokens_all_admissions", "computed_tokens", "generated",
-    "first_token_step", "finish_step", "first_token_at_s", "ttft_s", "tpot_s", "finished_at_s", "preemptions",
-    "aborted", "sample_of",
+    "backend", "capacity_tokens", "page_size", "replicas", "router", "request_index", "request_id", "arrival_s",
+    "prompt_tokens", "output_tokens", "hit_tokens_first", "hit_tokens_all_admissions", "computed_tokens",
+    "generated", "first_token_step", "finish_step", "first_token_at_s", "ttft_s", "tpot_s", "finished_at_s", "e2e_s",
+    "preemptions", "aborted", "sample_of", "replica",
 ]  # fmt: skip
 
 
@@ -230,6 +230,11 @@ def test_per_request_has_one_row_per_request_per_cell(compared):
         assert all(r["page_size"] == 16 and not r["aborted"] and r["sample_of"] is None for r in mine)
         assert all(r["first_token_step"] <= r["finish_step"] < cell["serving"]["steps"] for r in mine)
         assert all(r["ttft_s"] == pytest.approx(r["first_token_at_s"] - r["arrival_s"]) for r in mine)
+        assert all(r["e2e_s"] == pytest.approx(r["finished_at_s"] - r["arrival_s"]) for r in mine)
+        assert all((r["replicas"], r["router"], r["replica"]) == (1, None, 0) for r in mine)
+        # the per-request rows add up to the cell's summary (the E2E mean of serving.latency)
+        e2e_ms = [r["e2e_s"] * 1000 for r in mine]
+        assert sum(e2e_ms) / len(e2e_ms) == pytest.approx(cell["serving"]["latency"]["e2e_ms"]["mean"])
 
 
 def test_per_request_keys_are_the_documented_ones(compared):
@@ -251,6 +256,8 @@ def test_per_request_reads_with_pandas(compared):
     out, _, rows = compared
     frame = pd.read_json(out / PER_REQUEST_FILE, lines=True)
     assert list(frame.columns) == PER_REQUEST_FIELDS and len(frame) == len(rows)
+    by_backend = frame.groupby(["backend", "capacity_tokens"])["hit_tokens_first"].sum()
+    assert by_backend.loc[("none", 1000)] == 0 and len(by_backend) == 6
 
 
 def test_results_json_stays_lean(compared):

@@ -313,9 +313,11 @@ def test_compare_runs_replicas_by_routers(tmp_path):
     assert ca["config"]["router_options"] == {"cache_threshold": 0.5} and ca["cluster"]["router"] == "cache_aware"
     rows = [json.loads(line) for line in (out / "per_request.jsonl").read_text().splitlines()]
     assert len(rows) == 3 * 12
-    assert "replica" not in rows[0] and "router" not in rows[0]
-    cluster_rows = [r for r in rows if "router" in r]
+    assert all(list(r) == list(rows[0]) for r in rows)  # one schema: the file loads as one table
+    assert (rows[0]["replicas"], rows[0]["router"], rows[0]["replica"]) == (1, None, 0)
+    cluster_rows = [r for r in rows if r["router"] is not None]
     assert len(cluster_rows) == 24 and {r["replicas"] for r in cluster_rows} == {3}
+    assert {r["replica"] for r in cluster_rows} <= {0, 1, 2} and len({r["replica"] for r in cluster_rows}) > 1
     assert list(cluster_rows[0])[3:5] == ["replicas", "router"] and list(cluster_rows[0])[-1] == "replica"
     report = (out / "report.md").read_text()
     assert "## Clusters at 3,000 tokens per replica" in report and "| apc ×3 round_robin |" in report

@@ -307,8 +307,9 @@ def test_compare_with_sizing_timing_slos_and_pooled_bounds(tmp_path):
     assert set(rr["cluster"]["per_replica"][0]) >= {"itl_ms", "e2e_ms", "goodput"}
     assert doc["bounds"]["pooled"][str(2 * tokens)]["replay"]["apc"]["hit_rate"] > 0
     report = (out / "report.md").read_text()
-    assert f"## Capacity {tokens:,} tokens (0.40 GB of KV, --capacity-gb 0.4)" in report
-    assert "## Latency at" in report and "| *pooled 2 ×" in report and "goodput (req/s)" in report
+    assert f"## Capacity {tokens:,} tokens (0.40 GB of KV for llama3-8b, --capacity-gb 0.4)" in report
+    assert "## Latency and throughput at" in report and "| *pooled 2 ×" in report
+    assert "request goodput (req/s)" in report
     header = (out / "results.csv").read_text().splitlines()[0].split(",")
     assert {"capacity_gb", "kv_capacity.gb", "serving.latency.itl_ms.p99"} <= set(header)
 
