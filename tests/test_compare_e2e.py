@@ -43,10 +43,13 @@ def test_writes_markdown_plots_json_and_csv(compared):
         "hit_rate_vs_capacity.png",
         "ttft_cdf.png",
         "pages_in_use.png",
+        "hit_rate_vs_capacity.pdf",
+        "ttft_cdf.pdf",
+        "pages_in_use.pdf",
     ):
         assert (out / name).stat().st_size > 0, name
     md = (out / "report.md").read_text()
-    assert "## Capacity 1,200 tokens" in md and "Belady" in md and "![hit_rate_vs_capacity.png]" in md
+    assert "## Capacity 1,200 tokens" in md and "Belady" in md and "![hit_rate_vs_capacity](hit_rate_vs_capacity.png)" in md
     assert len((out / "results.csv").read_text().splitlines()) == 1 + len(results["cells"])
     assert results["config" if "config" in results else "settings"]["page_size"] == 16
 

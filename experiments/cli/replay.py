@@ -96,5 +96,5 @@ def _print_summary(result: dict[str, Any]) -> None:
         f"{result['num_pages']} pages; hit rate {result['hit_rate']:.2%} "
         f"({result['hit_tokens']}/{result['prompt_tokens']} prompt tokens), "
         f"{result['evicted_pages']} pages evicted, {result['unschedulable']} unschedulable, "
-        f"{result['us_per_request']:.0f} us/request in cache calls"
+        f"{result['us_per_request']:.0f} us/request of CPU time in cache calls"
     )

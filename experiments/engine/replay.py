@@ -13,7 +13,8 @@ This module is only the driver: the requests, their state and every decision (ad
 decode, fork, finish the oldest for room) are a `Scheduler`'s, the same class the serving
 driver steps (see `experiments/engine/scheduler.py`, "the replay protocol").
 
-Only time spent inside cache calls is counted in `cache_seconds` (hashing is inside them).
+Only time spent inside cache calls is counted in `cache_seconds` (hashing is inside them), as
+the thread's CPU time unless the client was given another clock (`cache_client.CPU_CLOCK`).
 """
 
 from __future__ import annotations
