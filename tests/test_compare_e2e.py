@@ -49,7 +49,11 @@ def test_writes_markdown_plots_json_and_csv(compared):
     ):
         assert (out / name).stat().st_size > 0, name
     md = (out / "report.md").read_text()
-    assert "## Capacity 1,200 tokens" in md and "Belady" in md and "![hit_rate_vs_capacity](hit_rate_vs_capacity.png)" in md
+    assert (
+        "## Capacity 1,200 tokens" in md
+        and "Belady" in md
+        and "![hit_rate_vs_capacity](hit_rate_vs_capacity.png)" in md
+    )
     assert len((out / "results.csv").read_text().splitlines()) == 1 + len(results["cells"])
     assert results["config" if "config" in results else "settings"]["page_size"] == 16
 
