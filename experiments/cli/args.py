@@ -254,10 +254,9 @@ def cluster_shapes_of(
     return shapes
 
 
-def knobs(args: argparse.Namespace) -> dict[str, Any]:
-    """`--knob` values as given (the workload types them), or the default workload's knobs."""
-    given = args.knob or args.workload != defaults.WORKLOAD or args.trace
-    out: dict[str, Any] = {} if given else dict(defaults.WORKLOAD_KNOBS)
+def knobs_given(args: argparse.Namespace) -> dict[str, Any]:
+    """The `--knob` values as given (the workload types them), and `--trace` as `path`."""
+    out: dict[str, Any] = {}
     for item in args.knob or []:
         if "=" not in item:
             raise UsageError(f"--knob expects NAME=VALUE, got {item!r}")
@@ -268,6 +267,17 @@ def knobs(args: argparse.Namespace) -> dict[str, Any]:
             raise InputError(f"trace file not found: {args.trace}")
         out["path"] = str(args.trace)
     return out
+
+
+def command_knobs(workload: str) -> dict[str, Any]:
+    """The knobs the commands set for `workload` over its generator's defaults (a copy)."""
+    return dict(defaults.COMMAND_KNOBS.get(workload, {}))
+
+
+def knobs(args: argparse.Namespace) -> dict[str, Any]:
+    """The workload's knobs: the commands' defaults for it, each `--knob` replacing one."""
+    workload = "mooncake" if args.trace else args.workload
+    return {**command_knobs(workload), **knobs_given(args)}
 
 
 def check_model(name: str) -> None:

@@ -17,7 +17,8 @@ from experiments.cli.args import (
     check_calibration,
     check_model,
     cluster_shapes_of,
-    knobs,
+    command_knobs,
+    knobs_given,
     positive_int,
 )
 from experiments.errors import InputError
@@ -39,7 +40,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     variants = backend_variants(args, page_sizes, default_all=True)
     check_model(args.model)
     check_calibration(args.device_calibration)
-    given = knobs(args)
+    given = knobs_given(args)
     names = list(dict.fromkeys(args.workloads or (["mooncake"] if args.trace else [args.workload])))
     template = cell_template(args, names[0], {}, page_sizes[0])
     plan = SweepPlan(
@@ -59,15 +60,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _knobs_per_workload(args: argparse.Namespace, names: list[str], given: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The knobs of each workload of the grid.
+    """The knobs of each workload of the grid: the commands' defaults for it
+    (experiments/defaults.py `COMMAND_KNOBS`), each given knob replacing one.
 
-    Without `--knob` (and `--trace`) the knobs are the built-in defaults of `--workload`
-    and belong to it alone; given knobs go to every workload of the grid that takes them,
-    and one that none takes is an error."""
-    if not args.knob and not args.trace:
-        return {w: given if w == args.workload else {} for w in names}
-    per = {w: _knobs_taken(w, given, len(names) == 1) for w in names}
-    unused = [k for k in given if not any(k in per[w] for w in names)]
+    Given knobs go to every workload of the grid that takes them, and one that none takes
+    is an error."""
+    per = {w: {**command_knobs(w), **_knobs_taken(w, given, len(names) == 1)} for w in names}
+    unused = [k for k in given if not any(k in _knobs_taken(w, given, len(names) == 1) for w in names)]
     if unused:
         raise InputError(f"knob(s) {', '.join(unused)} taken by none of the workloads {', '.join(names)}")
     return per
