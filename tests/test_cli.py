@@ -29,7 +29,7 @@ REPLAY_FIELDS = [
 ]  # fmt: skip
 #: `replay`'s flags, as scripts call it
 REPLAY_FLAGS = [
-    "--backend", "--trace", "--limit", "--page-size", "--capacity-tokens", "--num-pages", "--concurrency",
+    "--backend", "--trace", "--limit", "--mooncake-block-size", "--page-size", "--capacity-tokens", "--num-pages", "--concurrency",
     "--eviction-policy", "--hash-algorithm", "--verify-tokens", "--output", "--no-progress", "--backend-opt",
 ]  # fmt: skip
 
