@@ -54,7 +54,10 @@ def test_sharegpt_fixture_turns_share_their_history():
     assert t1.after == "sharegpt0-turn0" and t1.arrival > t0.arrival
     # the leading greeting of conversation 3 makes no request but stays in the history
     c3 = _convs()[3]["conversations"]
-    assert by_id["sharegpt3-turn0"].prompt.tolist()[: len(tok.encode(c3[0]["value"]))] == tok.encode(c3[0]["value"]).tolist()
+    assert (
+        by_id["sharegpt3-turn0"].prompt.tolist()[: len(tok.encode(c3[0]["value"]))]
+        == tok.encode(c3[0]["value"]).tolist()
+    )
     # nothing dropped silently: the config counts what made no request
     assert wl.config["skipped"] == {"empty_conversations": 1, "answers_without_prompt": 1, "unanswered_messages": 1}
     assert wl.config["tokenizer"].startswith("builtin")
@@ -88,7 +91,10 @@ def test_a_tokenizer_json_without_the_package_says_what_to_install(monkeypatch):
         ('{"conversations": []}', "a JSON list of conversations, got a dict"),
         ('[{"id": 1}]', 'conversation 0: expected an object with a "conversations" list'),
         ('[{"conversations": "hi"}]', '"conversations" must be a list of messages'),
-        ('[{"conversations": [{"from": "human"}]}]', 'conversation 0, message 0: expected {"from": ROLE, "value": TEXT}'),
+        (
+            '[{"conversations": [{"from": "human"}]}]',
+            'conversation 0, message 0: expected {"from": ROLE, "value": TEXT}',
+        ),
         ('[{"conversations": [{"from": "robot", "value": "x"}]}]', "unknown role 'robot'"),
         ('[{"conversations": [{"from": "human", "value": "only a question"}]}]', "no requests"),
         ('[{"conversations": [{"from": "human", "value": NaN}]}]', "not valid JSON"),
@@ -122,7 +128,9 @@ def test_gzip_traces_read_like_plain_ones(tmp_path):
     plain.write_text("\n".join(lines) + "\n")
     packed.write_bytes(gzip.compress(plain.read_bytes()))
     a, b = load_mooncake(plain), load_mooncake(packed)
-    assert [(s.arrival, s.prompt.tolist(), s.output_len) for s in a] == [(s.arrival, s.prompt.tolist(), s.output_len) for s in b]
+    assert [(s.arrival, s.prompt.tolist(), s.output_len) for s in a] == [
+        (s.arrival, s.prompt.tolist(), s.output_len) for s in b
+    ]
     (tmp_path / "c.json.gz").write_bytes(gzip.compress(FIXTURE.read_bytes()))
     assert len(load_sharegpt(tmp_path / "c.json.gz").requests) == 4
     broken = tmp_path / "broken.jsonl.gz"
@@ -145,7 +153,9 @@ def test_mooncake_block_size_is_an_option(tmp_path, capsys):
     assert wl.config["block_size"] == 16 and len(wl.requests) == 2
     with pytest.raises(ValueError, match="block_size must be an int in 3"):
         load_mooncake(trace, block_size=2)
-    assert main(["replay", "--backend", "apc", "--trace", str(trace), "--mooncake-block-size", "16", "--no-progress"]) == 0
+    assert (
+        main(["replay", "--backend", "apc", "--trace", str(trace), "--mooncake-block-size", "16", "--no-progress"]) == 0
+    )
     assert "hit rate" in capsys.readouterr().out
     assert main(["replay", "--backend", "apc", "--trace", str(trace), "--no-progress"]) == 3
 

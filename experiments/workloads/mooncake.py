@@ -49,7 +49,9 @@ _FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 def check_block_size(block_size: object) -> int:
     """`block_size` if it is an int in MIN_BLOCK..MAX_BLOCK; a ValueError saying so otherwise."""
     if not (is_int(block_size) and MIN_BLOCK <= block_size <= MAX_BLOCK):  # type: ignore[operator]
-        raise ValueError(f"block_size must be an int in {MIN_BLOCK}..{MAX_BLOCK:,} tokens per hash id, got {show(block_size)}")
+        raise ValueError(
+            f"block_size must be an int in {MIN_BLOCK}..{MAX_BLOCK:,} tokens per hash id, got {show(block_size)}"
+        )
     return int(block_size)  # type: ignore[arg-type]
 
 
@@ -144,8 +146,8 @@ def parse_mooncake_line(obj: dict, where: str, block_size: int = MOONCAKE_BLOCK)
         # a guessed expansion would invent or drop prompt tokens; the FAST'25 traces never do it
         raise TraceFormatError(
             f"{where}: input_length {n_in} needs {blocks} blocks of {block_size} tokens, "
-            f"but hash_ids has {len(hash_ids)}" + ("" if block_size != MOONCAKE_BLOCK else
-            " (a trace hashing blocks of another size: give its block_size)")
+            f"but hash_ids has {len(hash_ids)}"
+            + ("" if block_size != MOONCAKE_BLOCK else " (a trace hashing blocks of another size: give its block_size)")
         )
     return seconds, MooncakePrompt(tuple(hash_ids), n_in, block_size), n_out
 

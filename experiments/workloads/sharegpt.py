@@ -114,7 +114,9 @@ def _messages(obj: Any, where: str) -> list[tuple[str, str]]:
             raise TraceFormatError(f'{where}, message {j}: expected {{"from": ROLE, "value": TEXT}}, got {_kind(turn)}')
         role = turn["from"].strip().lower()
         if role not in ROLES:
-            raise TraceFormatError(f"{where}, message {j}: unknown role {turn['from']!r}; roles: {', '.join(sorted(ROLES))}")
+            raise TraceFormatError(
+                f"{where}, message {j}: unknown role {turn['from']!r}; roles: {', '.join(sorted(ROLES))}"
+            )
         out.append(("ask" if role in ASKS else "answer" if role in ANSWERS else "context", turn["value"]))
     return out
 
@@ -171,8 +173,15 @@ def load_sharegpt(
                     rid = f"sharegpt{c}-turn{turn}"
                     turn += 1
                     requests.append(
-                        RequestSpec(rid, ConcatPrompt(history), int(ids.size), arrival, after=prev,
-                                    think_time=think, forced_output=ids)  # fmt: skip
+                        RequestSpec(
+                            rid,
+                            ConcatPrompt(history),
+                            int(ids.size),
+                            arrival,
+                            after=prev,
+                            think_time=think,
+                            forced_output=ids,
+                        )  # fmt: skip
                     )
                     prev = rid
                 pending = 0
