@@ -271,6 +271,8 @@ def _capacity(cells: list[dict[str, Any]], cap: int) -> str:
         "capacity_gb": f", --capacity-gb {kv.get('capacity_gb', 0):g}",
         "gpu_memory_utilization": f", --gpu-memory-utilization {kv.get('gpu_memory_utilization', 0):g} of "
         f"{(kv.get('device_memory_bytes') or 0) / 1e9:g} GB less {(kv.get('weight_bytes') or 0) / 1e9:.2f} GB of weights",
+        "capacity_fraction": f", --capacity-fraction {kv.get('capacity_fraction', 0):g} of a working set of "
+        f"{kv.get('working_set_pages', 0):,} pages",
     }[kv["given"]]
     return f"{cap:,} tokens ({kv['gb']:.2f} GB of KV{how})"
 

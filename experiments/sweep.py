@@ -70,16 +70,19 @@ def _grid(plan: SweepPlan) -> list[tuple[str, int, list[int], list[CellConfig]]]
     capacity sized and checked first (in GB or by utilisation, a page size has its own)."""
     grid = []
     t = plan.template
-    sized = {page: plan.capacities.cells(page, t.model, t.device) for page in plan.page_sizes}
+    caps_given = plan.capacities
+    # sized before any workload is built, unless a fraction needs each workload's working set
+    fixed = {} if caps_given.needs_workload else {p: caps_given.cells(p, t.model, t.device) for p in plan.page_sizes}
     for wname, knobs in plan.workloads.items():
         base = dataclasses.replace(t, workload=wname, knobs=knobs)
         wl = build_workload(base)
         base = dataclasses.replace(base, provenance=provenance(wl.config))
         for page in plan.page_sizes:
-            caps = [tokens for tokens, _ in sized[page]]
+            sized = fixed[page] if fixed else caps_given.cells(page, t.model, t.device, wl)
+            caps = [tokens for tokens, _ in sized]
             for cap in caps:
                 check_capacity(wl, cap, page)
-            cells = cells_over(base, plan.variants, caps, page, plan.shapes, dict(sized[page]))
+            cells = cells_over(base, plan.variants, caps, page, plan.shapes, dict(sized))
             grid.append((wname, page, caps, cells))
     return grid
 

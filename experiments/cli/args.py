@@ -58,7 +58,7 @@ def fraction(text: str) -> float:
     """A share in (0, 1], as vLLM's --gpu-memory-utilization takes it."""
     value = positive_float(text)
     if value > 1:
-        raise argparse.ArgumentTypeError(f"must be at most 1 (a share of the device's memory), got {text}")
+        raise argparse.ArgumentTypeError(f"must be at most 1 (a share), got {text}")
     return value
 
 
@@ -188,6 +188,14 @@ def add_capacity_options(p: argparse.ArgumentParser) -> None:
         help="KV capacity as vLLM sizes it: U x the --device's memory minus the --model's weights, in whole "
         "pages (vLLM's default U is 0.9; activations and CUDA graphs are not subtracted)",
     )
+    p.add_argument(
+        "--capacity-fraction",
+        type=fraction,
+        nargs="+",
+        metavar="F",
+        help="KV capacities as a share F of the workload's working set (its distinct pages at the page size), "
+        "as libCacheSim sizes caches: floor(F x pages) whole pages, resolved before any work",
+    )
 
 
 def add_timing_options(p: argparse.ArgumentParser) -> None:
@@ -213,7 +221,11 @@ def capacities_given(args: argparse.Namespace) -> CapacityGiven:
     """How the command line gives the KV capacity per replica (default: the default tokens);
     two ways at once is an `InputError` before any work."""
     return CapacityGiven.of(
-        args.capacity_tokens, args.capacity_gb, args.gpu_memory_utilization, default=defaults.CAPACITIES
+        args.capacity_tokens,
+        args.capacity_gb,
+        args.gpu_memory_utilization,
+        default=defaults.CAPACITIES,
+        fraction=args.capacity_fraction,
     )
 
 

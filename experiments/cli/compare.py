@@ -42,6 +42,7 @@ from experiments.output_dir import OutputLock, StagedDir, check_replaceable, che
 from experiments.provenance import provenance
 from experiments.results import REPORT_ENTRIES, document, write, write_per_request
 from experiments.runner import CellConfig, build_workload, check_capacity
+from experiments.workloads.generators import Workload
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class Comparison:
     """What one `run` or `compare` does, read from its command line."""
 
     template: CellConfig
+    workload: Workload  # built once, before any work
     variants: list[BackendVariant]
     shapes: list[ClusterShape]
     capacities: list[int]
@@ -89,28 +91,36 @@ def _compare(args: argparse.Namespace, single: bool) -> int:
     check_calibration(args.device_calibration)
     workload_name = "mooncake" if args.trace else args.workload
     template = cell_template(args, workload_name, knobs(args), args.page_size)
-    sized = capacities_given(args).cells(args.page_size, args.model, args.device)
+    capacities = capacities_given(args)
+    # sized before any work, unless a fraction needs the workload's working set
+    sized = None if capacities.needs_workload else capacities.cells(args.page_size, args.model, args.device)
+    shapes = cluster_shapes_of(args, template, variants)
+    out_dir = Path(os.path.abspath(args.output_dir))  # "." has no name to put OUT.partial beside
+    check_writable_dir(out_dir)  # before any work: an unwritable output fails in a second
+    check_replaceable(out_dir, "results.json")
+    workload = build_workload(template)  # built once: the cells, bounds and a fraction's working set share it
+    if sized is None:
+        sized = capacities.cells(args.page_size, args.model, args.device, workload)
     plan = Comparison(
         template=template,
+        workload=workload,
         variants=variants,
-        shapes=cluster_shapes_of(args, template, variants),
+        shapes=shapes,
         capacities=[tokens for tokens, _ in sized],
         sizing=dict(sized),
-        out_dir=Path(os.path.abspath(args.output_dir)),  # "." has no name to put OUT.partial beside
+        out_dir=out_dir,
         jobs=args.jobs,
         progress=not args.no_progress,
         with_bounds=not args.no_bounds,
         argv=args.argv,
     )
-    check_writable_dir(plan.out_dir)  # before any work: an unwritable output fails in a second
-    check_replaceable(plan.out_dir, "results.json")
     with OutputLock(plan.out_dir):
         return _compare_locked(plan)
 
 
 def _compare_locked(plan: Comparison) -> int:
     page_size = plan.template.page_size
-    workload = build_workload(plan.template)
+    workload = plan.workload
     for cap in plan.capacities:
         check_capacity(workload, cap, page_size)
     started = time.perf_counter()
