@@ -14,6 +14,7 @@ from typing import Any
 
 from experiments.labels import cell_label_of
 from experiments.routers.registry import router_label
+from experiments.run_config import dump_toml
 
 COLUMNS = [
     ("replay hit rate", lambda c: _get(c, "replay", "hit_rate"), "{:.2%}"),
@@ -250,6 +251,8 @@ def markdown(results: dict[str, Any], figures: list[str]) -> str:
     lines += latency_markdown(results)
     for fig in figures:
         lines += [f"![{fig}]({fig})", ""]
+    if results.get("run_config"):  # the options the run resolved (experiments/run_config.py), repeatable
+        lines += ["## Configuration", "", "```toml", dump_toml(results["run_config"]).rstrip(), "```", ""]
     lines += [
         "How to read: *hit rate* is the share of prompt tokens whose KV was reused; *prefill tokens",
         "computed* counts recomputation after preemption too; *peak pages* is the most pages pinned at",

@@ -29,6 +29,7 @@ NOT_COMPARED = frozenset(
         "code_version",
         "provenance",
         "command",
+        "run_config",  # the options as run (output folder included); their values are compared under settings
     }
 )
 

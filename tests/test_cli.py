@@ -31,6 +31,7 @@ REPLAY_FIELDS = [
 REPLAY_FLAGS = [
     "--backend", "--trace", "--limit", "--mooncake-block-size", "--page-size", "--capacity-tokens", "--num-pages", "--concurrency",
     "--eviction-policy", "--hash-algorithm", "--verify-tokens", "--output", "--no-progress", "--backend-opt",
+    "--config",
 ]  # fmt: skip
 
 

@@ -26,7 +26,9 @@ from experiments.errors import InputError, UsageError
 from experiments.routers.registry import ROUTERS
 from experiments.runner import EXECUTORS, CellConfig
 from experiments.sizing import CapacityGiven
+from experiments.workloads.registry import REQUIRED, coerce_knob, knobs_of
 
+PAGE_SIZE_HELP = "tokens per KV page (vLLM's block size, SGLang's page size)"
 #: named flags that are aliases of `--backend-opt KEY=VALUE` (every selected backend)
 OPTION_ALIASES = {
     "--eviction-policy": ("eviction_policy", "radix: lru | lfu | fifo | mru | filo"),
@@ -67,6 +69,38 @@ def rate(text: str) -> float:
     if text.strip().lower() in ("inf", "+inf", "infinity"):
         return math.inf
     return positive_float(text)
+
+
+def add_config_option(p: argparse.ArgumentParser) -> None:
+    """`--config FILE` (experiments/run_config.py): the options of a TOML file, flags given beside it winning."""
+    p.add_argument(
+        "--config",
+        metavar="TOML",
+        help="read options from a TOML file (keys: option names with _, a [knobs] table); flags given here win. "
+        "Every run writes the config it resolved to OUT/config.toml",
+    )
+
+
+def resolved_settings(
+    args: argparse.Namespace, workload: str, knobs: dict[str, Any], variants: list[BackendVariant]
+) -> dict[str, Any]:
+    """Every option of the run as it ran, for `config.toml` (experiments/run_config.py): the
+    workload and all its knobs (the commands' defaults included), the backends with their
+    options folded into their labels, the capacities given (the default ones written out),
+    every other option at its value. `--config` with it repeats the run."""
+    out: dict[str, Any] = {"command": args.command}
+    skip = {"help", "func", "command", "argv", "config"}
+    out.update({k: v for k, v in vars(args).items() if k not in skip})
+    accepted = knobs_of(workload)  # typed, so the file reads `rate = 20.0`, not `rate = "20.0"`
+    typed = {k: coerce_knob(workload, k, v, accepted.get(k, REQUIRED)) for k, v in knobs.items()}
+    out.update(workload=workload, trace=None, knob=None, knobs=typed)
+    out.update(backend=[v.label for v in variants], backend_opt=[], verify_tokens=False)
+    out.update({key: None for key, _ in OPTION_ALIASES.values()})
+    if "capacity_tokens" in out and not any(
+        out.get(k) for k in ("capacity_tokens", "capacity_gb", "gpu_memory_utilization", "capacity_fraction")
+    ):
+        out["capacity_tokens"] = list(defaults.CAPACITIES)
+    return {k: v for k, v in out.items() if v is not None}  # TOML has no null: an unset option is left out
 
 
 def add_backend_options(p: argparse.ArgumentParser) -> None:
@@ -113,12 +147,25 @@ def add_run_arguments(p: argparse.ArgumentParser, many_backends: bool) -> None:
         help="backend name(s) or variants NAME[KEY=VALUE,...]; repeat or comma-separate"
         + (" (default: all)" if many_backends else ""),
     )
-    p.add_argument("--workload", default=defaults.WORKLOAD, help="workload name (see `workloads`)")
-    p.add_argument("--knob", action="append", metavar="NAME=VALUE", help="workload knob (repeatable)")
-    p.add_argument("--trace", help="a Mooncake JSONL trace (shortcut for --workload mooncake --knob path=...)")
-    p.add_argument("--seed", type=int, default=defaults.SEED)
+    p.add_argument("--workload", default=defaults.WORKLOAD, help="workload name (`workloads` lists them)")
+    p.add_argument(
+        "--knob",
+        action="append",
+        metavar="NAME=VALUE",
+        help="set one workload knob, the others keep the defaults `workloads` prints (repeatable)",
+    )
+    p.add_argument(
+        "--trace", help="a Mooncake JSONL trace, .jsonl or .jsonl.gz (shortcut for --workload mooncake --knob path=...)"
+    )
+    p.add_argument("--seed", type=int, default=defaults.SEED, help="seeds the workload generator and every random draw")
     add_capacity_options(p)
-    p.add_argument("--protocol", default=defaults.PROTOCOL, choices=["replay", "serving", "both"])
+    p.add_argument(
+        "--protocol",
+        default=defaults.PROTOCOL,
+        choices=["replay", "serving", "both"],
+        help="replay = requests in trace order, one at a time (the bounds' protocol); serving = continuous "
+        "batching on a virtual clock; both",
+    )
     p.add_argument(
         "--executor",
         default=defaults.EXECUTOR,
@@ -141,8 +188,18 @@ def add_run_arguments(p: argparse.ArgumentParser, many_backends: bool) -> None:
         help="model executor's kernel (auto: flashinfer when CUDA and flashinfer are present)",
     )
     p.add_argument("--device-calibration", metavar="JSON", help="calibrate the cost model from a GPU benchmark JSON")
-    p.add_argument("--token-budget", type=positive_int, default=defaults.TOKEN_BUDGET)
-    p.add_argument("--max-running", type=positive_int, default=defaults.MAX_RUNNING)
+    p.add_argument(
+        "--token-budget",
+        type=positive_int,
+        default=defaults.TOKEN_BUDGET,
+        help="serving: tokens scheduled per step at most (vLLM's max_num_batched_tokens)",
+    )
+    p.add_argument(
+        "--max-running",
+        type=positive_int,
+        default=defaults.MAX_RUNNING,
+        help="serving: requests running at once at most (vLLM's max_num_seqs)",
+    )
     p.add_argument(
         "--scheduler",
         default=defaults.SCHEDULER,
@@ -165,14 +222,29 @@ def add_run_arguments(p: argparse.ArgumentParser, many_backends: bool) -> None:
     add_cluster_options(p)
     add_timing_options(p)
     p.add_argument("--jobs", type=positive_int, default=defaults.JOBS, help="cells run in this many local processes")
-    p.add_argument("--output-dir", default=str(defaults.OUTPUT_DIR))
+    p.add_argument(
+        "--output-dir",
+        default=str(defaults.OUTPUT_DIR),
+        help="the report's folder, replaced whole when the run ends (results.json, report.md, config.toml, ...)",
+    )
     p.add_argument("--no-bounds", action="store_true", help="skip the infinite and Belady bounds")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress output (the bars are already quiet when stderr is not a terminal)",
+    )
 
 
 def add_capacity_options(p: argparse.ArgumentParser) -> None:
     """The KV capacity per replica, given one way (experiments/sizing.py)."""
-    p.add_argument("--capacity-tokens", type=positive_int, nargs="+", help="KV capacities in tokens")
+    p.add_argument(
+        "--capacity-tokens",
+        type=positive_int,
+        nargs="+",
+        help="KV capacities in tokens (default, when no other way is given: "
+        + " ".join(str(c) for c in defaults.CAPACITIES)
+        + ")",
+    )
     p.add_argument(
         "--capacity-gb",
         type=positive_float,

@@ -26,6 +26,8 @@ from experiments.cell_pool import Task, TasksFailed
 from experiments.cell_runs import bounds_of, run_cells
 from experiments.cell_store import CellStore
 from experiments.cli.args import (
+    PAGE_SIZE_HELP,
+    add_config_option,
     add_run_arguments,
     backend_variants,
     capacities_given,
@@ -35,12 +37,14 @@ from experiments.cli.args import (
     cluster_shapes_of,
     knobs,
     positive_int,
+    resolved_settings,
 )
 from experiments.cluster_grid import ClusterShape, cells_over, left_out
 from experiments.errors import UsageError
 from experiments.output_dir import OutputLock, StagedDir, check_replaceable, check_writable_dir
 from experiments.provenance import provenance
 from experiments.results import REPORT_ENTRIES, document, write, write_per_request
+from experiments.run_config import CONFIG_FILE, write_config
 from experiments.runner import CellConfig, build_workload, check_capacity
 from experiments.workloads.generators import Workload
 
@@ -60,16 +64,19 @@ class Comparison:
     progress: bool
     with_bounds: bool
     argv: list[str] | None
+    settings: dict[str, Any]  # every option as it ran: config.toml and results.json's run_config
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     run = sub.add_parser("run", help="one backend on a workload: replay + serving, report")
+    add_config_option(run)
     add_run_arguments(run, many_backends=False)
-    run.add_argument("--page-size", type=positive_int, default=defaults.PAGE_SIZE)
+    run.add_argument("--page-size", type=positive_int, default=defaults.PAGE_SIZE, help=PAGE_SIZE_HELP)
     run.set_defaults(func=cmd_run)
     cmp_ = sub.add_parser("compare", help="every backend on the same workload and capacities: one report")
+    add_config_option(cmp_)
     add_run_arguments(cmp_, many_backends=True)
-    cmp_.add_argument("--page-size", type=positive_int, default=defaults.PAGE_SIZE)
+    cmp_.add_argument("--page-size", type=positive_int, default=defaults.PAGE_SIZE, help=PAGE_SIZE_HELP)
     cmp_.set_defaults(func=cmd_compare)
 
 
@@ -90,7 +97,8 @@ def _compare(args: argparse.Namespace, single: bool) -> int:
     check_model(args.model)
     check_calibration(args.device_calibration)
     workload_name = "mooncake" if args.trace else args.workload
-    template = cell_template(args, workload_name, knobs(args), args.page_size)
+    workload_knobs = knobs(args)
+    template = cell_template(args, workload_name, workload_knobs, args.page_size)
     capacities = capacities_given(args)
     # sized before any work, unless a fraction needs the workload's working set
     sized = None if capacities.needs_workload else capacities.cells(args.page_size, args.model, args.device)
@@ -113,6 +121,7 @@ def _compare(args: argparse.Namespace, single: bool) -> int:
         progress=not args.no_progress,
         with_bounds=not args.no_bounds,
         argv=args.argv,
+        settings=resolved_settings(args, workload_name, workload_knobs, variants),
     )
     with OutputLock(plan.out_dir):
         return _compare_locked(plan)
@@ -149,8 +158,10 @@ def _compare_locked(plan: Comparison) -> int:
     labels = list(dict.fromkeys(c.label for c in cells))
     out = document(plan.argv, workload, cells, results, labels, plan.capacities, bound)
     out["wall_seconds"] = time.perf_counter() - started
-    with StagedDir(plan.out_dir, owned=REPORT_ENTRIES) as stage:
+    out["run_config"] = plan.settings
+    with StagedDir(plan.out_dir, owned=(*REPORT_ENTRIES, CONFIG_FILE)) as stage:
         names = [p.name for p in write(out, stage.path)]
+        names.append(write_config(plan.settings, stage.path).name)
         rows = write_per_request(cells, results, stage.path)
         names += [rows.name] if rows else []
         stage.publish()

@@ -14,7 +14,7 @@ from typing import Any
 from cachelib import create_cache
 from experiments import defaults
 from experiments.backend_options import BackendVariant, resolve_variants, split_backend_list
-from experiments.cli.args import add_backend_options, options_given, positive_int
+from experiments.cli.args import PAGE_SIZE_HELP, add_backend_options, add_config_option, options_given, positive_int
 from experiments.engine import replay, unlimited_pages
 from experiments.errors import InputError, UsageError
 from experiments.output_dir import check_writable_file, write_file_atomically
@@ -23,7 +23,8 @@ from experiments.workloads.spec import RequestSpec
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    rp = sub.add_parser("replay", help="sequential replay of a Mooncake JSONL trace (DESIGN §6)")
+    rp = sub.add_parser("replay", help="sequential replay of a Mooncake JSONL trace (docs/design.md, protocols)")
+    add_config_option(rp)
     rp.add_argument("--backend", required=True, help="a registered name (apc, radix, ...) or NAME[KEY=VALUE,...]")
     rp.add_argument("--trace", required=True, type=Path, help="Mooncake JSONL trace (.jsonl or .jsonl.gz)")
     rp.add_argument("--limit", type=positive_int, help="replay only the first N requests")
@@ -34,7 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="TOKENS",
         help="tokens per hash id of the trace (the FAST'25 traces: 512)",
     )
-    rp.add_argument("--page-size", type=positive_int, default=defaults.PAGE_SIZE)
+    rp.add_argument("--page-size", type=positive_int, default=defaults.PAGE_SIZE, help=PAGE_SIZE_HELP)
     cap = rp.add_mutually_exclusive_group()
     cap.add_argument("--capacity-tokens", type=positive_int, help="KV capacity in tokens (default: unlimited)")
     cap.add_argument("--num-pages", type=positive_int, help="KV capacity in pages")

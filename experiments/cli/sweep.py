@@ -10,6 +10,8 @@ from typing import Any
 
 from experiments import defaults
 from experiments.cli.args import (
+    PAGE_SIZE_HELP,
+    add_config_option,
     add_run_arguments,
     backend_variants,
     capacities_given,
@@ -28,8 +30,15 @@ from experiments.workloads.registry import WORKLOADS, knobs_of
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     sw = sub.add_parser("sweep", help="a resumable grid over capacities x page sizes x workloads")
+    add_config_option(sw)
     add_run_arguments(sw, many_backends=True)
-    sw.add_argument("--page-size", type=positive_int, nargs="+", default=[defaults.PAGE_SIZE])
+    sw.add_argument(
+        "--page-size",
+        type=positive_int,
+        nargs="+",
+        default=[defaults.PAGE_SIZE],
+        help=PAGE_SIZE_HELP + "; several: a grid",
+    )
     sw.add_argument("--workloads", nargs="+", help="several workload names (default: --workload)")
     sw.add_argument("--ray", metavar="ADDRESS", help="run cells on a Ray cluster (needs the ray extra)")
     sw.set_defaults(func=cmd_sweep)

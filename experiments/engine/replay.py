@@ -133,4 +133,6 @@ class Replay:
 def _progress_bar(total: int, desc: str) -> Any:
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit="req", leave=False, mininterval=0.5)
+    # disable=None: quiet when stderr is not a terminal (a log file, CI, a pipe), as the bar
+    # would write a line per refresh there
+    return tqdm(total=total, desc=desc, unit="req", leave=False, mininterval=0.5, disable=None)

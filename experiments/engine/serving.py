@@ -126,4 +126,6 @@ def refuse_beams(requests: Seq[RequestSpec]) -> None:
 def progress_bar(total: int, desc: str) -> Any:
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit="req", leave=False, mininterval=0.5)
+    # disable=None: quiet when stderr is not a terminal (a log file, CI, a pipe), as the bar
+    # would write a line per refresh there
+    return tqdm(total=total, desc=desc, unit="req", leave=False, mininterval=0.5, disable=None)
