@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from attention.config import PRESETS as MODEL_PRESETS
 from cachelib import available_backends, create_cache, get_backend
 from cachelib.interface import PrefixCache
 from experiments import defaults
@@ -41,6 +42,7 @@ from experiments.engine.request import ORDERINGS, SCHEDULERS
 from experiments.errors import InputError
 from experiments.labels import cell_label_of
 from experiments.metrics import Slos, latency_section, serving_metrics
+from experiments.model_fit import check_memory, check_torch, check_vocabulary
 from experiments.retiming import retime
 from experiments.routers.registry import make_router, router_label
 from experiments.sizing import KvSizing, fraction_tokens, model_shape, working_set_pages
@@ -363,15 +365,28 @@ def make_executor(cfg: CellConfig, num_pages: int):
 
     if cfg.model not in PRESETS:
         raise ConfigError(f"unknown model {cfg.model!r}; choose one of {', '.join(PRESETS)}")
-    device = "cuda" if cfg.attention != "torch" and _cuda() else "cpu"
-    model = LlamaModel(PRESETS[cfg.model], seed=cfg.seed, device=device, attention=cfg.attention)
+    model = LlamaModel(PRESETS[cfg.model], seed=cfg.seed, device=model_device(cfg), attention=cfg.attention)
     return ModelExecutor(model, num_pages, cfg.page_size)
 
 
-def _cuda() -> bool:
+def model_device(cfg: CellConfig) -> str:
+    """Where the model executor runs: CUDA when present, unless `--attention torch` asks for the CPU."""
     import torch
 
-    return torch.cuda.is_available()
+    return "cuda" if cfg.attention != "torch" and torch.cuda.is_available() else "cpu"
+
+
+def check_model_run(cfg: CellConfig, workload: Workload, capacities: Sequence[int], models_at_once: int) -> None:
+    """`--executor model` refused before any work when it cannot run (experiments/model_fit.py):
+    no torch, ids past the model's vocabulary, or `models_at_once` models (cells run at once x
+    replicas) with their KV caches too large for the device."""
+    if cfg.executor != "model":
+        return
+    check_torch()
+    if cfg.model not in MODEL_PRESETS:
+        raise ConfigError(f"unknown model {cfg.model!r}; choose one of {', '.join(MODEL_PRESETS)}")
+    check_vocabulary(cfg.model, workload)
+    check_memory(cfg.model, model_device(cfg), capacities, cfg.page_size, models_at_once)
 
 
 def run_cell(cfg: CellConfig, workload: Workload | None = None, *, progress: bool = False) -> dict[str, Any]:

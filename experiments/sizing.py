@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from attention.config import PRESETS
 from experiments.engine.executors import DEVICE_PROFILES, ModelShape, llama3_8b_shape
 from experiments.errors import InputError
 from experiments.oracle import page_keys
@@ -55,12 +56,9 @@ class SizingError(InputError, ValueError):
 
 
 def model_shape(name: str) -> ModelShape:
-    """The shape of model `name` (`llama3-8b` without importing torch; others from
-    `attention.model.PRESETS`)."""
+    """The shape of model `name` (`llama3-8b`'s own; others from `attention.config.PRESETS`, no torch)."""
     if name == "llama3-8b":
         return llama3_8b_shape()
-    from attention.model import PRESETS
-
     if name not in PRESETS:
         raise SizingError(f"unknown model {name!r}; choose one of: {', '.join(PRESETS)}")
     return ModelShape.from_config(PRESETS[name])

@@ -36,7 +36,7 @@ from experiments.cluster_grid import SINGLE, ClusterShape, cells_over, left_out
 from experiments.output_dir import OutputLock, StagedDir, check_writable_dir
 from experiments.provenance import provenance
 from experiments.results import REPORT_ENTRIES, document, write, write_per_request
-from experiments.runner import CellConfig, bounds, build_workload, check_capacity
+from experiments.runner import CellConfig, bounds, build_workload, check_capacity, check_model_run
 from experiments.sizing import CapacityGiven
 
 
@@ -80,6 +80,8 @@ def _grid(plan: SweepPlan) -> list[tuple[str, int, list[int], list[CellConfig]]]
         for page in plan.page_sizes:
             sized = fixed[page] if fixed else caps_given.cells(page, t.model, t.device, wl)
             caps = [tokens for tokens, _ in sized]
+            at_once = min(plan.jobs, len(plan.variants) * len(caps) * len(plan.shapes))
+            check_model_run(base, wl, caps, at_once * max(shape.replicas for shape in plan.shapes))
             for cap in caps:
                 check_capacity(wl, cap, page)
             cells = cells_over(base, plan.variants, caps, page, plan.shapes, dict(sized))

@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from attention.config import PRESETS
 from cachelib import available_backends
 from experiments import defaults
 from experiments.backend_options import (
@@ -366,10 +367,6 @@ def knobs(args: argparse.Namespace) -> dict[str, Any]:
 
 def check_model(name: str) -> None:
     """An unknown --model fails before any work, not as a bare KeyError inside a cell."""
-    if name == defaults.MODEL:  # no need to import torch to know it
-        return
-    from attention.model import PRESETS
-
     if name not in PRESETS:
         raise InputError(f"unknown model {name!r}; choose one of: {', '.join(PRESETS)}")
 

@@ -45,7 +45,7 @@ from experiments.output_dir import OutputLock, StagedDir, check_replaceable, che
 from experiments.provenance import provenance
 from experiments.results import REPORT_ENTRIES, document, write, write_per_request
 from experiments.run_config import CONFIG_FILE, write_config
-from experiments.runner import CellConfig, build_workload, check_capacity
+from experiments.runner import CellConfig, build_workload, check_capacity, check_model_run
 from experiments.workloads.generators import Workload
 
 
@@ -109,6 +109,9 @@ def _compare(args: argparse.Namespace, single: bool) -> int:
     workload = build_workload(template)  # built once: the cells, bounds and a fraction's working set share it
     if sized is None:
         sized = capacities.cells(args.page_size, args.model, args.device, workload)
+    caps = [tokens for tokens, _ in sized]
+    at_once = min(args.jobs, len(variants) * len(caps) * len(shapes)) * max(s.replicas for s in shapes)
+    check_model_run(template, workload, caps, at_once)
     plan = Comparison(
         template=template,
         workload=workload,
