@@ -43,7 +43,7 @@ mooncake: setup
 	$(BIN)/python -m experiments compare --trace $(TRACE) --capacity-tokens 200000 1000000 3000000 10000000 --jobs 2 --output-dir reports/mooncake
 
 bench: setup
-	$(BIN)/python -m experiments.bench.replay_bench --backend apc radix --output reports/bench/replay_bench.json
+	$(BIN)/python -m experiments.bench.replay_bench --backend apc radix --output bench-results/replay_bench.json
 
 lint: setup
 	$(BIN)/ruff check .

@@ -1,6 +1,6 @@
 """A Llama-style decoder over the paged KV cache, with dummy weights from a seed.
 
-RMSNorm, RoPE at absolute positions, GQA, SwiGLU, tied or untied LM head (DESIGN §5).
+RMSNorm, RoPE at absolute positions, GQA, SwiGLU, tied or untied LM head (docs/design.md §5).
 `forward` computes K/V only for the tokens the cache did not supply, writes them into the
 pages the backend allocated, attends over the whole paged context, and returns logits.
 Weights are random (seeded), the usual way serving systems benchmark without checkpoints:

@@ -1,4 +1,4 @@
-"""Offline bounds on prefix-cache hits under the replay protocol (DESIGN §6).
+"""Offline bounds on prefix-cache hits under the replay protocol (docs/design.md §6).
 
 Two bounds, both counted exactly as `experiments.engine.replay` counts a backend's hits:
 

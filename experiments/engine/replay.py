@@ -1,4 +1,4 @@
-"""The replay protocol (DESIGN §6): sequential, exact, used to check fidelity.
+"""The replay protocol (docs/design.md §6): sequential, exact, used to check fidelity.
 
 Requests are taken in trace order with at most `concurrency` in flight, the oldest finishing
 first. Per request: match -> admit the prompt (the cache evicts as its design does) ->

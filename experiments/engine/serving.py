@@ -1,4 +1,4 @@
-"""The serving protocol's driver (DESIGN §6): continuous batching on a virtual clock.
+"""The serving protocol's driver (docs/design.md §6): continuous batching on a virtual clock.
 
 Arrivals come off the `VirtualClock` into one `Scheduler`; each scheduler step advances the
 clock by what the executor says the step took (cost model) or took (model); with nothing to
