@@ -29,6 +29,10 @@ from experiments.errors import InputError
 #: dests that are not options a file may set: the command, the function, the recorded argv
 NOT_OPTIONS = frozenset({"help", "func", "command", "argv", "config"})
 CONFIG_FILE = "config.toml"
+CONFIG_HEADER = (
+    "The configuration this run resolved: every option at the value it ran with.\n"
+    f"Repeat it with: python -m experiments --config {CONFIG_FILE} (flags given beside it win)"
+)
 
 
 class ConfigFileError(InputError):
@@ -197,9 +201,5 @@ def expand_config(argv: list[str], commands: Mapping[str, argparse.ArgumentParse
 def write_config(settings: Mapping[str, Any], out_dir: Path) -> Path:
     """`config.toml` in `out_dir` (a run's staging folder): the settings a run resolved."""
     path = Path(out_dir) / CONFIG_FILE
-    header = (
-        "The configuration this run resolved: every option at the value it ran with.\n"
-        f"Repeat it with: python -m experiments --config {CONFIG_FILE}"
-    )
-    path.write_text(dump_toml(settings, header))
+    path.write_text(dump_toml(settings, CONFIG_HEADER))
     return path

@@ -106,3 +106,19 @@ def test_a_missing_config_and_a_config_without_a_command(tmp_path):
     (tmp_path / "e.toml").write_text("seed = 1\n")
     with pytest.raises(ConfigFileError, match="name the command"):
         expand_config(["--config", str(tmp_path / "e.toml")], commands(build_parser()))
+
+
+def test_a_sweeps_config_resumes_the_same_cells(tmp_path, capsys):
+    out = tmp_path / "sw"
+    argv = ["sweep", "--workloads", "shared_doc_qa", "no_sharing", "--knob", "num_requests=5", "--knob", "doc_len=64",
+            "--backend", "apc", "--protocol", "replay", "--capacity-tokens", "20000", "--page-size", "16", "32",
+            "--no-progress", "--no-bounds", "--output-dir", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    settings = tomllib.loads((out / "config.toml").read_text())
+    assert settings["workloads"] == ["shared_doc_qa", "no_sharing"] and settings["page_size"] == [16, 32]
+    assert settings["knobs"] == {"num_requests": "5", "doc_len": "64"}
+    assert json.loads((out / "no_sharing-p32" / "results.json").read_text())["run_config"] == settings
+    capsys.readouterr()
+    # the file alone names the same cells: all of them already done
+    assert main(["--config", str(out / "config.toml")]) == 0
+    assert "sweep: 4 cells, 4 already done, 0 to run" in capsys.readouterr().err

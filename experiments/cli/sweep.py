@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments import defaults
+from experiments.backend_options import BackendVariant
 from experiments.cli.args import (
     PAGE_SIZE_HELP,
     add_config_option,
@@ -22,6 +23,7 @@ from experiments.cli.args import (
     command_knobs,
     knobs_given,
     positive_int,
+    resolved_settings,
 )
 from experiments.errors import InputError
 from experiments.sweep import SweepPlan, run_sweep
@@ -64,8 +66,19 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         with_bounds=not args.no_bounds,
         argv=args.argv,
+        settings=_settings(args, names, given, variants),
     )
     return run_sweep(plan, Path(os.path.abspath(args.output_dir)))
+
+
+def _settings(
+    args: argparse.Namespace, names: list[str], given: dict[str, Any], variants: list[BackendVariant]
+) -> dict[str, Any]:
+    """The sweep's options for OUT/config.toml: its workloads and the knobs given (each
+    workload adds the commands' defaults for it, as a rerun of the same file does)."""
+    settings = resolved_settings(args, names[0], {}, variants)
+    settings.update(workload=names[0], workloads=names, knobs=given)
+    return settings
 
 
 def _knobs_per_workload(args: argparse.Namespace, names: list[str], given: dict[str, Any]) -> dict[str, dict[str, Any]]:
