@@ -168,3 +168,15 @@ def test_high_ids_stay_distinct_at_another_block_size():
     assert blocks.shape == (ids.size, 48) and blocks.min() >= 0 and blocks.max() < 2_000_000_000
     assert len({tuple(row[:3]) for row in blocks.tolist()}) == ids.size  # the first 3 tokens name the id
     assert np.array_equal(block_tokens(ids[:5]), block_tokens(ids[:5], 512))
+
+
+def test_the_text_workload_takes_the_builtin_tokenizer(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        '{"text": "Hello there, world", "output_len": 2}\n{"text": "Hello there, again", "output_len": 2}\n'
+    )
+    wl = make_workload("text", path=str(trace), tokenizer="builtin")
+    tok = BuiltinTokenizer()
+    assert [r.prompt.tolist() for r in wl.requests] == [tok.encode("Hello there, world").tolist(),
+                                                        tok.encode("Hello there, again").tolist()]  # fmt: skip
+    assert wl.requests[0].prompt.tolist()[:3] == wl.requests[1].prompt.tolist()[:3]
