@@ -2,7 +2,7 @@
 
 A batch holds, per sequence, `q_len` new tokens whose queries attend over a context of
 `kv_len = num_cached + q_len` tokens (the queries are the context's suffix). Token t of a
-sequence lives at page `page_table[t // page_size]`, slot `t % page_size` (DESIGN §3).
+sequence lives at page `page_table[t // page_size]`, slot `t % page_size` (docs/design.md §3).
 All input checks that need no tensor happen here, before any kernel runs.
 """
 

@@ -1,6 +1,6 @@
 """A Llama-style decoder over the paged KV cache, with dummy weights from a seed.
 
-RMSNorm, RoPE at absolute positions, GQA, SwiGLU, tied or untied LM head (DESIGN §5).
+RMSNorm, RoPE at absolute positions, GQA, SwiGLU, tied or untied LM head (docs/design.md §5).
 `forward` computes K/V only for the tokens the cache did not supply, writes them into the
 pages the backend allocated, attends over the whole paged context, and returns logits.
 Weights are random (seeded), the usual way serving systems benchmark without checkpoints:
@@ -9,77 +9,16 @@ the output is meaningless but exactly reproducible, which is all the comparison 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from attention.config import PRESETS, ModelConfig  # noqa: F401 (the model's shapes, re-exported)
 from attention.flashinfer_backend import make_attention
 from attention.kv_cache import PagedKVCache
 from attention.metadata import AttentionInputError, ShapeMismatchError, TokenIdError, build_batch_meta
-
-
-@dataclass(frozen=True, slots=True)
-class ModelConfig:
-    """Shapes of a Llama-style decoder."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_theta: float = 10000.0
-    rms_eps: float = 1e-5
-    tie_embeddings: bool = False
-    dtype: str = "float32"
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
-    def num_params(self) -> int:
-        h, hd = self.hidden_size, self.head_dim
-        attn = h * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
-        mlp = 3 * h * self.intermediate_size
-        head = 0 if self.tie_embeddings else self.vocab_size * h
-        return self.vocab_size * h + head + self.num_layers * (attn + mlp + 2 * h) + h
-
-    def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(self.torch_dtype).bits // 8
-
-
-PRESETS: dict[str, ModelConfig] = {
-    # fast on CPU; GQA ratio 2 so the grouped path is always exercised
-    "tiny": ModelConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        tie_embeddings=False,
-        dtype="float32",
-    ),
-    # Meta-Llama-3-8B shapes; GPU only (16 GB of bf16 weights)
-    "llama3-8b": ModelConfig(
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_layers=32,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        rope_theta=500000.0,
-        rms_eps=1e-5,
-        tie_embeddings=False,
-        dtype="bfloat16",
-    ),
-}
 
 
 class ForwardInput(NamedTuple):

@@ -1,6 +1,6 @@
 """Pure-torch paged attention with FlashInfer's semantics; what CPU tests and CI run.
 
-Semantics reproduced (DESIGN §5): queries of sequence b are the last `q_len` tokens of its
+Semantics reproduced (docs/design.md §5): queries of sequence b are the last `q_len` tokens of its
 `kv_len`-token context; with `causal=True` query row i sees keys `0 .. i + kv_len - q_len`
 (bottom-right alignment); GQA maps query head h to KV head `h // (Hq // Hkv)`; softmax
 scale `1/sqrt(head_dim)` unless given; scores, softmax and the weighted sum in fp32; the

@@ -1,7 +1,7 @@
 """apc: vLLM V1 Automatic Prefix Caching (reference: vLLM 0.33, `vllm/v1/core/`).
 
 A pool of blocks with ref counts, a table from chained block hash to cached block, and the
-free queue as the LRU order (DESIGN §4 apc). What it reproduces, decision for decision:
+free queue as the LRU order (docs/design.md §4 apc). What it reproduces, decision for decision:
 
 - Only full blocks are hashed and cached. Lookup walks the request's block hashes from the
   first and stops at the first miss; the hit is capped at `len - 1` tokens and rounded down

@@ -1,7 +1,7 @@
 """paged: PagedAttention block tables (reference: Kwon et al., SOSP'23, §4.3-4.4, §6.3-6.4).
 
 Per-sequence block tables over physical blocks with reference counts and a FIFO free list
-(DESIGN §4 paged). Sharing is explicit, never automatic:
+(docs/design.md §4 paged). Sharing is explicit, never automatic:
 
 - `fork(parent, child)` maps the child onto every block holding the parent's KV (the first
   `pages_for(parent.num_computed)` blocks), the partial last one included: ref +1 each.

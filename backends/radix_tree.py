@@ -1,4 +1,4 @@
-"""The radix tree behind the `radix` backend (SGLang `RadixCache` semantics, DESIGN §4 radix).
+"""The radix tree behind the `radix` backend (SGLang `RadixCache` semantics, docs/design.md §4 radix).
 
 A node holds a run of token ids (`key`, int32) and the page ids holding their KV (`pages`,
 one per `page_size` tokens); children are keyed by their first `page_size` tokens. Each

@@ -3,7 +3,7 @@
 The parent hash makes equal tokens at different positions (or after different prefixes)
 hash apart, so a table keyed by `H_i` identifies a whole prefix. Extra keys fold in what
 else changes the KV: `cache_salt` on the first block, `lora_id` on every block, a
-multimodal input's hash on every block it overlaps (DESIGN §4 apc).
+multimodal input's hash on every block it overlaps (docs/design.md §4 apc).
 
 Tokens enter as their little-endian int32 bytes, a fixed width per block, and each extra
 key is length-prefixed, so the byte string of a block is unambiguous.

@@ -1,4 +1,4 @@
-"""The `PrefixCache` contract every backend implements (DESIGN §3).
+"""The `PrefixCache` contract every backend implements (docs/design.md §3).
 
 A cache owns `num_pages` physical pages of `page_size` token slots and the index that says
 which pages hold the KV of which token prefix. It never touches tensors: it hands out page

@@ -1,4 +1,4 @@
-"""The invariants every backend shares (DESIGN §3), checked once for all of them.
+"""The invariants every backend shares (docs/design.md §3), checked once for all of them.
 
 A backend reports every page by state from its own structures (`_page_partition`); this
 module proves, against those and the live tables:

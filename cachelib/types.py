@@ -1,4 +1,4 @@
-"""The small value types of the cache contract (DESIGN §3)."""
+"""The small value types of the cache contract (docs/design.md §3)."""
 
 from __future__ import annotations
 

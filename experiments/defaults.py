@@ -9,6 +9,9 @@ PAGE_SIZE = 16
 #: the README's main job: documents x questions, a working set of about 200k tokens
 WORKLOAD = "shared_doc_qa"
 WORKLOAD_KNOBS: dict[str, Any] = {"num_documents": 100, "num_requests": 1000, "rate": 20.0}
+#: workload -> the knobs the commands set over its generator's own defaults; `--knob K=V`
+#: changes K alone and keeps the rest (`workloads` prints these as the defaults)
+COMMAND_KNOBS: dict[str, dict[str, Any]] = {WORKLOAD: WORKLOAD_KNOBS}
 CAPACITIES = (25_000, 50_000, 100_000, 200_000)
 SEED = 0
 PROTOCOL = "both"

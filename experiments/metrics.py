@@ -1,4 +1,4 @@
-"""Metrics of a serving run, as the report shows them (DESIGN §6), and its latencies as
+"""Metrics of a serving run, as the report shows them (docs/design.md §6), and its latencies as
 `vllm bench serve` reports them (`latency_section`).
 
 Latencies (`latency_section`), in ms, each with mean, p50, p90 and p99 (`np.percentile`

@@ -1,4 +1,4 @@
-"""Offline bounds on prefix-cache hits under the replay protocol (DESIGN §6).
+"""Offline bounds on prefix-cache hits under the replay protocol (docs/design.md §6).
 
 Two bounds, both counted exactly as `experiments.engine.replay` counts a backend's hits:
 
@@ -171,6 +171,7 @@ def _by_hash_ids(spec: RequestSpec) -> bool:
     extra = spec.extra
     return (
         isinstance(spec.prompt_source, MooncakePrompt)
+        and spec.prompt_source.block_size == MOONCAKE_BLOCK  # the fast path's nodes are 512-token blocks
         and extra.cache_salt is None
         and extra.lora_id is None
         and not extra.mm

@@ -9,7 +9,7 @@ How workers find the project's code:
   installed (`pip install -e .`), so they import it like the driver does;
 - on a cluster the four packages (`cachelib`, `backends`, `attention`, `experiments`) are
   shipped with the job as `runtime_env={"py_modules": [...]}`, so the nodes need only the
-  dependencies (numpy, torch, xxhash, sortedcontainers, tqdm); set
+  dependencies (numpy, xxhash, sortedcontainers, tqdm, matplotlib; torch for the model executor); set
   `PCL_RAY_SHIP_CODE=0` where the project is installed on every node.
 
 A cell travels as `CellConfig.as_dict()` (plain JSON types) and comes back as the JSON-able

@@ -16,6 +16,7 @@ from typing import Any
 
 from experiments.labels import cell_label_of
 from experiments.routers.registry import router_label
+from experiments.run_config import dump_toml
 
 #: the main table of each capacity: (column, getter, format). `{cache}` in a name reads
 #: "cache CPU µs/req" or, in a document from before the CPU clock, "cache wall µs/req"
@@ -326,6 +327,8 @@ def markdown(results: dict[str, Any], figures: list[str]) -> str:
         "protocol. TTFT is arrival to first token on the virtual clock, so it includes queueing.",
         "",
     ]
+    if results.get("run_config"):  # the options the run resolved (experiments/run_config.py), repeatable
+        lines += ["## Configuration", "", "```toml", dump_toml(results["run_config"]).rstrip(), "```", ""]
     return "\n".join(lines)
 
 
@@ -348,6 +351,8 @@ def _capacity(cells: list[dict[str, Any]], cap: int, model: str | None = None) -
         "capacity_gb": f", --capacity-gb {kv.get('capacity_gb', 0):g}",
         "gpu_memory_utilization": f", --gpu-memory-utilization {kv.get('gpu_memory_utilization', 0):g} of "
         f"{(kv.get('device_memory_bytes') or 0) / 1e9:g} GB less {(kv.get('weight_bytes') or 0) / 1e9:.2f} GB of weights",
+        "capacity_fraction": f", --capacity-fraction {kv.get('capacity_fraction', 0):g} of a working set of "
+        f"{kv.get('working_set_pages', 0):,} pages",
     }[kv["given"]]
     model_text = f" for {model}" if model else ""
     return f"{cap:,} tokens ({kv['gb']:.2f} GB of KV{model_text}{how})"

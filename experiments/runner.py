@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from attention.config import PRESETS as MODEL_PRESETS
 from cachelib import available_backends, create_cache, get_backend
 from cachelib.interface import PrefixCache
 from experiments import defaults
@@ -41,9 +42,10 @@ from experiments.engine.request import ORDERINGS, SCHEDULERS
 from experiments.errors import InputError
 from experiments.labels import cell_label_of
 from experiments.metrics import Slos, latency_section, serving_metrics
+from experiments.model_fit import check_memory, check_torch, check_vocabulary
 from experiments.retiming import retime
 from experiments.routers.registry import make_router, router_label
-from experiments.sizing import KvSizing, model_shape
+from experiments.sizing import KvSizing, fraction_tokens, model_shape, working_set_pages
 from experiments.workloads.generators import Workload
 from experiments.workloads.registry import make_workload
 from experiments.workloads.spec import RequestSpec
@@ -113,6 +115,8 @@ class CellConfig:
     #: per replica, or vLLM's share of the device's memory (at most one of the two)
     capacity_gb: float | None = None
     gpu_memory_utilization: float | None = None
+    #: or a share of the workload's working set (distinct pages), as libCacheSim sizes caches
+    capacity_fraction: float | None = None
     #: serving's arrivals re-timed (experiments/retiming.py): every time x `time_scale`, or a
     #: seeded Poisson process at `request_rate` requests/s (inf: all at 0); at most one
     time_scale: float | None = None
@@ -266,11 +270,20 @@ class CellConfig:
 SINGLE_REPLICA: dict[str, Any] = {"replicas": 1, "router": None, "router_options": {}}
 #: fields added with sizing, re-timing and SLOs: left out of `as_dict` while None, so a cell
 #: without them reads (and is keyed) as before they existed
-ADDED = ("capacity_gb", "gpu_memory_utilization", "time_scale", "request_rate", "slo_ttft_ms", "slo_tpot_ms")
+ADDED = (
+    "capacity_gb",
+    "gpu_memory_utilization",
+    "capacity_fraction",
+    "time_scale",
+    "request_rate",
+    "slo_ttft_ms",
+    "slo_tpot_ms",
+)
 #: (field, inf allowed, at most 1) of each added number
 _ADDED_RANGES = (
     ("capacity_gb", False, False),
     ("gpu_memory_utilization", False, True),
+    ("capacity_fraction", False, True),
     ("time_scale", False, False),
     ("request_rate", True, False),
     ("slo_ttft_ms", False, False),
@@ -279,6 +292,8 @@ _ADDED_RANGES = (
 #: pairs of settings that exclude each other, and why
 _ONE_OF = (
     ("capacity_gb", "gpu_memory_utilization", "each sets the KV capacity per replica; give one"),
+    ("capacity_gb", "capacity_fraction", "each sets the KV capacity per replica; give one"),
+    ("gpu_memory_utilization", "capacity_fraction", "each sets the KV capacity per replica; give one"),
     (
         "time_scale",
         "request_rate",
@@ -350,15 +365,28 @@ def make_executor(cfg: CellConfig, num_pages: int):
 
     if cfg.model not in PRESETS:
         raise ConfigError(f"unknown model {cfg.model!r}; choose one of {', '.join(PRESETS)}")
-    device = "cuda" if cfg.attention != "torch" and _cuda() else "cpu"
-    model = LlamaModel(PRESETS[cfg.model], seed=cfg.seed, device=device, attention=cfg.attention)
+    model = LlamaModel(PRESETS[cfg.model], seed=cfg.seed, device=model_device(cfg), attention=cfg.attention)
     return ModelExecutor(model, num_pages, cfg.page_size)
 
 
-def _cuda() -> bool:
+def model_device(cfg: CellConfig) -> str:
+    """Where the model executor runs: CUDA when present, unless `--attention torch` asks for the CPU."""
     import torch
 
-    return torch.cuda.is_available()
+    return "cuda" if cfg.attention != "torch" and torch.cuda.is_available() else "cpu"
+
+
+def check_model_run(cfg: CellConfig, workload: Workload, capacities: Sequence[int], models_at_once: int) -> None:
+    """`--executor model` refused before any work when it cannot run (experiments/model_fit.py):
+    no torch, ids past the model's vocabulary, or `models_at_once` models (cells run at once x
+    replicas) with their KV caches too large for the device."""
+    if cfg.executor != "model":
+        return
+    check_torch()
+    if cfg.model not in MODEL_PRESETS:
+        raise ConfigError(f"unknown model {cfg.model!r}; choose one of {', '.join(MODEL_PRESETS)}")
+    check_vocabulary(cfg.model, workload)
+    check_memory(cfg.model, model_device(cfg), capacities, cfg.page_size, models_at_once)
 
 
 def run_cell(cfg: CellConfig, workload: Workload | None = None, *, progress: bool = False) -> dict[str, Any]:
@@ -368,7 +396,7 @@ def run_cell(cfg: CellConfig, workload: Workload | None = None, *, progress: boo
     if os.environ.get(KILL_CELL_ENV) == f"{cfg.backend}@{cfg.capacity_tokens}":
         os.kill(os.getpid(), signal.SIGKILL)
     workload = workload or build_workload(cfg)
-    sizing = kv_capacity(cfg)
+    sizing = kv_capacity(cfg, workload)
     num_pages = check_capacity(workload, cfg.capacity_tokens, cfg.page_size)
     out: dict[str, Any] = {
         "config": cfg.as_dict(),
@@ -403,18 +431,25 @@ def run_cell(cfg: CellConfig, workload: Workload | None = None, *, progress: boo
     return out
 
 
-def kv_capacity(cfg: CellConfig) -> dict[str, Any]:
+def kv_capacity(cfg: CellConfig, workload: Workload | None = None) -> dict[str, Any]:
     """The cell's KV capacity per replica in tokens, pages, bytes and GB (experiments/sizing.py);
-    a `ConfigError` when `capacity_tokens` is not what `capacity_gb` or
-    `gpu_memory_utilization` gives (a cell built by hand with both, before any work)."""
+    a `ConfigError` when `capacity_tokens` is not what `capacity_gb`,
+    `gpu_memory_utilization` or `capacity_fraction` gives (a cell built by hand with both,
+    before any work). A fraction is checked, and its working set recorded, given the `workload`."""
     sizing = KvSizing(model_shape(cfg.model), cfg.page_size)
-    given = {n: v for n in ("capacity_gb", "gpu_memory_utilization") if (v := getattr(cfg, n)) is not None}
-    if given:
-        want = (
-            sizing.tokens_for_gb(cfg.capacity_gb)
-            if cfg.capacity_gb is not None
-            else sizing.tokens_on(cfg.device, cfg.gpu_memory_utilization)  # type: ignore[arg-type]
-        )
+    named = ("capacity_gb", "gpu_memory_utilization", "capacity_fraction")
+    given: dict[str, Any] = {n: v for n in named if (v := getattr(cfg, n)) is not None}
+    if cfg.capacity_fraction is not None and workload is not None:
+        pages = working_set_pages(workload, cfg.page_size)
+        given["working_set_pages"] = pages
+        given["working_set_tokens"] = pages * cfg.page_size
+    if given and (cfg.capacity_fraction is None or workload is not None):
+        if cfg.capacity_fraction is not None:
+            want = fraction_tokens(cfg.capacity_fraction, given["working_set_pages"], cfg.page_size)
+        elif cfg.capacity_gb is not None:
+            want = sizing.tokens_for_gb(cfg.capacity_gb)
+        else:
+            want = sizing.tokens_on(cfg.device, cfg.gpu_memory_utilization)  # type: ignore[arg-type]
         if want != cfg.capacity_tokens:
             name, value = next(iter(given.items()))
             raise ConfigError(

@@ -12,7 +12,14 @@
   weight_bytes`). A simplification: the capacity is overstated by what activations, graphs
   and the CUDA context take on a real run (a few GB for an 8B model).
 
-Capacities given in GB or by utilisation are whole pages: `pages × page size` tokens. A run
+- `--capacity-fraction F`: F × the workload's working set, as libCacheSim sizes a cache
+  (`cache_size = working set × ratio`): the working set is the workload's distinct full
+  pages at the run's page size (what an unlimited cache would hold at the end of the replay,
+  `oracle.page_keys(...).num_keys`), and the capacity `max(1, floor(F × pages))` pages. Every
+  workload's sweep then lands on the same part of its hit-rate curve, whatever its size.
+  Resolved before any work, once the workload is built.
+
+Capacities given in GB, by utilisation or as a fraction are whole pages: `pages × page size` tokens. A run
 gives them one way only (`CapacityGiven`); a cell records how (`CellConfig.capacity_gb` /
 `gpu_memory_utilization`) and its result carries `kv_capacity`: tokens, pages, bytes, GB.
 """
@@ -24,18 +31,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from attention.config import PRESETS
 from experiments.engine.executors import DEVICE_PROFILES, ModelShape, llama3_8b_shape
 from experiments.errors import InputError
+from experiments.oracle import page_keys
+from experiments.workloads.generators import Workload
 
 #: bytes in a GB, as `--capacity-gb` and the device datasheets count them
 GB = 10**9
 #: the ways a capacity is given, as CellConfig fields (`tokens`: `capacity_tokens` alone)
-WAYS = ("tokens", "capacity_gb", "gpu_memory_utilization")
+WAYS = ("tokens", "capacity_gb", "gpu_memory_utilization", "capacity_fraction")
 #: the flag of each way, for errors
 FLAGS = {
     "tokens": "--capacity-tokens",
     "capacity_gb": "--capacity-gb",
     "gpu_memory_utilization": "--gpu-memory-utilization",
+    "capacity_fraction": "--capacity-fraction",
 }
 
 
@@ -45,12 +56,9 @@ class SizingError(InputError, ValueError):
 
 
 def model_shape(name: str) -> ModelShape:
-    """The shape of model `name` (`llama3-8b` without importing torch; others from
-    `attention.model.PRESETS`)."""
+    """The shape of model `name` (`llama3-8b`'s own; others from `attention.config.PRESETS`, no torch)."""
     if name == "llama3-8b":
         return llama3_8b_shape()
-    from attention.model import PRESETS
-
     if name not in PRESETS:
         raise SizingError(f"unknown model {name!r}; choose one of: {', '.join(PRESETS)}")
     return ModelShape.from_config(PRESETS[name])
@@ -126,9 +134,9 @@ class CapacityGiven:
 
     @classmethod
     def of(cls, tokens: Sequence[int] | None, gb: Sequence[float] | None, utilization: Sequence[float] | None,
-           default: Sequence[int]) -> CapacityGiven:  # fmt: skip
+           default: Sequence[int], fraction: Sequence[float] | None = None) -> CapacityGiven:  # fmt: skip
         """The one way the command line gives (default: `default` tokens); two ways at once is a `SizingError`."""
-        given = {w: v for w, v in zip(WAYS, (tokens, gb, utilization), strict=True) if v}
+        given = {w: v for w, v in zip(WAYS, (tokens, gb, utilization, fraction), strict=True) if v}
         if len(given) > 1:
             raise SizingError(
                 f"{' and '.join(FLAGS[w] for w in given)} each set the KV capacity per replica: give one of them"
@@ -136,15 +144,31 @@ class CapacityGiven:
         way, values = next(iter(given.items()), ("tokens", default))
         return cls(way, tuple(dict.fromkeys(values)))
 
-    def cells(self, page_size: int, model: str, device: str) -> list[tuple[int, dict[str, float]]]:
+    @property
+    def needs_workload(self) -> bool:
+        """Whether `cells` needs the workload (a fraction of its working set)."""
+        return self.way == "capacity_fraction"
+
+    def cells(
+        self, page_size: int, model: str, device: str, workload: Workload | None = None
+    ) -> list[tuple[int, dict[str, float]]]:
         """Each capacity in tokens with the CellConfig fields saying how it was given (none
-        for tokens); two values that give the same tokens are a `SizingError`."""
+        for tokens); two values that give the same tokens are a `SizingError`. A fraction
+        needs the `workload`."""
         if self.way == "tokens":
             return [(int(v), {}) for v in self.values]
+        if self.needs_workload and workload is None:
+            raise ValueError("a capacity given as a fraction of the working set needs the workload")
         sizing = KvSizing(model_shape(model), page_size)
+        pages = working_set_pages(workload, page_size) if workload is not None and self.needs_workload else 0
         out: dict[int, float] = {}
         for v in self.values:
-            tokens = sizing.tokens_for_gb(v) if self.way == "capacity_gb" else sizing.tokens_on(device, v)
+            if self.way == "capacity_fraction":
+                tokens = fraction_tokens(v, pages, page_size)
+            elif self.way == "capacity_gb":
+                tokens = sizing.tokens_for_gb(v)
+            else:
+                tokens = sizing.tokens_on(device, v)
             if tokens in out:
                 raise SizingError(
                     f"{FLAGS[self.way]} {out[tokens]:g} and {v:g} give the same capacity, {tokens:,} tokens "
@@ -152,3 +176,19 @@ class CapacityGiven:
                 )
             out[tokens] = v
         return [(tokens, {self.way: v}) for tokens, v in out.items()]
+
+
+def working_set_pages(workload: Workload, page_size: int) -> int:
+    """The workload's working set: its distinct full pages at `page_size` (libCacheSim's
+    working set size, counted in pages), as the bounds count them."""
+    return page_keys(workload.requests, page_size).num_keys
+
+
+def fraction_tokens(fraction: float, working_set: int, page_size: int) -> int:
+    """Tokens of `fraction` × `working_set` pages: whole pages, rounded down, at least one."""
+    if working_set == 0:
+        raise SizingError(
+            f"--capacity-fraction {fraction:g}: the workload has no full page of {page_size} tokens, so no working "
+            "set to take a fraction of; give --capacity-tokens"
+        )
+    return max(1, math.floor(fraction * working_set)) * page_size

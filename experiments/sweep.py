@@ -33,10 +33,11 @@ from experiments.cell_pool import Failure, TasksFailed
 from experiments.cell_runs import run_cells
 from experiments.cell_store import CellStore
 from experiments.cluster_grid import SINGLE, ClusterShape, cells_over, left_out
-from experiments.output_dir import OutputLock, StagedDir, check_writable_dir
+from experiments.output_dir import OutputLock, StagedDir, check_writable_dir, write_file_atomically
 from experiments.provenance import provenance
 from experiments.results import REPORT_ENTRIES, document, write, write_per_request
-from experiments.runner import CellConfig, bounds, build_workload, check_capacity
+from experiments.run_config import CONFIG_FILE, CONFIG_HEADER, dump_toml
+from experiments.runner import CellConfig, bounds, build_workload, check_capacity, check_model_run
 from experiments.sizing import CapacityGiven
 
 
@@ -55,6 +56,8 @@ class SweepPlan:
     progress: bool = True
     with_bounds: bool = True
     argv: list[str] | None = None  # the command line, for the reports (None: sys.argv)
+    #: every option as given, for OUT/config.toml and each report's run_config (None: not written)
+    settings: dict[str, Any] | None = None
 
 
 def run_sweep(plan: SweepPlan, out_dir: Path) -> int:
@@ -70,16 +73,21 @@ def _grid(plan: SweepPlan) -> list[tuple[str, int, list[int], list[CellConfig]]]
     capacity sized and checked first (in GB or by utilisation, a page size has its own)."""
     grid = []
     t = plan.template
-    sized = {page: plan.capacities.cells(page, t.model, t.device) for page in plan.page_sizes}
+    caps_given = plan.capacities
+    # sized before any workload is built, unless a fraction needs each workload's working set
+    fixed = {} if caps_given.needs_workload else {p: caps_given.cells(p, t.model, t.device) for p in plan.page_sizes}
     for wname, knobs in plan.workloads.items():
         base = dataclasses.replace(t, workload=wname, knobs=knobs)
         wl = build_workload(base)
         base = dataclasses.replace(base, provenance=provenance(wl.config))
         for page in plan.page_sizes:
-            caps = [tokens for tokens, _ in sized[page]]
+            sized = fixed[page] if fixed else caps_given.cells(page, t.model, t.device, wl)
+            caps = [tokens for tokens, _ in sized]
+            at_once = min(plan.jobs, len(plan.variants) * len(caps) * len(plan.shapes))
+            check_model_run(base, wl, caps, at_once * max(shape.replicas for shape in plan.shapes))
             for cap in caps:
                 check_capacity(wl, cap, page)
-            cells = cells_over(base, plan.variants, caps, page, plan.shapes, dict(sized[page]))
+            cells = cells_over(base, plan.variants, caps, page, plan.shapes, dict(sized))
             grid.append((wname, page, caps, cells))
     return grid
 
@@ -88,6 +96,9 @@ def _sweep_locked(plan: SweepPlan, out_dir: Path) -> int:
     store = CellStore(out_dir / "cells")
     started = time.perf_counter()
     grid = _grid(plan)
+    if plan.settings is not None:  # what this sweep runs, before it runs: `--config` repeats or resumes it
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_file_atomically(out_dir / CONFIG_FILE, dump_toml(plan.settings, CONFIG_HEADER))
     every = [c for _, _, _, cells in grid for c in cells]
     todo = [c for c in every if store.load(c) is None]
     print(f"sweep: {len(every)} cells, {len(every) - len(todo)} already done, {len(todo)} to run", file=sys.stderr)
@@ -110,6 +121,8 @@ def _sweep_locked(plan: SweepPlan, out_dir: Path) -> int:
         found = bounds(wl, page, caps, pooled=cells) if plan.with_bounds else None
         results = [store.load(c) for c in cells]
         doc = document(plan.argv, wl, cells, results, labels, caps, found)
+        if plan.settings is not None:
+            doc["run_config"] = plan.settings
         sub = out_dir / f"{wname}-p{page}"
         with StagedDir(sub, owned=REPORT_ENTRIES) as stage:
             write(doc, stage.path)

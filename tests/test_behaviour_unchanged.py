@@ -35,6 +35,7 @@ NOT_COMPARED = frozenset(
         "package",
         "provenance",
         "command",
+        "run_config",  # the options as run (output folder included); their values are compared under settings
     }
 )
 

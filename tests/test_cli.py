@@ -29,8 +29,9 @@ REPLAY_FIELDS = [
 ]  # fmt: skip
 #: `replay`'s flags, as scripts call it
 REPLAY_FLAGS = [
-    "--backend", "--trace", "--limit", "--page-size", "--capacity-tokens", "--num-pages", "--concurrency",
+    "--backend", "--trace", "--limit", "--mooncake-block-size", "--page-size", "--capacity-tokens", "--num-pages", "--concurrency",
     "--eviction-policy", "--hash-algorithm", "--verify-tokens", "--output", "--no-progress", "--backend-opt",
+    "--config",
 ]  # fmt: skip
 
 

@@ -298,7 +298,8 @@ BASE = ["--backend", "apc", "--knob", "num_documents=2", "--knob", "num_requests
         (
             ["--knob", "num_requests=0"],
             3,
-            "error: workload 'shared_doc_qa' has no requests (num_documents=2, num_requests=0)",
+            # the commands' default rate stays beside the given knobs
+            "error: workload 'shared_doc_qa' has no requests (num_documents=2, num_requests=0, rate=20.0)",
         ),
         (["--model", "foo"], 3, "error: unknown model 'foo'; choose one of: "),
         (["--executor", "model", "--model", "foo"], 3, "error: unknown model 'foo'"),

@@ -1,4 +1,4 @@
-"""Caching never changes the output (DESIGN §5), for every registered backend.
+"""Caching never changes the output (docs/design.md §5), for every registered backend.
 
 Each backend runs a workload with shared prefixes through the tiny model; every request's
 logits (at the last prompt token and before each generated token) must equal those of the
@@ -24,7 +24,7 @@ ATOL = RTOL = 1e-4
 NEW_TOKENS = 16
 VOCAB = 512
 BACKENDS = available_backends()
-# These share only through fork or declared prefixes, never automatically (DESIGN §4).
+# These share only through fork or declared prefixes, never automatically (docs/design.md §4).
 NO_AUTOMATIC_SHARING = {"none", "paged"}
 
 

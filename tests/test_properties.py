@@ -58,7 +58,7 @@ def pick(options) -> st.SearchStrategy:
 TOKENS = st.one_of(st.integers(0, 9), pick([0, TOP, TOP - 1]))
 EXTRAS = [ExtraKeys(), ExtraKeys(), ExtraKeys(cache_salt="t1"), ExtraKeys(lora_id=2)]
 OTHER_EXTRAS = [ExtraKeys(cache_salt="t2"), ExtraKeys(lora_id=7), ExtraKeys(cache_salt="t1", lora_id=2)]
-#: the calls counted: the contract's operations (DESIGN §3) and paged's prefix declarations;
+#: the calls counted: the contract's operations (docs/design.md §3) and paged's prefix declarations;
 #: `stats` and `check_invariants` (after every step) are tallied apart, as observation
 OPERATIONS = frozenset(
     {

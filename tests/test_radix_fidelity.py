@@ -1,5 +1,5 @@
 """radix vs an independent model of SGLang 0.5.23's RadixCache, decision by decision, on the
-Mooncake conversation trace (DESIGN §6 replay protocol).
+Mooncake conversation trace (docs/design.md §6 replay protocol).
 
 Compared exactly: every request's hit tokens, and the sequence of evicted nodes (start token
 and token content), for every eviction policy, page sizes 1 and 16, concurrency 1 and 4.

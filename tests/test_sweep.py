@@ -109,7 +109,9 @@ def test_sweep_knobs_reach_every_workload_that_takes_them(tmp_path, capsys):
                  "--knob", "num_documents=5", "--capacity-tokens", "20000", "--backend", "apc", "--protocol", "replay",
                  "--no-progress", "--no-bounds", "--output-dir", str(out)]) == 0  # fmt: skip
     cells = {c["config"]["workload"]: c for c in (json.loads(p.read_text()) for p in cell_files(out).values())}
-    assert cells["shared_doc_qa"]["config"]["knobs"] == {"num_requests": "30", "doc_len": "200", "num_documents": "5"}
+    # the commands' defaults for shared_doc_qa (rate 20.0) stay; each given knob replaces one
+    assert cells["shared_doc_qa"]["config"]["knobs"] == {"num_requests": "30", "doc_len": "200", "num_documents": "5",
+                                                         "rate": 20.0}  # fmt: skip
     assert cells["no_sharing"]["config"]["knobs"] == {"num_requests": "30"}  # doc_len is not its knob
     assert cells["no_sharing"]["replay"]["requests"] == 30
     assert (out / "no_sharing-p16" / "report.md").is_file()

@@ -22,10 +22,11 @@ import sys
 import time
 from pathlib import Path
 
+from experiments.bench import FULL_TRACE
 from experiments.runner import bounds
 from experiments.workloads.registry import make_workload
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "../shared/traces/mooncake/conversation_trace.jsonl"
+DEFAULT_TRACE = FULL_TRACE
 CAPACITIES = [200_000, 1_000_000, 3_000_000, 10_000_000]
 
 

@@ -33,6 +33,7 @@ import torch
 from attention import PRESETS, ForwardInput, LlamaModel, build_batch_meta  # noqa: E402
 from attention.flashinfer_backend import FlashInferAttention  # noqa: E402
 from attention.kv_cache import PagedKVCache  # noqa: E402
+from experiments.bench import RESULTS  # noqa: E402
 
 CFG = PRESETS["llama3-8b"]
 
@@ -129,8 +130,8 @@ def _git_commit() -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--output", type=Path, default=Path("reports/gpu/gpu_attention_bench.json"))
-    ap.add_argument("--page-sizes", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--output", type=Path, default=RESULTS / "gpu_attention_bench.json")
+    ap.add_argument("--page-size", "--page-sizes", dest="page_sizes", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--prompt", type=int, default=8192)

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from experiments import defaults
+from experiments.bench import RESULTS
 from experiments.runner import CellConfig, bounds, build_workload, run_cell
 
 TRACE = "experiments/data/mooncake_conversation_2000.jsonl"
@@ -35,7 +36,7 @@ HALF_LIVES = [10, 50, 200, 1000, math.inf]
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--output", default="reports/worked_example/radix-aged")
+    ap.add_argument("--output", default=str(RESULTS / "half_life_sweep"))
     ap.add_argument("--page-size", type=int, default=defaults.PAGE_SIZE)
     args = ap.parse_args()
     variants = [("radix (lru)", "radix", {}), ("radix (lfu, SGLang)", "radix", {"eviction_policy": "lfu"})]

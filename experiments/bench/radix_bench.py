@@ -68,7 +68,14 @@ def bench_one(
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--page-size", type=int, nargs="+", default=[1, defaults.PAGE_SIZE])
-    p.add_argument("--policy", nargs="+", default=["lru"], choices=["lru", "lfu", "fifo", "mru", "filo"])
+    p.add_argument(
+        "--eviction-policy",
+        "--policy",
+        dest="policy",
+        nargs="+",
+        default=["lru"],
+        choices=["lru", "lfu", "fifo", "mru", "filo"],
+    )
     p.add_argument("--capacity-tokens", type=int, default=200_000)
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     p.add_argument("--limit", type=int, default=2000)

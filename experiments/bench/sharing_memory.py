@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from cachelib import Sequence, available_backends, create_cache
+from experiments.bench import RESULTS
 from experiments.engine.cache_client import CacheClient
 from experiments.engine.executors import FreshTokens
 from experiments.workloads.sampling import SamplingRequest, describe, generate
@@ -169,7 +170,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--page-size", type=int, default=16, help="the paper's block size is 16")
     ap.add_argument("--datasets", nargs="+", default=["alpaca", "sharegpt"])
-    ap.add_argument("--backends", nargs="+", default=None, help="default: every registered backend")
+    ap.add_argument(
+        "--backend", "--backends", dest="backends", nargs="+", default=None, help="default: every registered backend"
+    )
     ap.add_argument("--parent-decay", type=float, default=0.5, help="beam parent weight per rank")
     ap.add_argument(
         "--sensitivity",
@@ -178,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
         help="also run beam search on 'paged' with these DECAY:STAY beam schedules",
     )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--output", default="reports/bench/sharing_memory.json")
+    ap.add_argument("--output", default=str(RESULTS / "sharing_memory.json"))
     args = ap.parse_args(argv)
     backends = args.backends or available_backends()
     rows: list[dict] = []

@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from cachelib import create_cache
+from experiments.bench import FULL_TRACE
 from experiments.engine import CacheClient, replay
 from experiments.output_dir import write_file_atomically
 from experiments.results import git_commit
@@ -51,7 +52,6 @@ from experiments.workloads.spec import RequestSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT / "experiments" / "data" / "mooncake_conversation_2000.jsonl"
-FULL_TRACE = ROOT.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
 MOONCAKE_CAPACITIES = ("200000", "1000000", "3000000", "10000000")
 
 

@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from attention.config import PRESETS
 from cachelib import available_backends
 from experiments import defaults
 from experiments.backend_options import (
@@ -26,7 +27,9 @@ from experiments.errors import InputError, UsageError
 from experiments.routers.registry import ROUTERS
 from experiments.runner import EXECUTORS, CellConfig
 from experiments.sizing import CapacityGiven
+from experiments.workloads.registry import REQUIRED, coerce_knob, knobs_of
 
+PAGE_SIZE_HELP = "tokens per KV page (vLLM's block size, SGLang's page size)"
 #: named flags that are aliases of `--backend-opt KEY=VALUE` (every selected backend)
 OPTION_ALIASES = {
     "--eviction-policy": ("eviction_policy", "radix: lru | lfu | fifo | mru | filo"),
@@ -58,7 +61,7 @@ def fraction(text: str) -> float:
     """A share in (0, 1], as vLLM's --gpu-memory-utilization takes it."""
     value = positive_float(text)
     if value > 1:
-        raise argparse.ArgumentTypeError(f"must be at most 1 (a share of the device's memory), got {text}")
+        raise argparse.ArgumentTypeError(f"must be at most 1 (a share), got {text}")
     return value
 
 
@@ -67,6 +70,38 @@ def rate(text: str) -> float:
     if text.strip().lower() in ("inf", "+inf", "infinity"):
         return math.inf
     return positive_float(text)
+
+
+def add_config_option(p: argparse.ArgumentParser) -> None:
+    """`--config FILE` (experiments/run_config.py): the options of a TOML file, flags given beside it winning."""
+    p.add_argument(
+        "--config",
+        metavar="TOML",
+        help="read options from a TOML file (keys: option names with _, a [knobs] table); flags given here win. "
+        "Every run writes the config it resolved to OUT/config.toml",
+    )
+
+
+def resolved_settings(
+    args: argparse.Namespace, workload: str, knobs: dict[str, Any], variants: list[BackendVariant]
+) -> dict[str, Any]:
+    """Every option of the run as it ran, for `config.toml` (experiments/run_config.py): the
+    workload and all its knobs (the commands' defaults included), the backends with their
+    options folded into their labels, the capacities given (the default ones written out),
+    every other option at its value. `--config` with it repeats the run."""
+    out: dict[str, Any] = {"command": args.command}
+    skip = {"help", "func", "command", "argv", "config"}
+    out.update({k: v for k, v in vars(args).items() if k not in skip})
+    accepted = knobs_of(workload)  # typed, so the file reads `rate = 20.0`, not `rate = "20.0"`
+    typed = {k: coerce_knob(workload, k, v, accepted.get(k, REQUIRED)) for k, v in knobs.items()}
+    out.update(workload=workload, trace=None, knob=None, knobs=typed)
+    out.update(backend=[v.label for v in variants], backend_opt=[], verify_tokens=False)
+    out.update({key: None for key, _ in OPTION_ALIASES.values()})
+    if "capacity_tokens" in out and not any(
+        out.get(k) for k in ("capacity_tokens", "capacity_gb", "gpu_memory_utilization", "capacity_fraction")
+    ):
+        out["capacity_tokens"] = list(defaults.CAPACITIES)
+    return {k: v for k, v in out.items() if v is not None}  # TOML has no null: an unset option is left out
 
 
 def add_backend_options(p: argparse.ArgumentParser) -> None:
@@ -113,12 +148,25 @@ def add_run_arguments(p: argparse.ArgumentParser, many_backends: bool) -> None:
         help="backend name(s) or variants NAME[KEY=VALUE,...]; repeat or comma-separate"
         + (" (default: all)" if many_backends else ""),
     )
-    p.add_argument("--workload", default=defaults.WORKLOAD, help="workload name (see `workloads`)")
-    p.add_argument("--knob", action="append", metavar="NAME=VALUE", help="workload knob (repeatable)")
-    p.add_argument("--trace", help="a Mooncake JSONL trace (shortcut for --workload mooncake --knob path=...)")
-    p.add_argument("--seed", type=int, default=defaults.SEED)
+    p.add_argument("--workload", default=defaults.WORKLOAD, help="workload name (`workloads` lists them)")
+    p.add_argument(
+        "--knob",
+        action="append",
+        metavar="NAME=VALUE",
+        help="set one workload knob, the others keep the defaults `workloads` prints (repeatable)",
+    )
+    p.add_argument(
+        "--trace", help="a Mooncake JSONL trace, .jsonl or .jsonl.gz (shortcut for --workload mooncake --knob path=...)"
+    )
+    p.add_argument("--seed", type=int, default=defaults.SEED, help="seeds the workload generator and every random draw")
     add_capacity_options(p)
-    p.add_argument("--protocol", default=defaults.PROTOCOL, choices=["replay", "serving", "both"])
+    p.add_argument(
+        "--protocol",
+        default=defaults.PROTOCOL,
+        choices=["replay", "serving", "both"],
+        help="replay = requests in trace order, one at a time (the bounds' protocol); serving = continuous "
+        "batching on a virtual clock; both",
+    )
     p.add_argument(
         "--executor",
         default=defaults.EXECUTOR,
@@ -141,8 +189,18 @@ def add_run_arguments(p: argparse.ArgumentParser, many_backends: bool) -> None:
         help="model executor's kernel (auto: flashinfer when CUDA and flashinfer are present)",
     )
     p.add_argument("--device-calibration", metavar="JSON", help="calibrate the cost model from a GPU benchmark JSON")
-    p.add_argument("--token-budget", type=positive_int, default=defaults.TOKEN_BUDGET)
-    p.add_argument("--max-running", type=positive_int, default=defaults.MAX_RUNNING)
+    p.add_argument(
+        "--token-budget",
+        type=positive_int,
+        default=defaults.TOKEN_BUDGET,
+        help="serving: tokens scheduled per step at most (vLLM's max_num_batched_tokens)",
+    )
+    p.add_argument(
+        "--max-running",
+        type=positive_int,
+        default=defaults.MAX_RUNNING,
+        help="serving: requests running at once at most (vLLM's max_num_seqs)",
+    )
     p.add_argument(
         "--scheduler",
         default=defaults.SCHEDULER,
@@ -165,14 +223,29 @@ def add_run_arguments(p: argparse.ArgumentParser, many_backends: bool) -> None:
     add_cluster_options(p)
     add_timing_options(p)
     p.add_argument("--jobs", type=positive_int, default=defaults.JOBS, help="cells run in this many local processes")
-    p.add_argument("--output-dir", default=str(defaults.OUTPUT_DIR))
+    p.add_argument(
+        "--output-dir",
+        default=str(defaults.OUTPUT_DIR),
+        help="the report's folder, replaced whole when the run ends (results.json, report.md, config.toml, ...)",
+    )
     p.add_argument("--no-bounds", action="store_true", help="skip the infinite and Belady bounds")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress output (the bars are already quiet when stderr is not a terminal)",
+    )
 
 
 def add_capacity_options(p: argparse.ArgumentParser) -> None:
     """The KV capacity per replica, given one way (experiments/sizing.py)."""
-    p.add_argument("--capacity-tokens", type=positive_int, nargs="+", help="KV capacities in tokens")
+    p.add_argument(
+        "--capacity-tokens",
+        type=positive_int,
+        nargs="+",
+        help="KV capacities in tokens (default, when no other way is given: "
+        + " ".join(str(c) for c in defaults.CAPACITIES)
+        + ")",
+    )
     p.add_argument(
         "--capacity-gb",
         type=positive_float,
@@ -187,6 +260,14 @@ def add_capacity_options(p: argparse.ArgumentParser) -> None:
         metavar="U",
         help="KV capacity as vLLM sizes it: U x the --device's memory minus the --model's weights, in whole "
         "pages (vLLM's default U is 0.9; activations and CUDA graphs are not subtracted)",
+    )
+    p.add_argument(
+        "--capacity-fraction",
+        type=fraction,
+        nargs="+",
+        metavar="F",
+        help="KV capacities as a share F of the workload's working set (its distinct pages at the page size), "
+        "as libCacheSim sizes caches: floor(F x pages) whole pages, resolved before any work",
     )
 
 
@@ -213,7 +294,11 @@ def capacities_given(args: argparse.Namespace) -> CapacityGiven:
     """How the command line gives the KV capacity per replica (default: the default tokens);
     two ways at once is an `InputError` before any work."""
     return CapacityGiven.of(
-        args.capacity_tokens, args.capacity_gb, args.gpu_memory_utilization, default=defaults.CAPACITIES
+        args.capacity_tokens,
+        args.capacity_gb,
+        args.gpu_memory_utilization,
+        default=defaults.CAPACITIES,
+        fraction=args.capacity_fraction,
     )
 
 
@@ -254,10 +339,9 @@ def cluster_shapes_of(
     return shapes
 
 
-def knobs(args: argparse.Namespace) -> dict[str, Any]:
-    """`--knob` values as given (the workload types them), or the default workload's knobs."""
-    given = args.knob or args.workload != defaults.WORKLOAD or args.trace
-    out: dict[str, Any] = {} if given else dict(defaults.WORKLOAD_KNOBS)
+def knobs_given(args: argparse.Namespace) -> dict[str, Any]:
+    """The `--knob` values as given (the workload types them), and `--trace` as `path`."""
+    out: dict[str, Any] = {}
     for item in args.knob or []:
         if "=" not in item:
             raise UsageError(f"--knob expects NAME=VALUE, got {item!r}")
@@ -270,12 +354,19 @@ def knobs(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def command_knobs(workload: str) -> dict[str, Any]:
+    """The knobs the commands set for `workload` over its generator's defaults (a copy)."""
+    return dict(defaults.COMMAND_KNOBS.get(workload, {}))
+
+
+def knobs(args: argparse.Namespace) -> dict[str, Any]:
+    """The workload's knobs: the commands' defaults for it, each `--knob` replacing one."""
+    workload = "mooncake" if args.trace else args.workload
+    return {**command_knobs(workload), **knobs_given(args)}
+
+
 def check_model(name: str) -> None:
     """An unknown --model fails before any work, not as a bare KeyError inside a cell."""
-    if name == defaults.MODEL:  # no need to import torch to know it
-        return
-    from attention.model import PRESETS
-
     if name not in PRESETS:
         raise InputError(f"unknown model {name!r}; choose one of: {', '.join(PRESETS)}")
 

@@ -26,6 +26,8 @@ from experiments.cell_pool import Task, TasksFailed
 from experiments.cell_runs import bounds_of, run_cells
 from experiments.cell_store import CellStore
 from experiments.cli.args import (
+    PAGE_SIZE_HELP,
+    add_config_option,
     add_run_arguments,
     backend_variants,
     capacities_given,
@@ -35,13 +37,16 @@ from experiments.cli.args import (
     cluster_shapes_of,
     knobs,
     positive_int,
+    resolved_settings,
 )
 from experiments.cluster_grid import ClusterShape, cells_over, left_out
 from experiments.errors import UsageError
 from experiments.output_dir import OutputLock, StagedDir, check_replaceable, check_writable_dir
 from experiments.provenance import provenance
 from experiments.results import REPORT_ENTRIES, document, write, write_per_request
-from experiments.runner import CellConfig, build_workload, check_capacity
+from experiments.run_config import CONFIG_FILE, write_config
+from experiments.runner import CellConfig, build_workload, check_capacity, check_model_run
+from experiments.workloads.generators import Workload
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,7 @@ class Comparison:
     """What one `run` or `compare` does, read from its command line."""
 
     template: CellConfig
+    workload: Workload  # built once, before any work
     variants: list[BackendVariant]
     shapes: list[ClusterShape]
     capacities: list[int]
@@ -58,16 +64,19 @@ class Comparison:
     progress: bool
     with_bounds: bool
     argv: list[str] | None
+    settings: dict[str, Any]  # every option as it ran: config.toml and results.json's run_config
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     run = sub.add_parser("run", help="one backend on a workload: replay + serving, report")
+    add_config_option(run)
     add_run_arguments(run, many_backends=False)
-    run.add_argument("--page-size", type=positive_int, default=defaults.PAGE_SIZE)
+    run.add_argument("--page-size", type=positive_int, default=defaults.PAGE_SIZE, help=PAGE_SIZE_HELP)
     run.set_defaults(func=cmd_run)
     cmp_ = sub.add_parser("compare", help="every backend on the same workload and capacities: one report")
+    add_config_option(cmp_)
     add_run_arguments(cmp_, many_backends=True)
-    cmp_.add_argument("--page-size", type=positive_int, default=defaults.PAGE_SIZE)
+    cmp_.add_argument("--page-size", type=positive_int, default=defaults.PAGE_SIZE, help=PAGE_SIZE_HELP)
     cmp_.set_defaults(func=cmd_compare)
 
 
@@ -88,29 +97,42 @@ def _compare(args: argparse.Namespace, single: bool) -> int:
     check_model(args.model)
     check_calibration(args.device_calibration)
     workload_name = "mooncake" if args.trace else args.workload
-    template = cell_template(args, workload_name, knobs(args), args.page_size)
-    sized = capacities_given(args).cells(args.page_size, args.model, args.device)
+    workload_knobs = knobs(args)
+    template = cell_template(args, workload_name, workload_knobs, args.page_size)
+    capacities = capacities_given(args)
+    # sized before any work, unless a fraction needs the workload's working set
+    sized = None if capacities.needs_workload else capacities.cells(args.page_size, args.model, args.device)
+    shapes = cluster_shapes_of(args, template, variants)
+    out_dir = Path(os.path.abspath(args.output_dir))  # "." has no name to put OUT.partial beside
+    check_writable_dir(out_dir)  # before any work: an unwritable output fails in a second
+    check_replaceable(out_dir, "results.json")
+    workload = build_workload(template)  # built once: the cells, bounds and a fraction's working set share it
+    if sized is None:
+        sized = capacities.cells(args.page_size, args.model, args.device, workload)
+    caps = [tokens for tokens, _ in sized]
+    at_once = min(args.jobs, len(variants) * len(caps) * len(shapes)) * max(s.replicas for s in shapes)
+    check_model_run(template, workload, caps, at_once)
     plan = Comparison(
         template=template,
+        workload=workload,
         variants=variants,
-        shapes=cluster_shapes_of(args, template, variants),
+        shapes=shapes,
         capacities=[tokens for tokens, _ in sized],
         sizing=dict(sized),
-        out_dir=Path(os.path.abspath(args.output_dir)),  # "." has no name to put OUT.partial beside
+        out_dir=out_dir,
         jobs=args.jobs,
         progress=not args.no_progress,
         with_bounds=not args.no_bounds,
         argv=args.argv,
+        settings=resolved_settings(args, workload_name, workload_knobs, variants),
     )
-    check_writable_dir(plan.out_dir)  # before any work: an unwritable output fails in a second
-    check_replaceable(plan.out_dir, "results.json")
     with OutputLock(plan.out_dir):
         return _compare_locked(plan)
 
 
 def _compare_locked(plan: Comparison) -> int:
     page_size = plan.template.page_size
-    workload = build_workload(plan.template)
+    workload = plan.workload
     for cap in plan.capacities:
         check_capacity(workload, cap, page_size)
     started = time.perf_counter()
@@ -139,8 +161,10 @@ def _compare_locked(plan: Comparison) -> int:
     labels = list(dict.fromkeys(c.label for c in cells))
     out = document(plan.argv, workload, cells, results, labels, plan.capacities, bound)
     out["wall_seconds"] = time.perf_counter() - started
-    with StagedDir(plan.out_dir, owned=REPORT_ENTRIES) as stage:
+    out["run_config"] = plan.settings
+    with StagedDir(plan.out_dir, owned=(*REPORT_ENTRIES, CONFIG_FILE)) as stage:
         names = [p.name for p in write(out, stage.path)]
+        names.append(write_config(plan.settings, stage.path).name)
         rows = write_per_request(cells, results, stage.path)
         names += [rows.name] if rows else []
         stage.publish()

@@ -26,6 +26,7 @@ from experiments.errors import (
     InputError,
     UsageError,
 )
+from experiments.run_config import ConfigFileError, expand_config
 from experiments.workloads.registry import WorkloadError
 from experiments.workloads.spec import TraceFormatError
 
@@ -35,19 +36,49 @@ from experiments.workloads.spec import TraceFormatError
 INPUT_ERRORS = (InputError, WorkloadError, TraceFormatError)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m experiments", description=__doc__.splitlines()[0])
+def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The command line's parser; `parser_class` (the commands' parsers too) lets the Python
+    API (experiments/api.py) raise on bad usage instead of exiting."""
+    parser = parser_class(prog="python -m experiments", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     compare.add_parsers(sub)
     sweep.add_parser(sub)
     report.add_parser(sub)
     workloads.add_parser(sub)
     replay.add_parser(sub)
+    for command in (parser, *commands(parser).values()):
+        command.formatter_class = ShowDefaults
     return parser
 
 
+class ShowDefaults(argparse.HelpFormatter):
+    """Help that ends each option with its default, unless the text already says it or the
+    option is unset by default (None, off, an empty list: the text says what unset means)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        unset = default is None or default is False or default == [] or default is argparse.SUPPRESS
+        if unset or "default" in text or not action.option_strings:
+            return text
+        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else "%(default)s"
+        return f"{text} (default: {shown})"
+
+
+def commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """Command name -> its parser."""
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    given = sys.argv[1:] if argv is None else list(argv)
+    try:
+        expanded = expand_config(given, commands(parser))
+    except ConfigFileError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    args = parser.parse_args(expanded)
     args.argv = argv  # None: the report records sys.argv
     # SIGTERM ends a run the way Ctrl-C does: temporary outputs removed, children killed
     previous_term = signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -81,3 +112,8 @@ def _cells_failed(exc: TasksFailed) -> int:
     if all(_is_input_error(f.error) for f in exc.failures):
         return EXIT_BAD_INPUT
     return EXIT_CELL_FAILED
+
+
+def run_cli() -> None:
+    """The `prefix-cache-lab` console script (pyproject.toml): `main` on sys.argv, its exit code."""
+    sys.exit(main())

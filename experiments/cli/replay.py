@@ -14,20 +14,28 @@ from typing import Any
 from cachelib import create_cache
 from experiments import defaults
 from experiments.backend_options import BackendVariant, resolve_variants, split_backend_list
-from experiments.cli.args import add_backend_options, options_given, positive_int
+from experiments.cli.args import PAGE_SIZE_HELP, add_backend_options, add_config_option, options_given, positive_int
 from experiments.engine import replay, unlimited_pages
 from experiments.errors import InputError, UsageError
 from experiments.output_dir import check_writable_file, write_file_atomically
-from experiments.workloads.mooncake import load_mooncake
+from experiments.workloads.mooncake import MOONCAKE_BLOCK, load_mooncake
 from experiments.workloads.spec import RequestSpec
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    rp = sub.add_parser("replay", help="sequential replay of a Mooncake JSONL trace (DESIGN §6)")
+    rp = sub.add_parser("replay", help="sequential replay of a Mooncake JSONL trace (docs/design.md, protocols)")
+    add_config_option(rp)
     rp.add_argument("--backend", required=True, help="a registered name (apc, radix, ...) or NAME[KEY=VALUE,...]")
-    rp.add_argument("--trace", required=True, type=Path, help="Mooncake JSONL trace")
+    rp.add_argument("--trace", required=True, type=Path, help="Mooncake JSONL trace (.jsonl or .jsonl.gz)")
     rp.add_argument("--limit", type=positive_int, help="replay only the first N requests")
-    rp.add_argument("--page-size", type=positive_int, default=defaults.PAGE_SIZE)
+    rp.add_argument(
+        "--mooncake-block-size",
+        type=positive_int,
+        default=MOONCAKE_BLOCK,
+        metavar="TOKENS",
+        help="tokens per hash id of the trace (the FAST'25 traces: 512)",
+    )
+    rp.add_argument("--page-size", type=positive_int, default=defaults.PAGE_SIZE, help=PAGE_SIZE_HELP)
     cap = rp.add_mutually_exclusive_group()
     cap.add_argument("--capacity-tokens", type=positive_int, help="KV capacity in tokens (default: unlimited)")
     cap.add_argument("--num-pages", type=positive_int, help="KV capacity in pages")
@@ -42,7 +50,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     variant = _variant(args)  # an unknown backend or option fails before the trace loads
     if args.output:
         check_writable_file(Path(args.output))  # before the replay, not after it
-    requests = _load(args.trace, args.limit)
+    requests = _load(args.trace, args.limit, args.mooncake_block_size)
     num_pages = _num_pages(args, requests)
     cache = create_cache(variant.name, num_pages=num_pages, page_size=args.page_size, **variant.options_dict())
     result = replay(cache, requests, concurrency=args.concurrency, progress=not args.no_progress)
@@ -70,9 +78,9 @@ def _variant(args: argparse.Namespace) -> BackendVariant:
     return resolve_variants(specs, options_given(args), [args.page_size])[0]
 
 
-def _load(trace: Path, limit: int | None) -> list[RequestSpec]:
+def _load(trace: Path, limit: int | None, block_size: int) -> list[RequestSpec]:
     try:
-        return load_mooncake(trace, limit)
+        return load_mooncake(trace, limit, block_size)
     except InputError:
         raise
     except (ValueError, FileNotFoundError) as exc:  # the loader's refusals: a missing or malformed trace

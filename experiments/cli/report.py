@@ -16,7 +16,7 @@ from experiments.results import PER_REQUEST_FILE, REPORT_ENTRIES, write
 def add_parser(sub: argparse._SubParsersAction) -> None:
     rep = sub.add_parser("report", help="re-render Markdown, plots and CSV from a results JSON")
     rep.add_argument("results", help="results.json or the folder holding it")
-    rep.add_argument("--output-dir")
+    rep.add_argument("--output-dir", help="where to write the report (default: the folder of the results)")
     rep.set_defaults(func=cmd_report)
 
 

@@ -1,4 +1,4 @@
-"""The replay protocol (DESIGN §6): sequential, exact, used to check fidelity.
+"""The replay protocol (docs/design.md §6): sequential, exact, used to check fidelity.
 
 Requests are taken in trace order with at most `concurrency` in flight, the oldest finishing
 first. Per request: match -> admit the prompt (the cache evicts as its design does) ->
@@ -134,4 +134,6 @@ class Replay:
 def _progress_bar(total: int, desc: str) -> Any:
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit="req", leave=False, mininterval=0.5)
+    # disable=None: quiet when stderr is not a terminal (a log file, CI, a pipe), as the bar
+    # would write a line per refresh there
+    return tqdm(total=total, desc=desc, unit="req", leave=False, mininterval=0.5, disable=None)

@@ -1,4 +1,4 @@
-"""`Scheduler`: one replica's continuous batching (the serving protocol, DESIGN §6).
+"""`Scheduler`: one replica's continuous batching (the serving protocol, docs/design.md §6).
 
 State lives here: the waiting queue, the running list (in admission order), the run's
 metrics. `step()` is one engine step on the shared `VirtualClock`:
@@ -16,7 +16,7 @@ While nothing but decoding happens, `window_size` / `run_window` simulate a stre
 decode steps in one go (cost model only), with exactly the outcome of taking them one by
 one (tests/test_serving.py checks it).
 
-The replay protocol (DESIGN §6, driven by `experiments/engine/replay.py`) uses the same
+The replay protocol (docs/design.md §6, driven by `experiments/engine/replay.py`) uses the same
 requests, running list and cache client, one request at a time: `admit_prompt` (match,
 admit and commit the whole prompt), `run_to_completion` (its samples or its beam schedule
 decoded at once, then it joins the running list). Memory pressure is answered by a named
@@ -380,7 +380,7 @@ class Scheduler:
         self.record_pages(end)
         return end
 
-    # -- the replay protocol (DESIGN §6): one request at a time, run to completion ----
+    # -- the replay protocol (docs/design.md §6): one request at a time, run to completion ----
 
     def request(self, spec: RequestSpec) -> Request:
         """`spec` as a request of this scheduler, not queued (the replay driver admits it)."""

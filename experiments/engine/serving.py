@@ -1,4 +1,4 @@
-"""The serving protocol's driver (DESIGN §6): continuous batching on a virtual clock.
+"""The serving protocol's driver (docs/design.md §6): continuous batching on a virtual clock.
 
 Arrivals come off the `VirtualClock` into one `Scheduler`; each scheduler step advances the
 clock by what the executor says the step took (cost model) or took (model); with nothing to
@@ -126,4 +126,6 @@ def refuse_beams(requests: Seq[RequestSpec]) -> None:
 def progress_bar(total: int, desc: str) -> Any:
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit="req", leave=False, mininterval=0.5)
+    # disable=None: quiet when stderr is not a terminal (a log file, CI, a pipe), as the bar
+    # would write a line per refresh there
+    return tqdm(total=total, desc=desc, unit="req", leave=False, mininterval=0.5, disable=None)

@@ -1,7 +1,9 @@
 """Loader for Mooncake JSONL traces (FAST'25 release format).
 
 Each line: `{"timestamp": ms, "input_length": n, "output_length": m, "hash_ids": [...]}`;
-`hash_ids` holds one id per 512-token prompt block, equal ids at equal positions meaning a
+`hash_ids` holds one id per 512-token prompt block (the FAST'25 traces' block size; another
+trace may hash blocks of another size: `block_size`, 3..65,536, replaces 512 everywhere
+below, and the constants scale with it), equal ids at equal positions meaning a
 shared prefix. A line is rejected, naming `path:line`, unless: `timestamp` is a finite
 number >= 0 (no NaN, no Infinity); `output_length` an int in 0..147,483,647 (beyond, the
 engine's generated ids would leave int32); every hash id an int in 0..2**63 - 1 (int64);
@@ -17,6 +19,8 @@ replaying this trace use (there written `(h * 512 + j) % 2_000_000_000`: below t
 modulus never acts). Above it that modulus would make h and h + 3,906,250 the same tokens, a
 false hit, so larger ids get their own scheme; `block_tokens` states and proves what is
 guaranteed.
+
+A trace whose name ends in `.gz` is read through gzip (`tracefile.read_json_lines`).
 """
 
 from __future__ import annotations
@@ -36,12 +40,29 @@ ALIAS_LIMIT = TOKEN_MODULUS // MOONCAKE_BLOCK  # 3,906,250
 #: first tokens a high id can take: the ids below TOKEN_MODULUS that are not multiples of 512
 HIGH_FIRSTS = TOKEN_MODULUS - ALIAS_LIMIT  # 511 * 3,906,250 = 1,996,093,750
 MAX_HASH_ID = 2**63 - 1
+#: `block_size` values taken: the high-id scheme rewrites tokens 1 and 2 of a block, so a
+#: block needs 3; the top keeps a block far below the token space
+MIN_BLOCK, MAX_BLOCK = 3, 65_536
 _FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 
 
-def block_tokens(ids: np.ndarray) -> np.ndarray:
+def check_block_size(block_size: object) -> int:
+    """`block_size` if it is an int in MIN_BLOCK..MAX_BLOCK; a ValueError saying so otherwise."""
+    if not (is_int(block_size) and MIN_BLOCK <= block_size <= MAX_BLOCK):  # type: ignore[operator]
+        raise ValueError(
+            f"block_size must be an int in {MIN_BLOCK}..{MAX_BLOCK:,} tokens per hash id, got {show(block_size)}"
+        )
+    return int(block_size)  # type: ignore[arg-type]
+
+
+def block_tokens(ids: np.ndarray, block_size: int = MOONCAKE_BLOCK) -> np.ndarray:
     """The 512 token ids of each block id: shape (k,) int64 -> (k, 512) int64, all in
     [0, 2_000_000_000).
+
+    Another `block_size` B: read B for 512 below, `M // B` for ALIAS_LIMIT and
+    `M - ceil(M / B)` (the non-multiples of B below M) for HIGH_FIRSTS; the guarantees hold
+    as stated (the proof uses only that a first token is a multiple of B iff its id is low).
+    For B = 512 the constants are the module's.
 
     Low ids, h < ALIAS_LIMIT: `block[j] = h * 512 + j`.
     High ids, h >= ALIAS_LIMIT: with `x = h - ALIAS_LIMIT`, `r, q = divmod(x, HIGH_FIRSTS)`,
@@ -68,14 +89,17 @@ def block_tokens(ids: np.ndarray) -> np.ndarray:
        same id), then diverge within 3 tokens: no false hit beyond that.
     """
     ids = np.asarray(ids, dtype=np.int64)
-    j = np.arange(MOONCAKE_BLOCK, dtype=np.int64)
-    low = ids < ALIAS_LIMIT
+    b = block_size
+    alias_limit = TOKEN_MODULUS // b
+    j = np.arange(b, dtype=np.int64)
+    low = ids < alias_limit
     if low.all():  # the published traces: bit for bit the original rule
-        return ids[:, None] * MOONCAKE_BLOCK + j
-    out = np.empty((ids.size, MOONCAKE_BLOCK), dtype=np.int64)
-    out[low] = ids[low, None] * MOONCAKE_BLOCK + j
-    q, r = np.divmod(ids[~low] - ALIAS_LIMIT, HIGH_FIRSTS)
-    first = MOONCAKE_BLOCK * (r // (MOONCAKE_BLOCK - 1)) + r % (MOONCAKE_BLOCK - 1) + 1
+        return ids[:, None] * b + j
+    out = np.empty((ids.size, b), dtype=np.int64)
+    out[low] = ids[low, None] * b + j
+    high_firsts = TOKEN_MODULUS - -(-TOKEN_MODULUS // b)  # non-multiples of b below M
+    q, r = np.divmod(ids[~low] - alias_limit, high_firsts)
+    first = b * (r // (b - 1)) + r % (b - 1) + 1
     high = (first[:, None] + j) % TOKEN_MODULUS
     high[:, 1] = (first + 1 + q % TOKEN_MODULUS) % TOKEN_MODULUS
     high[:, 2] = (first + 2 + q // TOKEN_MODULUS) % TOKEN_MODULUS
@@ -86,22 +110,24 @@ def block_tokens(ids: np.ndarray) -> np.ndarray:
 class MooncakePrompt:
     """Builds a request's token ids from its hash ids on demand (a few µs, no storage)."""
 
-    __slots__ = ("hash_ids", "input_length")
+    __slots__ = ("hash_ids", "input_length", "block_size")
 
-    def __init__(self, hash_ids: tuple[int, ...], input_length: int) -> None:
+    def __init__(self, hash_ids: tuple[int, ...], input_length: int, block_size: int = MOONCAKE_BLOCK) -> None:
         self.hash_ids = hash_ids
         self.input_length = input_length
+        self.block_size = block_size
 
     def __call__(self) -> np.ndarray:
-        return block_tokens(np.asarray(self.hash_ids, dtype=np.int64)).reshape(-1)[: self.input_length].astype(np.int32)
+        ids = np.asarray(self.hash_ids, dtype=np.int64)
+        return block_tokens(ids, self.block_size).reshape(-1)[: self.input_length].astype(np.int32)
 
     def __len__(self) -> int:
         return self.input_length
 
 
-def parse_mooncake_line(obj: dict, where: str) -> tuple[float, MooncakePrompt, int]:
+def parse_mooncake_line(obj: dict, where: str, block_size: int = MOONCAKE_BLOCK) -> tuple[float, MooncakePrompt, int]:
     """(arrival seconds, prompt builder, output length) of one parsed trace line; `where`
-    (`path:line`) names it in errors."""
+    (`path:line`) names it in errors; `block_size` tokens per hash id."""
     missing = [f for f in _FIELDS if f not in obj]
     if missing:
         raise TraceFormatError(f"{where}: missing field(s) {', '.join(missing)}")
@@ -115,18 +141,21 @@ def parse_mooncake_line(obj: dict, where: str) -> tuple[float, MooncakePrompt, i
     for h in hash_ids:
         if not (is_int(h) and 0 <= h <= MAX_HASH_ID):
             raise TraceFormatError(f"{where}: hash_ids must be ints in 0..2**63-1 (int64), got {show(h)}")
-    blocks = -(-n_in // MOONCAKE_BLOCK)
+    blocks = -(-n_in // block_size)
     if blocks != len(hash_ids):
         # a guessed expansion would invent or drop prompt tokens; the FAST'25 traces never do it
         raise TraceFormatError(
-            f"{where}: input_length {n_in} needs {blocks} blocks of {MOONCAKE_BLOCK} tokens, "
+            f"{where}: input_length {n_in} needs {blocks} blocks of {block_size} tokens, "
             f"but hash_ids has {len(hash_ids)}"
+            + ("" if block_size != MOONCAKE_BLOCK else " (a trace hashing blocks of another size: give its block_size)")
         )
-    return seconds, MooncakePrompt(tuple(hash_ids), n_in), n_out
+    return seconds, MooncakePrompt(tuple(hash_ids), n_in, block_size), n_out
 
 
-def load_mooncake(path: str | Path, limit: int | None = None) -> list[RequestSpec]:
-    """The first `limit` requests (all if None) of a Mooncake JSONL trace, in trace order."""
+def load_mooncake(path: str | Path, limit: int | None = None, block_size: int = MOONCAKE_BLOCK) -> list[RequestSpec]:
+    """The first `limit` requests (all if None) of a Mooncake JSONL trace (`.jsonl` or
+    `.jsonl.gz`), in trace order, `block_size` tokens per hash id."""
+    block_size = check_block_size(block_size)
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"trace file not found: {path}")
@@ -134,7 +163,7 @@ def load_mooncake(path: str | Path, limit: int | None = None) -> list[RequestSpe
         raise ValueError(f"limit must be a positive int, got {limit!r}")
     specs: list[RequestSpec] = []
     for where, obj in read_json_lines(path):
-        arrival, prompt, n_out = parse_mooncake_line(obj, where)
+        arrival, prompt, n_out = parse_mooncake_line(obj, where, block_size)
         specs.append(RequestSpec(f"mc-{len(specs)}", prompt, n_out, arrival))
         if limit is not None and len(specs) >= limit:
             break  # before reading on: lines past the limit are not checked

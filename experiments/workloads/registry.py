@@ -23,9 +23,10 @@ from experiments.workloads.chat import multi_turn_chat
 from experiments.workloads.generators import Workload
 from experiments.workloads.jsonl import load_jsonl
 from experiments.workloads.kshot import kshot
-from experiments.workloads.mooncake import load_mooncake
+from experiments.workloads.mooncake import MOONCAKE_BLOCK, load_mooncake
 from experiments.workloads.nosharing import no_sharing
 from experiments.workloads.shared_doc import shared_doc_qa
+from experiments.workloads.sharegpt import BUILTIN, load_sharegpt, tokenizer_for
 from experiments.workloads.tenants import multi_tenant
 from experiments.workloads.text import load_text
 from experiments.workloads.tracefile import show
@@ -38,14 +39,21 @@ class WorkloadError(ValueError):
     """An unknown workload, an unknown or missing knob, or a knob value of the wrong type."""
 
 
-def mooncake(seed: int = 0, *, path: str = DEFAULT_MOONCAKE_TRACE, limit: int | None = None) -> Workload:
+def mooncake(
+    seed: int = 0, *, path: str = DEFAULT_MOONCAKE_TRACE, limit: int | None = None, block_size: int = MOONCAKE_BLOCK
+) -> Workload:
     """Mooncake JSONL trace (FAST'25 format): block hash ids expand to token ids.
 
     Knobs:
-    - path (the shipped 2000-request conversation slice): the trace file.
+    - path (the shipped 2000-request conversation slice): the trace file (.jsonl or .jsonl.gz).
     - limit (None): read only the first limit requests.
+    - block_size (512): tokens per hash id, 512 in the FAST'25 traces.
     """
-    return Workload("mooncake", load_mooncake(path, limit), config={"path": str(path), "limit": limit})
+    return Workload(
+        "mooncake",
+        load_mooncake(path, limit, block_size),
+        config={"path": str(path), "limit": limit, "block_size": block_size},
+    )
 
 
 def jsonl(seed: int = 0, *, path: str, limit: int | None = None) -> Workload:
@@ -62,11 +70,38 @@ def text(seed: int = 0, *, path: str, tokenizer: str, limit: int | None = None) 
     """JSONL of text prompts tokenized by a local tokenizer, never downloaded (see text.py).
 
     Knobs:
-    - path (required): the text trace file.
-    - tokenizer (required): a tokenizer.json file or a local transformers tokenizer directory.
+    - path (required): the text trace file (.jsonl or .jsonl.gz).
+    - tokenizer (required): a tokenizer.json file, a local transformers tokenizer directory, or
+      builtin (the built-in deterministic tokenizer, builtin_tokenizer.py).
     - limit (None): read only the first limit requests.
     """
-    return load_text(path, tokenizer, limit)
+    return load_text(path, tokenizer_for(tokenizer, None)[0] if tokenizer == BUILTIN else tokenizer, limit)
+
+
+def sharegpt(
+    seed: int = 0,
+    *,
+    path: str,
+    tokenizer: str = BUILTIN,
+    vocab_size: int | None = None,
+    limit: int | None = None,
+    rate: float = 1.0,
+    think_time: float = 5.0,
+) -> Workload:
+    """ShareGPT-format conversations (a JSON list), every answer a request (see sharegpt.py).
+
+    Knobs:
+    - path (required): the file (.json, .json.gz; .jsonl or .jsonl.gz: one conversation per line).
+    - tokenizer ("builtin"): a local tokenizer.json (needs the tokenizers extra) or transformers
+      directory; builtin = the built-in deterministic tokenizer, which needs nothing.
+    - vocab_size (None): the built-in tokenizer's vocabulary (None: 32000).
+    - limit (None): read only the first limit conversations.
+    - rate (1.0): Poisson rate of conversation starts, conversations/s (inf: all at 0).
+    - think_time (5.0): mean seconds (exponential) between a turn and the next.
+    """
+    return load_sharegpt(
+        path, tokenizer, seed=seed, limit=limit, rate=rate, think_time=think_time, vocab_size=vocab_size
+    )
 
 
 WORKLOADS: dict[str, Callable[..., Workload]] = {
@@ -83,7 +118,7 @@ except ModuleNotFoundError as exc:
         raise
 else:
     WORKLOADS.update(parallel_sampling=parallel_sampling, beam_search=beam_search)
-WORKLOADS.update(mooncake=mooncake, jsonl=jsonl, text=text)
+WORKLOADS.update(mooncake=mooncake, jsonl=jsonl, text=text, sharegpt=sharegpt)
 
 
 def knobs_of(name: str) -> dict[str, Any]:

@@ -4,16 +4,20 @@ Shared by the Mooncake, token-id and text loaders, so they reject the same thing
 way: a file that cannot be opened, bytes that are not UTF-8 (a binary or mis-encoded file),
 JSON that is not strict (`NaN`, `Infinity`, which Python's `json` accepts by default and
 which would make an arrival time never come), a line that is not one JSON object, and
-numbers that are not finite once converted.
+numbers that are not finite once converted. A file whose name ends in `.gz` is read
+through gzip (`trace.jsonl.gz` wherever `trace.jsonl` is taken); a damaged or truncated
+archive is a `TraceFormatError` too.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from experiments.workloads.spec import GENERATED_TOKEN_BASE, TraceFormatError
 
@@ -35,11 +39,11 @@ def _reject_constant(name: str) -> Any:
 def read_json_lines(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     """(`path:line`, object) for every non-blank line of `path`, in order."""
     try:
-        fh = path.open("rb")  # bytes: a decoding error can then name its line
+        fh = open_bytes(path)  # bytes: a decoding error can then name its line
     except OSError as exc:
         raise TraceFormatError(f"{path}: cannot open ({exc.strerror or exc})") from None
     with fh:
-        for lineno, raw in enumerate(fh, 1):
+        for lineno, raw in _lines(fh, path):
             where = f"{path}:{lineno}"
             try:
                 line = raw.decode("utf-8")
@@ -61,6 +65,21 @@ def read_json_lines(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
             if not isinstance(obj, dict):
                 raise TraceFormatError(f"{where}: expected a JSON object, got {type(obj).__name__}")
             yield where, obj
+
+
+def open_bytes(path: Path) -> IO[bytes]:
+    """`path` opened for reading bytes, through gzip when its name ends in `.gz`."""
+    return gzip.open(path, "rb") if path.name.endswith(".gz") else path.open("rb")
+
+
+def _lines(fh: IO[bytes], path: Path) -> Iterator[tuple[int, bytes]]:
+    """(number, bytes) of each line; a damaged gzip stream is a `TraceFormatError`."""
+    lineno = 0
+    try:
+        for lineno, raw in enumerate(fh, 1):  # noqa: B007 (read after the loop, in the error)
+            yield lineno, raw
+    except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
+        raise TraceFormatError(f"{path}: not a readable gzip file after line {lineno} ({exc})") from None
 
 
 def show(value: object, width: int = 40) -> str:

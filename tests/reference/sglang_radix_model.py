@@ -30,7 +30,7 @@ The calls, per request, as SGLang 0.5.23's scheduler makes them:
   prompt it also re-inserts the page-aligned prompt, `split_prompt`), free the rest of the
   row, unlock.
 
-The replay protocol around them (DESIGN §6, `experiments/engine/replay.py`): trace order, at most
+The replay protocol around them (docs/design.md §6, `experiments/engine/replay.py`): trace order, at most
 C in flight, the oldest finishing first; a prompt that does not fit (free + evictable pages
 after locking its match < the pages it needs) unlocks, finishes the oldest in-flight request
 and matches again; a decode that cannot fit its whole output does the same before it starts.
