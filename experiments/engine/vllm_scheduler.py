@@ -30,6 +30,11 @@ token will be its last is skipped; a request preempted with output in flight del
 later (`stale`), is not re-admitted before that, and finishes in the waiting queue if that
 output was its last.
 
+`serve` runs the synchronous loop of an executor that prices steps (cost model, fixed) on
+`vllm_rows.VllmRowScheduler`: these decisions with the running batch held as numpy rows
+(tests/test_vllm_rows.py checks the two loops agree on everything they report). This class
+stays the reference, and runs async scheduling and the model executor.
+
 Each `Request` carries vLLM's counters in `r.vllm` (`VllmCounters`). The tokens a request
 samples are appended to its `Sequence` as soon as the executor returns them (the model
 needs them in the next step), while `known` counts what vLLM has delivered: only known
