@@ -39,6 +39,10 @@ from experiments.engine.scheduler import Loads, _new_pages, _pages_limit
 from experiments.engine.vllm_scheduler import MAX_WINDOW, StepPlan, VllmScheduler
 
 
+#: what a scheduled row's step asks of the cache (`VllmRowScheduler.schedule`)
+EXCUSED, FILLS, NEW_PAGE, CALLS = 0, 1, 2, 3
+
+
 class RunningRows:
     """The running list's counters, one row per request in running order.
 
@@ -131,8 +135,19 @@ class VllmRowScheduler(VllmScheduler):
         return self.sync_row(i, self.running[i])
 
     def sync_row(self, i: int, r: Request) -> Request:
-        """Bring `r`, row `i`, up to date: the tokens it sampled since the last sync appended
-        (fresh ids, or its forced output), its counters copied; returns it."""
+        """Bring `r`, row `i`, up to date: what a cache call needs (`sync_for_cache`) and
+        the counters the results read; returns it."""
+        self.sync_for_cache(i, r)
+        rows = self.rows
+        r.generated = int(rows.generated[i])
+        r.computed_tokens = int(rows.work[i])
+        last = float(rows.last[i])
+        r.last_token_at = None if math.isnan(last) else last
+        return r
+
+    def sync_for_cache(self, i: int, r: Request) -> Request:
+        """What a cache call for `r`, row `i`, reads: the tokens it sampled since the last
+        sync appended (fresh ids, or its forced output), vLLM's counts, the lag."""
         rows = self.rows
         v = r.vllm
         k = int(rows.known[i]) - len(r.seq)
@@ -145,10 +160,6 @@ class VllmRowScheduler(VllmScheduler):
             r.output.extend(tokens)
         v.computed = int(rows.computed[i])
         v.known = int(rows.known[i])
-        r.generated = int(rows.generated[i])
-        r.computed_tokens = int(rows.work[i])
-        last = float(rows.last[i])
-        r.last_token_at = None if math.isnan(last) else last
         r.lag = v.computed - r.seq.num_computed  # computed, not yet published (lazy steps)
         return r
 
@@ -206,12 +217,24 @@ class VllmRowScheduler(VllmScheduler):
         plan = RowPlan(n, start)
         end = start + n
         page = self.cache.page_size
-        excused = (n == 1) & (end % page != 0) & (end <= rows.capacity) if self.lazy else np.zeros(len(n), dtype=bool)
-        for i in np.flatnonzero((n > 0) & ~excused).tolist():
+        if self.lazy:
+            # the lazy rule, by the cache's promise (`decode_steps_are_noops`): a one-token
+            # step inside a held page needs no call; one that fills a held page needs only the
+            # commit that publishes it (the object loop's flush and grow around it are no-ops);
+            # one that needs a new page, only the grow (its commit would publish nothing)
+            one, inside, fills = n == 1, end <= rows.capacity, end % page == 0
+            kind = np.where(
+                one & inside & ~fills, EXCUSED, np.where(one & inside, FILLS, np.where(one & ~fills, NEW_PAGE, CALLS))
+            )
+        else:
+            kind = np.full(len(n), CALLS)
+        for i in np.flatnonzero((n > 0) & (kind != EXCUSED)).tolist():
             if i >= len(self.running):
                 break  # preempted by an earlier row's allocation
-            r = self.sync(i)
-            if not self.allocate(r, int(n[i]), plan):  # type: ignore[arg-type]
+            r = self.sync_for_cache(i, self.running[i])
+            if kind[i] == FILLS:
+                self.publish(r, int(end[i]))
+            elif not self.allocate(r, int(n[i]), plan, publish=kind[i] == CALLS):  # type: ignore[arg-type]
                 plan.n = plan.n[:i]  # it preempted itself: the running pass stops there
                 plan.start = plan.start[:i]
                 break

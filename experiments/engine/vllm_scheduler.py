@@ -188,16 +188,18 @@ class VllmScheduler(Scheduler):
             budget -= n
         return budget
 
-    def allocate(self, r: Request, n: int, plan: StepPlan) -> bool:
+    def allocate(self, r: Request, n: int, plan: StepPlan, *, publish: bool = True) -> bool:
         """`allocate_slots` for a running request, preempting the last running request
-        until it fits; False when `r` itself was preempted."""
+        until it fits; False when `r` itself was preempted. `publish=False`: the caller
+        knows the commit would publish nothing (a lazy decode step into a new page)."""
         v = r.vllm
         self.flush(r)
         while True:
             ops = self.client.grow(r.seq, v.computed + n)
             if ops is not None:
                 self.executor.apply_copies(ops)
-                self.publish(r, min(v.computed + n, v.known))
+                if publish:
+                    self.publish(r, min(v.computed + n, v.known))
                 return True
             victim = self.running.pop()
             self.preempt_request(victim)
