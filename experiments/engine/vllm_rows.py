@@ -38,7 +38,6 @@ from experiments.engine.request import Request
 from experiments.engine.scheduler import Loads, _new_pages, _pages_limit
 from experiments.engine.vllm_scheduler import MAX_WINDOW, StepPlan, VllmScheduler
 
-
 #: what a scheduled row's step asks of the cache (`VllmRowScheduler.schedule`)
 EXCUSED, FILLS, NEW_PAGE, CALLS = 0, 1, 2, 3
 
