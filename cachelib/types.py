@@ -171,6 +171,28 @@ class Sequence:
         self._buf[self._len : need] = new
         self._len = need
 
+    def extend_ids(self, ids: list[int]) -> None:
+        """Append generated token ids given as a short list of Python ints (an engine bringing
+        a request's decode tokens up to date): validated on the list itself, which for a few
+        ids is cheaper than `append`'s array round trip."""
+        if not ids:
+            return
+        if not all(t.__class__ is int for t in ids):
+            bad = next(t for t in ids if t.__class__ is not int)
+            raise InvalidRequestError(f"request {self.request_id!r}: token id must be an int, got {bad!r}")
+        lo, hi = min(ids), max(ids)
+        if lo < 0 or hi > INT32_MAX:
+            raise InvalidRequestError(
+                f"request {self.request_id!r}: token id {lo if lo < 0 else hi} outside [0, {INT32_MAX}]"
+            )
+        need = self._len + len(ids)
+        if need > self._buf.size:
+            grown = np.empty(max(need, 2 * self._buf.size), dtype=np.int32)
+            grown[: self._len] = self._buf[: self._len]
+            self._buf = grown
+        self._buf[self._len : need] = ids
+        self._len = need
+
     def append_token(self, token: int) -> None:
         """Append one generated token id (the decode hot path: no array round trip)."""
         if token.__class__ is not int:

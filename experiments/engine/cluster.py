@@ -43,7 +43,7 @@ import math
 import numbers
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from cachelib.interface import PrefixCache
 from cachelib.kv_events import KvEvent
@@ -51,8 +51,8 @@ from experiments.engine.cache_client import CPU_CLOCK, CacheClient
 from experiments.engine.clock import VirtualClock
 from experiments.engine.executors import Executor
 from experiments.engine.request import ServingConfig, ServingResult
-from experiments.engine.scheduler import Scheduler
-from experiments.engine.serving import DEFAULT_CONFIG, SCHEDULER_POLICIES, progress_bar, refuse_beams
+from experiments.engine.scheduler import Loads, Scheduler
+from experiments.engine.serving import DEFAULT_CONFIG, progress_bar, refuse_beams, scheduler_class
 from experiments.routers.base import Router, RouterError
 from experiments.workloads.spec import RequestSpec
 
@@ -105,15 +105,6 @@ def session_ids(requests: Seq[RequestSpec]) -> dict[str, str]:
     return root
 
 
-class Loads(NamedTuple):
-    """A replica's work in tokens and pages, summed over its waiting and running requests
-    (`ClusterView.outstanding_tokens`, `prefill_tokens`, `active_pages`)."""
-
-    outstanding: int
-    prefill: int
-    pages: int
-
-
 class ReplicaView:
     """The routers' `ClusterView` (experiments/routers/base.py) over the live replicas.
     A replica's `Loads` are summed over its requests when first asked, and kept until the
@@ -153,23 +144,8 @@ class ReplicaView:
     def loads(self, i: int) -> Loads:
         cached = self._loads[i]
         if cached is None:
-            cached = self._loads[i] = self.count_loads(self.replicas[i], self.page_size)
+            cached = self._loads[i] = self.replicas[i].loads(self.page_size)
         return cached
-
-    @staticmethod
-    def count_loads(s: Scheduler, page_size: int) -> Loads:
-        """Over the replica's waiting and running requests: prompt tokens whose KV is not
-        computed (a preempted request's prompt counts again) plus output tokens not
-        generated; the prompt tokens alone; the full pages of their prompts."""
-        outstanding = prefill = pages = 0
-        for queue in (s.waiting, s.running):
-            for r in queue:
-                prompt = r.spec.prompt_len
-                left = prompt - min(r.seq.num_computed + r.lag, prompt)
-                prefill += left
-                outstanding += left + r.target - r.generated
-                pages += prompt // page_size
-        return Loads(outstanding, prefill, pages)
 
     def kv_usage(self, i: int) -> float:
         cache = self.replicas[i].cache
@@ -344,7 +320,7 @@ def serve_cluster(
     refuse_beams(requests)
     relays = subscribe_router(router, [c.cache for c in clients])
     clock = ClusterClock(requests)
-    policy = SCHEDULER_POLICIES[config.scheduler]
+    policy = scheduler_class(config, executors[0])
     replicas = [policy(c, e, config, clock, keep_outputs=keep_outputs) for c, e in zip(clients, executors, strict=True)]
     cluster = Cluster(replicas, clock, router, requests)
     bar = progress_bar(len(requests), f"serve {n} x {clients[0].cache.name} ({router.name})") if progress else None

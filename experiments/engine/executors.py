@@ -53,6 +53,11 @@ class Executor(Protocol):
     def decode_step_seconds(self, contexts: np.ndarray, k: int) -> np.ndarray:
         """Seconds of each of `k` decode steps (only when `supports_decode_windows`)."""
 
+    def batch_seconds(self, new: np.ndarray, starts: np.ndarray) -> float:
+        """Seconds of one step whose items compute `new[i]` tokens from position `starts[i]`,
+        in batch order: what `step` charges, without sampling (only when
+        `supports_decode_windows`: the engine then takes fresh ids itself)."""
+
     def fresh_tokens(self, k: int) -> list[int]:
         """`k` token ids no prompt uses (only when `samples_fresh_tokens`)."""
 
@@ -204,6 +209,20 @@ class CostModelExecutor:
         memory = nbytes / (d.mem_bandwidth * d.bandwidth_efficiency)
         return np.maximum(compute, memory) + d.step_overhead_s
 
+    def batch_seconds(self, new: np.ndarray, starts: np.ndarray) -> float:
+        """`step_seconds` over arrays: each item's term is the same float expression, and the
+        terms are added one at a time in batch order (`np.cumsum` accumulates sequentially),
+        so the result is the loop's to the last bit (tests/test_vllm_rows.py)."""
+        s, d = self.shape, self.device
+        tokens = int(new.sum())
+        per_item = 4.0 * s.num_layers * s.num_heads * s.head_dim * new * (starts + (new + 1) / 2)
+        flops = float(np.cumsum(np.concatenate(([2.0 * s.num_params * tokens], per_item)))[-1])
+        kv_read = int((starts + new).sum())
+        nbytes = s.num_params * s.bytes_per_param + (kv_read + tokens) * s.kv_bytes_per_token
+        compute = flops / (d.peak_flops * d.flops_efficiency)
+        memory = nbytes / (d.mem_bandwidth * d.bandwidth_efficiency)
+        return max(compute, memory) + d.step_overhead_s
+
     def fresh_tokens(self, k: int) -> list[int]:
         return self.tokens.take(k)
 
@@ -234,6 +253,9 @@ class FixedStepExecutor:
 
     def decode_step_seconds(self, contexts: np.ndarray, k: int) -> np.ndarray:
         return np.full(k, self.step_seconds)
+
+    def batch_seconds(self, new: np.ndarray, starts: np.ndarray) -> float:
+        return self.step_seconds
 
     def fresh_tokens(self, k: int) -> list[int]:
         return self.tokens.take(k)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 
@@ -41,6 +41,15 @@ from experiments.workloads.spec import RequestSpec
 
 #: longest decode window simulated in one go (bounds the per-step time vector)
 MAX_WINDOW = 4096
+
+
+class Loads(NamedTuple):
+    """A replica's work in tokens and pages, summed over its waiting and running requests
+    (a cluster's `ClusterView.outstanding_tokens`, `prefill_tokens`, `active_pages`)."""
+
+    outstanding: int
+    prefill: int
+    pages: int
 
 
 class Scheduler:
@@ -86,6 +95,20 @@ class Scheduler:
         """A request arrives: it joins the back of the waiting queue (`index`: its trace line)."""
         seq = Sequence(spec.request_id, spec.prompt, spec.extra, prefix_id=spec.prefix_id)
         self.waiting.append(Request(spec, seq, arrival=arrival, index=index))
+
+    def loads(self, page_size: int) -> Loads:
+        """Over the waiting and running requests: prompt tokens whose KV is not computed (a
+        preempted request's prompt counts again) plus output tokens not generated; the prompt
+        tokens alone; the full pages of their prompts."""
+        outstanding = prefill = pages = 0
+        for queue in (self.waiting, self.running):
+            for r in queue:
+                prompt = r.spec.prompt_len
+                left = prompt - min(r.seq.num_computed + r.lag, prompt)
+                prefill += left
+                outstanding += left + r.target - r.generated
+                pages += prompt // page_size
+        return Loads(outstanding, prefill, pages)
 
     # -- one step -------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from experiments.engine.clock import VirtualClock
 from experiments.engine.executors import Executor
 from experiments.engine.request import ServingConfig, ServingResult
 from experiments.engine.scheduler import Scheduler
+from experiments.engine.vllm_rows import VllmRowScheduler
 from experiments.engine.vllm_scheduler import StepPlan, VllmScheduler
 from experiments.workloads.spec import RequestSpec
 
@@ -26,6 +27,16 @@ DEFAULT_CONFIG = ServingConfig()
 ASYNC_BATCHES = 2
 #: `ServingConfig.scheduler` -> the policy's class
 SCHEDULER_POLICIES: dict[str, type[Scheduler]] = {"vllm": VllmScheduler, "legacy": Scheduler}
+
+
+def scheduler_class(config: ServingConfig, executor: Executor) -> type[Scheduler]:
+    """The class that runs `config.scheduler` with `executor`: the `vllm` policy's
+    synchronous loop over an executor that prices steps runs on rows (`VllmRowScheduler`:
+    the same decisions, vectorised); every other combination on request objects."""
+    policy = SCHEDULER_POLICIES[config.scheduler]
+    if policy is VllmScheduler and not config.async_scheduling and executor.supports_decode_windows:
+        return VllmRowScheduler
+    return policy
 
 
 def serve(
@@ -53,7 +64,7 @@ def serve(
     refuse_beams(requests)
     client = cache if isinstance(cache, CacheClient) else CacheClient(cache)
     clock = VirtualClock(requests)
-    scheduler = SCHEDULER_POLICIES[config.scheduler](client, executor, config, clock, keep_outputs=keep_outputs)
+    scheduler = scheduler_class(config, executor)(client, executor, config, clock, keep_outputs=keep_outputs)
     bar = progress_bar(len(requests), f"serve {client.cache.name}") if progress else None
     index_of = {s.request_id: i for i, s in enumerate(requests)}
     if config.async_scheduling:

@@ -30,6 +30,11 @@ token will be its last is skipped; a request preempted with output in flight del
 later (`stale`), is not re-admitted before that, and finishes in the waiting queue if that
 output was its last.
 
+`serve` runs the synchronous loop of an executor that prices steps (cost model, fixed) on
+`vllm_rows.VllmRowScheduler`: these decisions with the running batch held as numpy rows
+(tests/test_vllm_rows.py checks the two loops agree on everything they report). This class
+stays the reference, and runs async scheduling and the model executor.
+
 Each `Request` carries vLLM's counters in `r.vllm` (`VllmCounters`). The tokens a request
 samples are appended to its `Sequence` as soon as the executor returns them (the model
 needs them in the next step), while `known` counts what vLLM has delivered: only known
@@ -183,16 +188,18 @@ class VllmScheduler(Scheduler):
             budget -= n
         return budget
 
-    def allocate(self, r: Request, n: int, plan: StepPlan) -> bool:
+    def allocate(self, r: Request, n: int, plan: StepPlan, *, publish: bool = True) -> bool:
         """`allocate_slots` for a running request, preempting the last running request
-        until it fits; False when `r` itself was preempted."""
+        until it fits; False when `r` itself was preempted. `publish=False`: the caller
+        knows the commit would publish nothing (a lazy decode step into a new page)."""
         v = r.vllm
         self.flush(r)
         while True:
             ops = self.client.grow(r.seq, v.computed + n)
             if ops is not None:
                 self.executor.apply_copies(ops)
-                self.publish(r, min(v.computed + n, v.known))
+                if publish:
+                    self.publish(r, min(v.computed + n, v.known))
                 return True
             victim = self.running.pop()
             self.preempt_request(victim)

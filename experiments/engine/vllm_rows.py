@@ -1,0 +1,363 @@
+"""`VllmRowScheduler`: `VllmScheduler`'s synchronous loop with the running batch held as arrays.
+
+The decisions are `VllmScheduler`'s, rule for rule (its docstring); only the bookkeeping
+moves. With ~256 requests running, the object loop spends a few µs per request per step on
+counters that change the same way for nearly all of them: a decoding request gets one
+token of budget, computes it, samples one token. Here the running list's counters are
+numpy rows, authoritative while a request runs (`RunningRows`), and a step is a handful of
+vector operations. A request's own object is brought up to date (`sync`) only where
+something reads it:
+
+- a cache call for it: a prefill chunk, a decode step that needs a new page or fills one
+  (`VllmScheduler`'s lazy rule says which need none), its preemption, its finish;
+- its first token (TTFT), which sets fields on the object directly;
+- a router reading the replica's load (`loads`: from the rows, no sync needed).
+
+Syncing appends the tokens it sampled since the last sync, as fresh ids taken then (the
+decode windows of `VllmScheduler` draw them per window the same way): the ids differ from
+the object loop's, never the decisions, since an id is only ever compared for equality
+and every fresh id is new. Step times are the executor's `batch_seconds`, which adds the
+batch's terms in batch order (the same floats as `step_seconds`).
+
+Used for the synchronous loop with an executor that prices steps without running a model
+(`supports_decode_windows`: cost model, fixed); async scheduling and the model executor
+keep `VllmScheduler`'s object loop. tests/test_vllm_rows.py runs both on the same
+workloads and compares every request record, the ITL pairs, the page timeline and the
+cache's counters.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+
+from experiments.engine.request import Request
+from experiments.engine.scheduler import Loads, _new_pages, _pages_limit
+from experiments.engine.vllm_scheduler import MAX_WINDOW, StepPlan, VllmScheduler
+
+#: what a scheduled row's step asks of the cache (`VllmRowScheduler.schedule`)
+EXCUSED, FILLS, NEW_PAGE, CALLS = 0, 1, 2, 3
+
+
+class RunningRows:
+    """The running list's counters, one row per request in running order.
+
+    `computed`, `known`, `generated`: vLLM's `num_computed_tokens`, `num_tokens` and the
+    outputs delivered; `target`: outputs to generate; `capacity`: tokens its page table
+    covers; `committed`: tokens published to the cache (`seq.num_computed`); `work`: tokens
+    computed over its life (`Request.computed_tokens`); `last`: when its last token came
+    (NaN: none yet); `has_first`: it has its first token; `timed`: it counts in ITL (not a
+    parallel sample)."""
+
+    INT_FIELDS: ClassVar[tuple[str, ...]] = (
+        "computed",
+        "known",
+        "generated",
+        "target",
+        "capacity",
+        "committed",
+        "work",
+    )
+
+    def __init__(self) -> None:
+        empty = np.zeros(0, dtype=np.int64)
+        self.computed = empty
+        self.known = empty.copy()
+        self.generated = empty.copy()
+        self.target = empty.copy()
+        self.capacity = empty.copy()
+        self.committed = empty.copy()
+        self.work = empty.copy()
+        self.last = np.zeros(0, dtype=np.float64)
+        self.has_first = np.zeros(0, dtype=bool)
+        self.timed = np.zeros(0, dtype=bool)
+
+    def __len__(self) -> int:
+        return self.computed.size
+
+    def append(self, r: Request, computed: int, capacity: int) -> None:
+        """A request joins the end of the running list with its object's current state."""
+        self.computed = np.append(self.computed, computed)
+        self.known = np.append(self.known, r.vllm.known)
+        self.generated = np.append(self.generated, r.generated)
+        self.target = np.append(self.target, r.target)
+        self.capacity = np.append(self.capacity, capacity)
+        self.committed = np.append(self.committed, r.seq.num_computed)
+        self.work = np.append(self.work, r.computed_tokens)
+        self.last = np.append(self.last, math.nan if r.last_token_at is None else r.last_token_at)
+        self.has_first = np.append(self.has_first, r.first_token_at is not None)
+        self.timed = np.append(self.timed, r.sample_of is None)
+
+    def delete(self, where: int | np.ndarray) -> None:
+        """Rows leave (finished or preempted); the others keep their order."""
+        for name in (*self.INT_FIELDS, "last", "has_first", "timed"):
+            setattr(self, name, np.delete(getattr(self, name), where))
+
+
+@dataclass(slots=True)
+class RowPlan:
+    """One `schedule()` over rows: `n[i]` tokens for running row i (0: not scheduled),
+    rows admitted this step included (they are the last rows); `start` the rows' computed
+    counts before the step."""
+
+    n: np.ndarray
+    start: np.ndarray
+    preempted: bool = False
+    admitted: bool = False
+    index: int | None = None
+    end: float = 0.0
+    #: the admissions, as `VllmScheduler.admit_waiting` lists them
+    admissions: list[tuple[Request, int, int]] = field(default_factory=list)
+
+    @property
+    def items(self) -> np.ndarray:
+        """Scheduled rows (what `VllmScheduler.stuck` and the drive loop test for)."""
+        return np.flatnonzero(self.n)
+
+
+class VllmRowScheduler(VllmScheduler):
+    """`VllmScheduler`'s synchronous decisions over `RunningRows` (module docstring)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.async_scheduling or not self.executor.supports_decode_windows:
+            raise ValueError("the row scheduler runs the synchronous loop of an executor that prices steps")
+        self.rows = RunningRows()
+
+    # -- the object view ------------------------------------------------------------
+
+    def sync(self, i: int) -> Request:
+        """Bring running row `i`'s object up to date; returns it."""
+        return self.sync_row(i, self.running[i])
+
+    def sync_row(self, i: int, r: Request) -> Request:
+        """Bring `r`, row `i`, up to date: what a cache call needs (`sync_for_cache`) and
+        the counters the results read; returns it."""
+        self.sync_for_cache(i, r)
+        rows = self.rows
+        r.generated = int(rows.generated[i])
+        r.computed_tokens = int(rows.work[i])
+        last = float(rows.last[i])
+        r.last_token_at = None if math.isnan(last) else last
+        return r
+
+    def sync_for_cache(self, i: int, r: Request) -> Request:
+        """What a cache call for `r`, row `i`, reads: the tokens it sampled since the last
+        sync appended (fresh ids, or its forced output), vLLM's counts, the lag."""
+        rows = self.rows
+        v = r.vllm
+        k = int(rows.known[i]) - len(r.seq)
+        if k > 0:
+            tokens = self.executor.fresh_tokens(k)
+            if r.forced is not None:  # the request's recorded output overrides what was sampled
+                lo = len(r.output)
+                tokens[: max(0, min(k, len(r.forced) - lo))] = r.forced[lo : lo + k]
+            r.seq.extend_ids(tokens)
+            r.output.extend(tokens)
+        v.computed = int(rows.computed[i])
+        v.known = int(rows.known[i])
+        r.lag = v.computed - r.seq.num_computed  # computed, not yet published (lazy steps)
+        return r
+
+    def synced(self, i: int) -> None:
+        """After cache calls for row `i`'s object: its table and published count."""
+        r = self.running[i]
+        self.rows.capacity[i] = len(r.seq.page_table) * self.cache.page_size
+        self.rows.committed[i] = r.seq.num_computed
+
+    def loads(self, page_size: int) -> Loads:
+        """`Scheduler.loads` with running requests read from their rows."""
+        outstanding = prefill = pages = 0
+        for r in self.waiting:
+            prompt = r.spec.prompt_len
+            left = prompt - min(r.seq.num_computed + r.lag, prompt)
+            prefill += left
+            outstanding += left + r.target - r.generated
+            pages += prompt // page_size
+        rows = self.rows
+        if len(rows):
+            prompts = np.fromiter((r.spec.prompt_len for r in self.running), dtype=np.int64, count=len(rows))
+            left = prompts - np.minimum(rows.computed, prompts)
+            prefill += int(left.sum())
+            outstanding += int((left + rows.target - rows.generated).sum())
+            pages += int((prompts // page_size).sum())
+        return Loads(outstanding, prefill, pages)
+
+    # -- the step -------------------------------------------------------------------
+
+    def step(self) -> float | None:
+        plan = self.schedule()
+        if not plan.n.any():
+            if self.stuck(plan):
+                self.give_up_on_head()
+            return self.clock.now
+        k = self.window_steps(plan)
+        if k > 1:
+            return self.run_decode_window(plan, k)
+        self.execute(plan)
+        self.process(plan)
+        return plan.end
+
+    def stuck(self, plan: RowPlan) -> bool:  # type: ignore[override]
+        return not plan.n.any() and not plan.preempted and not self.running and bool(self.waiting)
+
+    def schedule(self) -> RowPlan:  # type: ignore[override]
+        """Rules 1-3 over rows: the budget split in running order as one cumulative sum, then
+        the cache calls, in order, of the rows the lazy rule does not excuse."""
+        rows = self.rows
+        start = rows.computed.copy()
+        need = rows.known - rows.computed
+        budget = self.config.token_budget
+        before = np.cumsum(need) - need  # budget the rows ahead of each would take
+        n = np.clip(budget - before, 0, need)
+        plan = RowPlan(n, start)
+        end = start + n
+        page = self.cache.page_size
+        if self.lazy:
+            # the lazy rule, by the cache's promise (`decode_steps_are_noops`): a one-token
+            # step inside a held page needs no call; one that fills a held page needs only the
+            # commit that publishes it (the object loop's flush and grow around it are no-ops);
+            # one that needs a new page, only the grow (its commit would publish nothing)
+            one, inside, fills = n == 1, end <= rows.capacity, end % page == 0
+            kind = np.where(
+                one & inside & ~fills, EXCUSED, np.where(one & inside, FILLS, np.where(one & ~fills, NEW_PAGE, CALLS))
+            )
+        else:
+            kind = np.full(len(n), CALLS)
+        for i in np.flatnonzero((n > 0) & (kind != EXCUSED)).tolist():
+            if i >= len(self.running):
+                break  # preempted by an earlier row's allocation
+            r = self.sync_for_cache(i, self.running[i])
+            if kind[i] == FILLS:
+                self.publish(r, int(end[i]))
+            elif not self.allocate(r, int(n[i]), plan, publish=kind[i] == CALLS):  # type: ignore[arg-type]
+                plan.n = plan.n[:i]  # it preempted itself: the running pass stops there
+                plan.start = plan.start[:i]
+                break
+            self.synced(i)
+        m = len(self.running)
+        plan.n, plan.start = plan.n[:m], plan.start[:m]
+        rows.computed = rows.computed + plan.n  # `_update_after_schedule`
+        budget -= int(plan.n.sum())
+        if not plan.preempted:
+            self.admit_rows(plan, budget)
+        self.finished_pending = False
+        return plan
+
+    def preempt_request(self, r: Request) -> None:
+        """A victim is the last running request: its row is synced, then dropped."""
+        i = len(self.running)  # `allocate` popped it already: it was row `i`
+        self.sync_row(i, r)
+        self.rows.delete(i)
+        super().preempt_request(r)
+
+    def admit_rows(self, plan: RowPlan, budget: int) -> None:
+        """Rule 3 through `VllmScheduler.admit_waiting`; each admitted request becomes a row."""
+        step = StepPlan()
+        self.admit_waiting(step, budget)
+        if not step.items:
+            return
+        plan.admitted = True
+        plan.admissions = step.items
+        page = self.cache.page_size
+        n, start = [], []
+        for r, k, s in step.items:
+            self.rows.append(r, s + k, len(r.seq.page_table) * page)
+            n.append(k)
+            start.append(s)
+        plan.n = np.concatenate((plan.n, np.array(n, dtype=np.int64)))
+        plan.start = np.concatenate((plan.start, np.array(start, dtype=np.int64)))
+
+    # -- execute and process ----------------------------------------------------------
+
+    def execute(self, plan: RowPlan) -> None:  # type: ignore[override]
+        start = max(self.clock.now, self.gpu_free)
+        on = plan.n > 0
+        seconds = self.executor.batch_seconds(plan.n[on], plan.start[on])
+        plan.end = self.gpu_free = start + seconds
+        plan.index = self.result.steps
+        self.result.steps += 1
+        self.rows.work = self.rows.work + plan.n
+        self.record_pages(plan.end)
+
+    def process(self, plan: RowPlan) -> None:  # type: ignore[override]
+        """Deliveries: a scheduled row whose chunk reached its known end sampled a token."""
+        rows = self.rows
+        sampled = (plan.n > 0) & (rows.computed == rows.known)
+        rows.known = rows.known + sampled
+        rows.generated = rows.generated + sampled
+        firsts = np.flatnonzero(sampled & ~rows.has_first)
+        for i in firsts.tolist():
+            r = self.running[i]
+            r.first_token_at, r.first_token_step = plan.end, plan.index
+        rows.has_first[firsts] = True
+        rows.last = self.result.itl.step_rows(rows.last, sampled & rows.timed, plan.end)
+        self.stop_rows(np.flatnonzero(sampled & (rows.generated >= rows.target)), plan.end, plan.index)
+
+    def stop_rows(self, done: np.ndarray, at: float, step: int | None) -> None:
+        """Rows that produced their last token finish, in running order."""
+        if not done.size:
+            return
+        finished = [self.sync(i) for i in done.tolist()]
+        self.rows.delete(done)
+        for r in finished:
+            self.stop(r, at, step)
+
+    # -- decode windows -----------------------------------------------------------------
+
+    def window_steps(self, plan: RowPlan) -> int:  # type: ignore[override]
+        """`VllmScheduler.window_steps` over rows."""
+        rows = self.rows
+        n = plan.n
+        if plan.admitted or plan.preempted or not len(n) or len(n) != len(self.running):
+            return 1
+        if not (n == 1).all() or not (rows.computed == rows.known).all() or not (rows.generated > 0).all():
+            return 1
+        k = min(MAX_WINDOW, int((rows.target - rows.generated).min()))
+        if k <= 1:
+            return 1
+        page = self.cache.page_size
+        pages = rows.capacity // page
+        spare = self.cache.pages_reclaimable()
+        if _new_pages(rows.computed, pages, page, 1) > spare:
+            return 1  # even the second step would preempt
+        k = 1 + _pages_limit(rows.computed, pages, page, spare, k - 1)
+        arrival = self.clock.next_arrival()
+        if arrival is not None and k > 1:
+            starts = self.step_starts(plan.start, k)
+            k = int(np.searchsorted(starts, arrival, side="left"))
+        return max(k, 1)
+
+    def run_decode_window(self, plan: RowPlan, k: int) -> float:  # type: ignore[override]
+        """`k` decode steps of every row at once; cache calls only for rows that need a
+        page or fill one (the others' would publish nothing: the lazy rule)."""
+        rows = self.rows
+        steps = self.executor.decode_step_seconds(plan.start, k)
+        ends = np.cumsum(np.concatenate(([self.clock.now], steps)))[1:]
+        first = self.result.steps
+        self.result.steps += k
+        end = float(ends[-1])
+        self.gpu_free = end
+        final = plan.start + k
+        page = self.cache.page_size
+        calls = (final > rows.capacity) | (final // page > rows.committed // page) | (not self.lazy)
+        rows.known = rows.known + k  # the window's k tokens are sampled (appended at a sync)
+        for i in np.flatnonzero(calls).tolist():
+            r = self.sync(i)  # computed: this step's token, as the object loop flushes it
+            self.flush(r)
+            ops = self.client.grow(r.seq, int(final[i]))
+            if ops is None:
+                raise RuntimeError("decode window ran out of pages; the window check is wrong")
+            self.executor.apply_copies(ops)
+            self.publish(r, int(final[i]))
+            self.synced(i)
+        rows.computed = final
+        rows.generated = rows.generated + k
+        rows.work = rows.work + k
+        rows.last = self.result.itl.window_rows(rows.last, rows.timed, ends)
+        self.stop_rows(np.flatnonzero(rows.generated >= rows.target), end, first + k - 1)
+        self.record_pages(end)
+        return end

@@ -1,0 +1,173 @@
+"""The row scheduler (`VllmRowScheduler`) makes `VllmScheduler`'s decisions exactly.
+
+`serve` runs the `vllm` policy's synchronous loop on rows whenever the executor prices steps
+(cost model, fixed); the object loop stays the reference. Both run here on the same
+workloads, backends and capacities (memory pressure included: preemptions, evictions,
+windows cut by pages) and everything a run reports must be equal: every request record,
+the ITL pairs, the pages timeline, the step count, the cache's counters and the step at
+which each KV event was emitted (so a page published a step late shows). The real-vLLM
+goldens (tests/test_vllm_scheduler.py) run through `serve`, so through the rows, too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cachelib import create_cache
+from experiments.engine import CostModelExecutor, ServingConfig
+from experiments.engine.cache_client import CacheClient
+from experiments.engine.clock import VirtualClock
+from experiments.engine.executors import FixedStepExecutor
+from experiments.engine.serving import drive, scheduler_class
+from experiments.engine.token_gaps import TokenGaps
+from experiments.engine.vllm_rows import VllmRowScheduler
+from experiments.engine.vllm_scheduler import VllmScheduler
+from experiments.workloads.registry import make_workload
+
+WORKLOADS = {
+    # a few hot documents, everything at once: admission fills memory, decoding preempts
+    "docs": ("shared_doc_qa", dict(num_documents=4, doc_len=300, num_requests=60, output_len=40, output_dist="uniform", rate=50.0, vocab_size=5000)),
+    # conversations whose next turn re-sends the recorded answer (forced outputs, dependent arrivals)
+    "chat": ("multi_turn_chat", dict(num_conversations=8, turns=4, user_turn_len=60, answer_len=30, answer_dist="exponential", think_time=0.5, rate=20.0, vocab_size=5000)),
+    # parallel samples (vLLM fans them out as requests sharing the prompt)
+    "samples": ("parallel_sampling", dict(n=3, num_requests=12, rate=5.0)),
+    # the shipped conversation trace's head: long prompts, chunked prefill
+    "mooncake": ("mooncake", dict(limit=60)),
+}  # fmt: skip
+
+
+class EventLog:
+    """When (the step count) each KV event came and what it was. Page keys are left out: a
+    generated page's key hashes fresh token ids, which the two loops draw in another order."""
+
+    def __init__(self) -> None:
+        self.scheduler: VllmScheduler | None = None
+        self.log: list[tuple[int, str, int]] = []
+
+    def on_kv_event(self, event) -> None:
+        self.log.append((self.scheduler.result.steps, type(event).__name__, len(event.keys)))
+
+
+def run(cls: type[VllmScheduler], backend: str, num_pages: int, page_size: int, requests, executor, config):
+    cache = create_cache(backend, num_pages=num_pages, page_size=page_size)
+    clock = VirtualClock(requests)
+    s = cls(CacheClient(cache), executor, config, clock)
+    events = EventLog()
+    events.scheduler = s
+    if cache.emits_kv_events:
+        cache.subscribe(events)
+    drive(clock, s, {spec.request_id: i for i, spec in enumerate(requests)})
+    res = s.result
+    return {
+        "records": sorted(res.requests, key=lambda rec: rec["request_id"]),
+        "itl": (res.itl.values, res.itl.counts),
+        "timeline": res.timeline,
+        "steps": res.steps,
+        "preemptions": res.preemptions,
+        "peak": res.peak_pages,
+        "stats": cache.stats(),
+        "now": clock.now,
+        "events": events.log,
+    }
+
+
+@pytest.mark.parametrize("workload", sorted(WORKLOADS))
+@pytest.mark.parametrize("backend", ["apc", "radix", "none", "paged"])
+@pytest.mark.parametrize("pages", [40, 400])
+@pytest.mark.parametrize("executor", ["cost", "fixed"])
+def test_rows_decide_as_the_object_loop(workload, backend, pages, executor):
+    name, knobs = WORKLOADS[workload]
+    requests = make_workload(name, seed=3, **knobs).requests
+    page_size = 16
+    longest = max(s.prompt_len + max(s.output_lens) for s in requests)
+    num_pages = max(pages, -(-longest // page_size) + 1)  # the longest request fits alone
+    config = ServingConfig(token_budget=512, max_running=16)
+
+    def make():
+        return CostModelExecutor() if executor == "cost" else FixedStepExecutor(0.02)
+
+    rows = run(VllmRowScheduler, backend, num_pages, page_size, requests, make(), config)
+    objects = run(VllmScheduler, backend, num_pages, page_size, requests, make(), config)
+    for key in objects:
+        assert rows[key] == objects[key], key
+    assert rows["steps"] > 0
+
+
+def test_pressure_is_exercised():
+    """The small capacity really preempts and the large one really takes decode windows: the
+    comparison above covers both paths."""
+    name, knobs = WORKLOADS["docs"]
+    requests = make_workload(name, seed=3, **knobs).requests
+    config = ServingConfig(token_budget=512, max_running=16)
+    small = run(VllmRowScheduler, "apc", 40, 16, requests, CostModelExecutor(), config)
+    assert small["preemptions"] > 0
+    big = run(VllmRowScheduler, "apc", 4000, 16, requests, CostModelExecutor(), config)
+    tokens = sum(rec["generated"] for rec in big["records"])
+    assert big["steps"] < tokens / 2  # far fewer steps than one per token each: windows ran
+
+
+def test_serve_picks_rows_only_for_the_synchronous_priced_loop():
+    sync, asyn = ServingConfig(), ServingConfig(async_scheduling=True)
+    assert scheduler_class(sync, CostModelExecutor()) is VllmRowScheduler
+    assert scheduler_class(sync, FixedStepExecutor(0.01)) is VllmRowScheduler
+    assert scheduler_class(asyn, CostModelExecutor()) is VllmScheduler
+    assert scheduler_class(ServingConfig(scheduler="legacy"), CostModelExecutor()).policy == "legacy"
+    with pytest.raises(ValueError, match="synchronous loop"):
+        VllmRowScheduler(
+            CacheClient(create_cache("apc", num_pages=8, page_size=4)), CostModelExecutor(), asyn, VirtualClock([])
+        )
+
+
+def test_batch_seconds_is_the_loop_to_the_last_bit():
+    """The cost model's vectorised step time adds the same terms in the same order."""
+    rng = np.random.default_rng(0)
+    ex = CostModelExecutor()
+    for _ in range(300):
+        size = int(rng.integers(1, 300))
+        new = rng.integers(1, 9000, size) * (rng.random(size) < 0.3) + 1
+        starts = rng.integers(0, 2_000_000, size)
+        batch = [(None, int(n), int(s)) for n, s in zip(new, starts, strict=True)]
+        assert ex.batch_seconds(new.astype(np.int64), starts.astype(np.int64)) == ex.step_seconds(batch)
+
+
+class _R:
+    def __init__(self, last):
+        self.last_token_at = last
+
+
+def test_token_gaps_rows_equal_objects():
+    """`step_rows` / `window_rows` record the pairs `step` / `window` record."""
+    rng = np.random.default_rng(1)
+    a, b = TokenGaps(), TokenGaps()
+    objs = [_R(None) for _ in range(20)]
+    last = np.full(20, np.nan)
+    timed = rng.random(20) < 0.8
+    now = 0.0
+    for _ in range(200):
+        now += float(rng.random())
+        if rng.random() < 0.2:
+            ends = now + np.cumsum(rng.random(int(rng.integers(1, 5))))
+            a.window([o for o, t in zip(objs, timed, strict=True) if t], ends.tolist())
+            last = b.window_rows(last, timed, ends)
+            now = float(ends[-1])
+            continue
+        got = (rng.random(20) < 0.6) & timed
+        a.step([o for o, g in zip(objs, got, strict=True) if g], now)
+        last = b.step_rows(last, got, now)
+    assert (a.values, a.counts) == (b.values, b.counts)
+    assert [o.last_token_at for o in objs] == [None if np.isnan(x) else x for x in last]
+
+
+@pytest.mark.parametrize("bad", [[1, 2.0], [True], [-1], [2**31]])
+def test_extend_ids_refuses_what_append_refuses(bad):
+    """The decode-path append validates as `append` does, and a refused call changes nothing."""
+    from cachelib.errors import InvalidRequestError
+    from cachelib.types import Sequence
+
+    s = Sequence("r", np.arange(4, dtype=np.int32))
+    with pytest.raises(InvalidRequestError, match="token id"):
+        s.extend_ids(bad)
+    assert len(s) == 4
+    s.extend_ids([7, 8])
+    assert s.tokens.tolist() == [0, 1, 2, 3, 7, 8]
