@@ -1,7 +1,8 @@
 # `make setup` builds .venv: torch first (TORCH, default torch==2.13.0, with PyTorch's CPU
 # wheel index as an extra index, where pip finds 2.13.0+cpu and prefers it to PyPI's CUDA
 # build; choose another: make setup TORCH='torch==2.6.0' TORCH_INDEX=https://download.pytorch.org/whl/cu124,
-# or TORCH_INDEX= for plain PyPI), then the project with every extra the suite tests (the
+# or TORCH_INDEX= for plain PyPI; one retry only, so an index that cannot be reached costs
+# seconds, not minutes), then the project with every extra the suite tests (the
 # ray extra, about 80 MB, lets it run `sweep --ray local`). torch is only the `model` extra:
 # `make check-no-torch` installs the project without it into a fresh venv and runs it.
 # `make compare` is the main job (every backend on the default workload, report in
@@ -24,7 +25,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q '$(TORCH)' $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+	$(BIN)/pip install -q '$(TORCH)' $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX) --retries 1)
 	$(BIN)/pip install -q -e '.[dev,ray,model,tokenizers,pandas]'
 	touch $(STAMP)
 
