@@ -1,12 +1,13 @@
 """Peak memory and time of the bounds (`experiments.runner.bounds`) on a Mooncake trace.
 
     python -m experiments.bench.bounds_memory [--trace FILE] [--limit N] [--page-size 16]
-        [--capacity-tokens 200000 1000000 3000000 10000000] [--expect RESULTS_JSON] [--output FILE]
+        [--capacity-tokens 200000 1000000 3000000 10000000] [--expect RESULTS_JSON]
+        [--output bench-results/bounds_memory.json]
 
 Does what `make mooncake`'s bounds task does, in this process: load the trace as the
 `mooncake` workload, then `bounds(workload, page_size, capacities)`. Prints one JSON object:
 seconds to load and to compute the bounds, peak RSS (`ru_maxrss`, the process's high-water
-mark) after loading and at the end, and the bounds themselves. Run it in a fresh process
+mark) after loading and at the end, and the bounds themselves; writes it to `--output`. Run it in a fresh process
 per measurement (the high-water mark never goes down). For ten times the conversation trace,
 write one first with `python -m experiments.bench.repeat_trace TRACE --times 10 --output FILE`.
 `--expect` compares the bounds with a results.json's `bounds` (e.g. `git show
@@ -22,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from experiments.bench import FULL_TRACE
+from experiments.bench import FULL_TRACE, RESULTS, HelpFormatter, write_output
 from experiments.runner import bounds
 from experiments.workloads.registry import make_workload
 
@@ -36,15 +37,29 @@ def peak_rss_mb() -> float:
     return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
 
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m experiments.bench.bounds_memory",
+        description=__doc__.splitlines()[0],
+        formatter_class=HelpFormatter,
+    )
+    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format trace (make mooncake's)")
+    ap.add_argument("--limit", type=int, help="use the trace's first N requests (default: all of them)")
+    ap.add_argument("--page-size", type=int, default=16, help="tokens per page")
+    ap.add_argument(
+        "--capacity-tokens", type=int, nargs="+", default=CAPACITIES, help="capacities in tokens for the Belady bound"
+    )
+    ap.add_argument(
+        "--expect",
+        type=Path,
+        help="a results.json whose bounds these must equal; exit 1 if they differ (default: no comparison)",
+    )
+    ap.add_argument("--output", type=Path, default=RESULTS / "bounds_memory.json", help="JSON file to write")
+    return ap
+
+
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
-    ap.add_argument("--limit", type=int)
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--capacity-tokens", type=int, nargs="+", default=CAPACITIES)
-    ap.add_argument("--expect", type=Path, help="a results.json whose bounds these must equal")
-    ap.add_argument("--output", type=Path)
-    args = ap.parse_args(argv)
+    args = build_parser().parse_args(argv)
     t0 = time.perf_counter()
     workload = make_workload("mooncake", path=str(args.trace), limit=args.limit)
     load_s = time.perf_counter() - t0
@@ -67,8 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.expect:
         out["equals_expected"] = json.loads(args.expect.read_text())["bounds"] == result
     print(json.dumps(out, indent=1))
-    if args.output:
-        args.output.write_text(json.dumps(out, indent=1) + "\n")
+    write_output(args.output, json.dumps(out, indent=1) + "\n")
     return out
 
 

@@ -2,6 +2,8 @@
 
     .venv/bin/python -m experiments.bench.half_life_sweep --output reports/worked_example/radix-aged
 
+(`--output` is a folder; by default `bench-results/half_life_sweep/`.)
+
 Runs `radix` (LRU, and SGLang's LFU) and `radix-aged` at several half-lives, with and without the position
 cost weight, on the workloads of the worked-example comparison; writes `half_life_sweep.json`
 and `half_life_sweep.md` (hit rates beside the Belady bound at the same capacity).
@@ -16,7 +18,7 @@ import time
 from pathlib import Path
 
 from experiments import defaults
-from experiments.bench import RESULTS
+from experiments.bench import RESULTS, HelpFormatter, write_output
 from experiments.runner import CellConfig, bounds, build_workload, run_cell
 
 TRACE = "experiments/data/mooncake_conversation_2000.jsonl"
@@ -34,11 +36,23 @@ CASES = [
 HALF_LIVES = [10, 50, 200, 1000, math.inf]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--output", default=str(RESULTS / "half_life_sweep"))
-    ap.add_argument("--page-size", type=int, default=defaults.PAGE_SIZE)
-    args = ap.parse_args()
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m experiments.bench.half_life_sweep",
+        description=__doc__.splitlines()[0],
+        formatter_class=HelpFormatter,
+    )
+    ap.add_argument(
+        "--output",
+        default=str(RESULTS / "half_life_sweep"),
+        help="folder to write half_life_sweep.json and half_life_sweep.md into",
+    )
+    ap.add_argument("--page-size", type=int, default=defaults.PAGE_SIZE, help="tokens per page")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     variants = [("radix (lru)", "radix", {}), ("radix (lfu, SGLang)", "radix", {"eviction_policy": "lfu"})]
     for cost in (27_000.0, None):
         for h in HALF_LIVES:
@@ -68,8 +82,7 @@ def main() -> None:
                 f"{case:32s} {label:40s} {hit:6.1%}  (Belady {belady:.1%}, {time.perf_counter() - t:.1f}s)", flush=True
             )
     out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "half_life_sweep.json").write_text(json.dumps({"page_size": args.page_size, "rows": rows}, indent=1) + "\n")
+    write_output(out / "half_life_sweep.json", json.dumps({"page_size": args.page_size, "rows": rows}, indent=1) + "\n")
     cases = [c[0] for c in CASES]
     lines = ["| variant | " + " | ".join(cases) + " |", "|---|" + "---|" * len(cases)]
     for label, _, _ in variants:
@@ -80,8 +93,8 @@ def main() -> None:
         + " | ".join(f"*{next(r for r in rows if r['case'] == c)['belady']:.1%}*" for c in cases)
         + " |"
     )
-    (out / "half_life_sweep.md").write_text(
-        f"Replay hit rate (page size {args.page_size}).\n\n" + "\n".join(lines) + "\n"
+    write_output(
+        out / "half_life_sweep.md", f"Replay hit rate (page size {args.page_size}).\n\n" + "\n".join(lines) + "\n"
     )
 
 

@@ -2,7 +2,7 @@
 
     python -m experiments.bench.oracle_bench [--limit 2000] [--page-size 16]
         [--capacity-tokens 200000 unlimited] [--concurrency 1] [--backend apc radix]
-        [--output FILE]
+        [--output bench-results/oracle_bench.json]
 
 Page keys are computed once and shared by every bound (their time is reported apart).
 Backends, when named, run the replay protocol at the same capacity, so each row reads
@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from cachelib import create_cache
 from experiments import defaults
+from experiments.bench import RESULTS, SHIPPED_TRACE, HelpFormatter, write_output
 from experiments.engine import replay, unlimited_pages
 from experiments.oracle import belady_hits, infinite_hits, page_keys
 from experiments.workloads.mooncake import load_mooncake
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "data/mooncake_conversation_2000.jsonl"
+DEFAULT_TRACE = SHIPPED_TRACE
 
 
 def _row(result: dict[str, Any], seconds: float) -> dict[str, Any]:
@@ -41,21 +43,37 @@ def _row(result: dict[str, Any], seconds: float) -> dict[str, Any]:
     return {**{k: result.get(k) for k in keep}, "seconds": round(seconds, 3)}
 
 
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m experiments.bench.oracle_bench",
+        description=__doc__.split("\n")[0],
+        formatter_class=HelpFormatter,
+    )
+    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format trace")
+    ap.add_argument("--limit", type=int, default=2000, help="use the trace's first N requests")
+    ap.add_argument("--page-size", type=int, default=defaults.PAGE_SIZE, help="tokens per page")
+    ap.add_argument(
+        "--capacity-tokens",
+        nargs="+",
+        default=["200000", "unlimited"],
+        help="capacities in tokens at which to run Belady (and the backends); 'unlimited' for no bound",
+    )
+    ap.add_argument("--concurrency", type=int, default=1, help="requests in flight at once (replay protocol)")
+    ap.add_argument(
+        "--backend", nargs="*", default=[], help="backends to replay beside the bounds at each capacity (none if empty)"
+    )
+    ap.add_argument("--output", type=Path, default=RESULTS / "oracle_bench.json", help="JSON file to write")
+    return ap
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
-    ap.add_argument("--limit", type=int, default=2000)
-    ap.add_argument("--page-size", type=int, default=defaults.PAGE_SIZE)
-    ap.add_argument("--capacity-tokens", nargs="+", default=["200000", "unlimited"])
-    ap.add_argument("--concurrency", type=int, default=1)
-    ap.add_argument("--backend", nargs="*", default=[])
-    ap.add_argument("--output", type=Path)
-    args = ap.parse_args(argv)
+    args = build_parser().parse_args(argv)
     requests = load_mooncake(args.trace, args.limit)
     ps = args.page_size
     t0 = time.perf_counter()
     keys = page_keys(requests, ps)
     out: dict[str, Any] = {
+        "command": " ".join(["python -m experiments.bench.oracle_bench", *(sys.argv[1:] if argv is None else argv)]),
         "trace": str(args.trace),
         "requests": len(requests),
         "page_size": ps,
@@ -87,8 +105,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"page keys: {out['distinct_pages']} distinct pages in {out['nodes']} nodes of up to"
         f" {out['pages_per_node']}, {out['page_keys_seconds']:.2f} s"
     )
-    if args.output:
-        args.output.write_text(json.dumps(out, indent=2) + "\n")
+    write_output(args.output, json.dumps(out, indent=2) + "\n")
+    print(f"wrote {args.output}")
     return out
 
 

@@ -1,13 +1,16 @@
 """radix cache-manager speed on the replay protocol: µs per request inside cache calls.
 
-    python -m experiments.bench.radix_bench [--page-size 1 16] [--policy lru ...]
-        [--capacity-tokens 200000] [--limit 2000] [--runs 3] [--output FILE] [--profile] [--cpu-clock]
+    python -m experiments.bench.radix_bench [--page-size 1 16] [--eviction-policy lru ...]
+        [--capacity-tokens 200000] [--limit 2000] [--runs 3] [--clock perf|thread]
+        [--output bench-results/radix_bench.json] [--profile]
 
 The issue's bar: at 200,000 tokens and page size 1, at most 150 µs per request (median of
 3 runs; SGLang's own tree spends about 350 µs there, allocator excluded). Prompts are
-expanded before timing; only time inside cache calls counts. Writes JSON (stdout, or
-`--output`); `--profile` prints the top of a cProfile of one run instead; `--cpu-clock`
-times cache calls with the thread's CPU clock, for a machine shared with other loads.
+expanded before timing; only time inside cache calls counts. Prints the JSON and writes it
+to `--output`; `--profile` prints the top of a cProfile of one run instead; `--clock thread`
+times cache calls with the thread's CPU clock, for a machine shared with other loads
+(`--cpu-clock`, its older spelling, still works). `--policy` is an older spelling of
+`--eviction-policy`.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import os
 import platform
 import pstats
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -26,25 +30,27 @@ import numpy as np
 
 from cachelib import create_cache
 from experiments import defaults
+from experiments.bench import CLOCK_HELP, CLOCKS, RESULTS, SHIPPED_TRACE, HelpFormatter, write_output
 from experiments.engine import CacheClient, replay
 from experiments.workloads.mooncake import load_mooncake
 from experiments.workloads.spec import RequestSpec
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "data" / "mooncake_conversation_2000.jsonl"
+DEFAULT_TRACE = SHIPPED_TRACE
 TARGET_US = 150.0
 
 
 def bench_one(
-    requests: list[RequestSpec], page_size: int, capacity_tokens: int, policy: str, runs: int, cpu_clock: bool = False
+    requests: list[RequestSpec], page_size: int, capacity_tokens: int, policy: str, runs: int, clock: str = "perf"
 ) -> dict:
-    """Replay `runs` times on fresh caches; the median and every run of µs per request."""
-    clock = time.thread_time if cpu_clock else time.perf_counter
+    """Replay `runs` times on fresh caches, timing cache calls with `CLOCKS[clock]`; the
+    median and every run of µs per request."""
+    timer = CLOCKS[clock]
     per_run, result = [], None
     for _ in range(runs):
         cache = create_cache(
             "radix", num_pages=capacity_tokens // page_size, page_size=page_size, eviction_policy=policy
         )
-        result = replay(CacheClient(cache, clock), requests)
+        result = replay(CacheClient(cache, timer), requests)
         per_run.append(result["us_per_request"])
     assert result is not None
     median = statistics.median(per_run)
@@ -65,9 +71,13 @@ def bench_one(
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--page-size", type=int, nargs="+", default=[1, defaults.PAGE_SIZE])
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.bench.radix_bench",
+        description=__doc__.splitlines()[0],
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("--page-size", type=int, nargs="+", default=[1, defaults.PAGE_SIZE], help="page sizes to time")
     p.add_argument(
         "--eviction-policy",
         "--policy",
@@ -75,19 +85,34 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=["lru"],
         choices=["lru", "lfu", "fifo", "mru", "filo"],
+        help="radix eviction policies to time (--policy is an older spelling)",
     )
-    p.add_argument("--capacity-tokens", type=int, default=200_000)
-    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
-    p.add_argument("--limit", type=int, default=2000)
-    p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--output", type=Path)
-    p.add_argument("--profile", action="store_true", help="cProfile one run of the first configuration")
+    p.add_argument("--capacity-tokens", type=int, default=200_000, help="cache capacity in tokens")
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format trace to replay")
+    p.add_argument("--limit", type=int, default=2000, help="replay the trace's first N requests")
+    p.add_argument("--runs", type=int, default=3, help="replays per configuration, each on a fresh cache")
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="perf", help=CLOCK_HELP)
     p.add_argument(
         "--cpu-clock",
-        action="store_true",
-        help="time cache calls with this thread's CPU clock instead of the wall clock (a shared, loaded machine)",
+        dest="clock",
+        action="store_const",
+        const="thread",
+        help="deprecated: the same as --clock thread",
     )
+    p.add_argument("--output", type=Path, default=RESULTS / "radix_bench.json", help="JSON file to write")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="print a cProfile of one run of the first configuration instead of timing (writes nothing)",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
+    if args.runs < 1:
+        p.error("--runs must be >= 1")
     specs = load_mooncake(args.trace, args.limit)
     requests = [RequestSpec(s.request_id, np.ascontiguousarray(s.prompt), s.output_len, s.arrival) for s in specs]
     if args.profile:
@@ -98,15 +123,17 @@ def main(argv: list[str] | None = None) -> int:
         pstats.Stats(prof).sort_stats("tottime").print_stats(20)
         return 0
     results = [
-        bench_one(requests, ps, args.capacity_tokens, policy, args.runs, args.cpu_clock)
+        bench_one(requests, ps, args.capacity_tokens, policy, args.runs, args.clock)
         for ps in args.page_size
         for policy in args.policy
     ]
     report = {
         "bench": "radix_bench",
+        "command": " ".join(["python -m experiments.bench.radix_bench", *(sys.argv[1:] if argv is None else argv)]),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "trace": str(args.trace),
-        "clock": "thread CPU time" if args.cpu_clock else "wall (perf_counter)",
+        "clock": args.clock,
+        "clock_meaning": "thread CPU time (time.thread_time)" if args.clock == "thread" else "wall (time.perf_counter)",
         "machine": {
             "python": platform.python_version(),
             "cpu": platform.processor() or platform.machine(),
@@ -116,15 +143,14 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
     }
     text = json.dumps(report, indent=1)
-    if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(text + "\n")
+    write_output(args.output, text + "\n")
     print(text)
     for r in results:
         print(
             f"radix ps={r['page_size']} {r['eviction_policy']}: median {r['median_us_per_request']:.1f} us/request "
             f"(runs {', '.join(f'{x:.1f}' for x in r['runs_us_per_request'])}), hit rate {r['hit_rate']:.2%}"
         )
+    print(f"wrote {args.output}")
     return 0
 
 

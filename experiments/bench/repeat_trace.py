@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from experiments.bench import HelpFormatter
+
 
 def _lines(path: Path) -> Iterator[dict[str, Any]]:
     with path.open() as fh:
@@ -57,12 +59,23 @@ def write_repeated(path: str | Path, times: int, output: str | Path) -> int:
     return n
 
 
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m experiments.bench.repeat_trace",
+        description=__doc__.splitlines()[0],
+        formatter_class=HelpFormatter,
+    )
+    ap.add_argument("trace", type=Path, help="Mooncake-format trace (JSONL) to repeat")
+    ap.add_argument("--times", type=int, default=10, help="copies of the trace, one after another")
+    ap.add_argument("--output", type=Path, required=True, help="JSONL trace file to write (required)")
+    return ap
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("trace", type=Path)
-    ap.add_argument("--times", type=int, default=10)
-    ap.add_argument("--output", type=Path, required=True)
+    ap = build_parser()
     args = ap.parse_args(argv)
+    if args.times < 1:
+        ap.error(f"--times must be >= 1, got {args.times}")
     n = write_repeated(args.trace, args.times, args.output)
     print(f"{args.output}: {n} lines ({args.times} copies of {args.trace})")
     return 0

@@ -1,7 +1,8 @@
 """Cache-manager speed on the replay protocol: µs per request inside cache calls.
 
     python -m experiments.bench.replay_bench [--backend apc] [--page-size 16]
-        [--capacity-tokens 200000] [--limit 2000] [--runs 3] [--clock perf|thread] [--output FILE]
+        [--capacity-tokens 200000] [--limit 2000] [--runs 3] [--clock perf|thread]
+        [--output bench-results/replay_bench.json]
 
 Each run replays the trace on a fresh cache; prompts are expanded before timing starts,
 and only time inside cache calls counts (hashing included). Reports every run, the median
@@ -25,16 +26,14 @@ import numpy as np
 
 from cachelib import create_cache
 from experiments import defaults
+from experiments.bench import CLOCK_HELP, CLOCKS, RESULTS, SHIPPED_TRACE, HelpFormatter, write_output
 from experiments.engine import replay
 from experiments.engine.cache_client import CacheClient
 from experiments.results import git_commit
 from experiments.workloads.mooncake import load_mooncake
 from experiments.workloads.spec import RequestSpec
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "data/mooncake_conversation_2000.jsonl"
-
-
-CLOCKS = {"perf": time.perf_counter, "thread": time.thread_time}
+DEFAULT_TRACE = SHIPPED_TRACE
 
 
 def bench(
@@ -69,22 +68,34 @@ def bench(
     }
 
 
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.bench.replay_bench",
+        description=__doc__.splitlines()[0],
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("--backend", nargs="+", default=["apc"], help="backends to time, one after another")
+    p.add_argument("--page-size", type=int, default=defaults.PAGE_SIZE, help="tokens per page")
+    p.add_argument("--capacity-tokens", type=int, default=200_000, help="cache capacity in tokens")
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format trace to replay")
+    p.add_argument("--limit", type=int, default=2000, help="replay the trace's first N requests")
+    p.add_argument("--runs", type=int, default=3, help="replays per backend, each on a fresh cache")
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="perf", help=CLOCK_HELP)
+    p.add_argument("--output", type=Path, default=RESULTS / "replay_bench.json", help="JSON file to write")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--backend", nargs="+", default=["apc"])
-    p.add_argument("--page-size", type=int, default=defaults.PAGE_SIZE)
-    p.add_argument("--capacity-tokens", type=int, default=200_000)
-    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
-    p.add_argument("--limit", type=int, default=2000)
-    p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--clock", choices=sorted(CLOCKS), default="perf", help="perf: wall clock; thread: CPU time")
-    p.add_argument("--output", type=Path)
+    p = build_parser()
     args = p.parse_args(argv)
+    if args.runs < 1:
+        p.error("--runs must be >= 1")
 
     specs = load_mooncake(args.trace, args.limit)
     # expand prompts once, outside the timed region
     requests = [RequestSpec(s.request_id, np.ascontiguousarray(s.prompt), s.output_len, s.arrival) for s in specs]
     started = time.strftime("%Y-%m-%dT%H:%M:%S")
+    load_start = os.getloadavg()  # how busy the machine was: wall-clock figures run high under load
     results = []
     for backend in args.backend:
         r = bench(backend, requests, args.page_size, args.capacity_tokens, args.runs, args.clock)
@@ -104,14 +115,14 @@ def main(argv: list[str] | None = None) -> int:
             "python": platform.python_version(),
             "cpus": os.cpu_count(),
             "processor": platform.processor() or platform.machine(),
+            "load_avg_start": load_start,
+            "load_avg_end": os.getloadavg(),
         },
         "trace": str(args.trace),
         "results": results,
     }
-    if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(out, indent=1) + "\n")
-        print(f"wrote {args.output}")
+    write_output(args.output, json.dumps(out, indent=1) + "\n")
+    print(f"wrote {args.output}")
     return 0
 
 

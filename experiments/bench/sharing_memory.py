@@ -1,7 +1,11 @@
 """Memory saved by sharing, as in PagedAttention §6.3, on every registered backend.
 
     python -m experiments.bench.sharing_memory [--requests 200] [--concurrency 16]
-        [--page-size 16] [--datasets alpaca sharegpt] [--output reports/bench/sharing_memory.json]
+        [--page-size 16] [--datasets alpaca sharegpt] [--backend none apc ...]
+        [--output bench-results/sharing_memory.json]
+
+Writes the JSON to `--output` and a markdown table beside it (the same name, `.md`); the
+committed report is `--output reports/bench/sharing_memory.json`.
 
 Parallel sampling (n = 2, 4, 6) and beam search (width 2, 4, 6) from
 `experiments.workloads.sampling`, driven through `fork` and `release` only, so the same
@@ -23,12 +27,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from cachelib import Sequence, available_backends, create_cache
-from experiments.bench import RESULTS
+from experiments.bench import RESULTS, HelpFormatter, write_output
 from experiments.engine.cache_client import CacheClient
 from experiments.engine.executors import FreshTokens
 from experiments.workloads.sampling import SamplingRequest, describe, generate
@@ -164,14 +169,26 @@ def run(backend: str, requests: list[SamplingRequest], *, page_size: int, concur
     }
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=200)
-    ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--page-size", type=int, default=16, help="the paper's block size is 16")
-    ap.add_argument("--datasets", nargs="+", default=["alpaca", "sharegpt"])
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m experiments.bench.sharing_memory",
+        description=__doc__.splitlines()[0],
+        formatter_class=HelpFormatter,
+    )
+    ap.add_argument("--requests", type=int, default=200, help="sampling requests per dataset, mode and width")
+    ap.add_argument("--concurrency", type=int, default=16, help="requests in flight at once")
+    ap.add_argument("--page-size", type=int, default=16, help="tokens per page (the paper's block size is 16)")
     ap.add_argument(
-        "--backend", "--backends", dest="backends", nargs="+", default=None, help="default: every registered backend"
+        "--datasets", nargs="+", default=["alpaca", "sharegpt"], help="prompt/output length distributions to sample"
+    )
+    ap.add_argument(
+        "--backend",
+        "--backends",
+        dest="backends",
+        metavar="BACKEND",
+        nargs="+",
+        default=None,
+        help="backends to run (default: every registered backend; --backends is an older spelling)",
     )
     ap.add_argument("--parent-decay", type=float, default=0.5, help="beam parent weight per rank")
     ap.add_argument(
@@ -180,9 +197,17 @@ def main(argv: list[str] | None = None) -> dict:
         default=["1.0:0", "0.5:0.5", "0.5:0.9"],
         help="also run beam search on 'paged' with these DECAY:STAY beam schedules",
     )
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--output", default=str(RESULTS / "sharing_memory.json"))
-    args = ap.parse_args(argv)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the sampled requests")
+    ap.add_argument(
+        "--output",
+        default=str(RESULTS / "sharing_memory.json"),
+        help="JSON file to write; the markdown table goes beside it with the suffix .md",
+    )
+    return ap
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
     backends = args.backends or available_backends()
     rows: list[dict] = []
     workloads: dict[str, dict] = {}
@@ -208,7 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"sensitivity {decay}:{stay} {dataset} beam {width}: paged {res['saving_pct']:.1f}%", flush=True)
     report = {
         "benchmark": "memory saved by sharing (PagedAttention §6.3)",
-        "command": "python -m experiments.bench.sharing_memory " + " ".join(argv or []),
+        "command": " ".join(["python -m experiments.bench.sharing_memory", *(sys.argv[1:] if argv is None else argv)]),
         "config": vars(args) | {"backends": backends},
         "definitions": DEFINITIONS,
         "paper_saving_pct_range_n_or_width_2_to_6": PAPER,
@@ -217,10 +242,9 @@ def main(argv: list[str] | None = None) -> dict:
         "beam_parent_decay_sensitivity_paged": sensitivity,
     }
     out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_output(out, json.dumps(report, indent=2) + "\n")
     md = markdown(rows, backends) + sensitivity_markdown(rows, sensitivity, f"{args.parent_decay}:0.0")
-    out.with_suffix(".md").write_text(md)
+    write_output(out.with_suffix(".md"), md)
     print(md)
     return report
 

@@ -1,0 +1,147 @@
+"""The benchmark scripts' command lines: every option has help text and `--help` shows its
+default, settings have the same flag in every script (older spellings only as aliases of
+it), and default outputs go to the untracked bench-results/ folder. Nothing is run."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+from pathlib import Path
+
+import pytest
+
+import experiments.bench as bench_pkg
+from experiments.bench import RESULTS
+
+ROOT = Path(__file__).resolve().parents[1]
+#: experiments/bench/gpu_attention_bench.py has its own command line (GPU only), checked by its owner's tests
+SKIP = {"gpu_attention_bench"}
+MODULES = sorted(m.name for m in pkgutil.iter_modules(bench_pkg.__path__) if m.name not in SKIP)
+
+#: the flags a script must have, where the setting applies to it
+SHARED = {
+    "bounds_memory": {"--trace", "--limit", "--page-size", "--capacity-tokens", "--output"},
+    "half_life_sweep": {"--page-size", "--output"},
+    "oracle_bench": {"--trace", "--limit", "--page-size", "--capacity-tokens", "--backend", "--output"},
+    "radix_bench": {
+        "--trace",
+        "--limit",
+        "--page-size",
+        "--capacity-tokens",
+        "--eviction-policy",
+        "--runs",
+        "--clock",
+        "--output",
+    },
+    "repeat_trace": {"--output"},
+    "replay_bench": {
+        "--trace",
+        "--limit",
+        "--page-size",
+        "--capacity-tokens",
+        "--backend",
+        "--runs",
+        "--clock",
+        "--output",
+    },
+    "sharing_memory": {"--page-size", "--backend", "--output"},
+    "speed_targets": {"--trace", "--runs", "--clock", "--output"},
+}
+#: older or other spellings: allowed only as an alias of the shared flag (same destination)
+ALIASES = {
+    "--backends": "--backend",
+    "--policy": "--eviction-policy",
+    "--page-sizes": "--page-size",
+    "--trace-full": "--trace",
+    "--cpu-clock": "--clock",
+    "--out": "--output",
+    "--repeats": "--runs",
+    "--reps": "--runs",
+    "--capacity": "--capacity-tokens",
+    "--capacities": "--capacity-tokens",
+}
+
+
+def parser_of(name: str) -> argparse.ArgumentParser:
+    module = importlib.import_module(f"experiments.bench.{name}")
+    return module.build_parser()
+
+
+def options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [a for a in parser._actions if not isinstance(a, argparse._HelpAction)]
+
+
+def by_flag(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {flag: a for a in options(parser) for flag in a.option_strings}
+
+
+def test_every_script_is_covered():
+    assert set(MODULES) == set(SHARED), "a new benchmark script needs its row in SHARED"
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_every_option_has_help_text_and_help_shows_its_default(name, capsys):
+    parser = parser_of(name)
+    assert issubclass(parser.formatter_class, argparse.ArgumentDefaultsHelpFormatter)
+    formatter = parser._get_formatter()
+    dests_with_default = {a.dest for a in options(parser) if a.default is not None}
+    for action in options(parser):
+        label = "/".join(action.option_strings) or action.dest
+        assert action.help and action.help != argparse.SUPPRESS and action.help.strip(), f"{name} {label}: no help"
+        shown = formatter._get_help_string(action) or ""
+        if action.required:
+            continue
+        if action.default is None and action.dest in dests_with_default:
+            # an alias storing into another option's destination (e.g. --cpu-clock): that option shows the default
+            assert "same as" in shown, f"{name} {label}: an alias should say which option it stands for"
+            continue
+        assert "default" in shown, f"{name} {label}: --help does not show the default ({shown!r})"
+    module = importlib.import_module(f"experiments.bench.{name}")
+    with pytest.raises(SystemExit) as stop:
+        module.main(["--help"])
+    assert stop.value.code == 0
+    text = capsys.readouterr().out
+    for action in options(parser):
+        for flag in action.option_strings:
+            assert flag in text, f"{name}: {flag} missing from --help"
+    assert "default:" in text
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_settings_have_the_shared_flag_names(name):
+    flags = by_flag(parser_of(name))
+    missing = SHARED[name] - set(flags)
+    assert not missing, f"{name} lacks {sorted(missing)}"
+    for alias, canonical in ALIASES.items():
+        if alias in flags:
+            assert canonical in flags, f"{name}: {alias} without {canonical}"
+            assert flags[alias].dest == flags[canonical].dest, f"{name}: {alias} is not an alias of {canonical}"
+    if "--clock" in flags:
+        assert set(flags["--clock"].choices) == {"perf", "thread"}
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_default_output_is_under_the_untracked_results_folder(name):
+    action = by_flag(parser_of(name))["--output"]
+    if action.required:
+        return  # repeat_trace writes a trace, and only where it is told
+    assert action.default is not None, f"{name}: no default output"
+    assert Path(action.default).resolve().is_relative_to(RESULTS), f"{name}: default output {action.default}"
+
+
+def test_results_folder_is_gitignored():
+    assert RESULTS == ROOT / "bench-results"
+    lines = {line.strip() for line in (ROOT / ".gitignore").read_text().splitlines()}
+    assert lines & {"/bench-results/", "bench-results/", "/bench-results", "bench-results"}
+
+
+def test_old_spellings_parse_as_the_new_ones():
+    radix = parser_of("radix_bench")
+    assert radix.parse_args(["--cpu-clock"]).clock == radix.parse_args(["--clock", "thread"]).clock == "thread"
+    assert radix.parse_args([]).clock == "perf"
+    assert radix.parse_args(["--policy", "lfu"]).policy == radix.parse_args(["--eviction-policy", "lfu"]).policy
+    sharing = parser_of("sharing_memory")
+    assert sharing.parse_args(["--backends", "apc"]).backends == sharing.parse_args(["--backend", "apc"]).backends
+    speed = parser_of("speed_targets")
+    assert speed.parse_args(["--trace-full", "x"]).trace_full == speed.parse_args(["--trace", "x"]).trace_full
