@@ -39,29 +39,23 @@ def test_repeated_trace_copies_share_no_block_and_follow_in_time(tmp_path):
 
 
 def test_bounds_memory_reports_and_checks_the_bounds(tmp_path, capsys):
-    out = bounds_memory.main(["--trace", str(TRACE), "--limit", "200", "--capacity-tokens", "100000"])
+    base = [
+        "--trace",
+        str(TRACE),
+        "--limit",
+        "200",
+        "--capacity-tokens",
+        "100000",
+        "--output",
+        str(tmp_path / "b.json"),
+    ]
+    out = bounds_memory.main(base)
     assert out["requests"] == 200 and out["peak_rss_mb"] > 0 and out["oracle_module"].endswith("oracle.py")
     expect = tmp_path / "results.json"
     expect.write_text(json.dumps({"bounds": out["bounds"]}))
-    again = bounds_memory.main(
-        ["--trace", str(TRACE), "--limit", "200", "--capacity-tokens", "100000", "--expect", str(expect)]
-    )
+    again = bounds_memory.main([*base, "--expect", str(expect)])
     assert again["equals_expected"] is True
     bad = json.loads(expect.read_text())
     bad["bounds"]["infinite"]["hit_tokens"] += 16
     expect.write_text(json.dumps(bad))
-    assert (
-        bounds_memory.main(
-            [
-                "--trace",
-                str(TRACE),
-                "--limit",
-                "200",
-                "--capacity-tokens",
-                "100000",
-                "--expect",
-                str(expect),
-            ]
-        )["equals_expected"]
-        is False
-    )
+    assert bounds_memory.main([*base, "--expect", str(expect)])["equals_expected"] is False
