@@ -94,6 +94,11 @@ class PrefixCache(ABC):
     #: "pages stored" as it publishes full pages, "pages removed" as it evicts them
     #: (cachelib/kv_events.py). apc and radix do; none and paged publish nothing
     emits_kv_events: ClassVar[bool] = False
+    #: the memory tiers the cache keeps KV on, GPU first (cachelib/tiers.py `TIER_NAMES`).
+    #: A cache with more than the GPU may load part of a hit back from a lower tier inside
+    #: `admit`: `seq.num_computed` after `admit` is then the match plus what was loaded
+    #: (every token not recomputed), and `tier_traffic` reports what moved
+    memory_tiers: ClassVar[tuple[str, ...]] = ("gpu",)
 
     def __init__(self, num_pages: int, page_size: int) -> None:
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
@@ -251,6 +256,10 @@ class PrefixCache(ABC):
 
         check_shared(self)
         self._check_invariants()
+
+    def tier_traffic(self) -> dict[str, int]:
+        """Tokens (and bytes) moved between memory tiers so far; empty with one tier."""
+        return {}
 
     def pages_pinned(self) -> int:
         """Pages held by live sequences (or pinned registrations): `stats().pages_pinned`.

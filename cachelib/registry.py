@@ -22,6 +22,7 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "radix": "backends.radix",
     "paged": "backends.paged",
     "radix-aged": "backends.radix_aged",
+    "radix-hicache": "backends.radix_hicache",
 }
 
 _registry: dict[str, type[PrefixCache]] = {}
