@@ -32,7 +32,8 @@ Python TreeCore, which the goldens run). Golden runs of the real code:
 
 Options: `write_policy` (`write_through`: back up a node at its first hit;
 `write_through_selective`: at its second; `write_back`: only when the device evicts it),
-`host_capacity_tokens` or `host_capacity_gb` (with `kv_bytes_per_token`), `host_read_gbps`
+`host_capacity_tokens` or `host_capacity_gb` (with `kv_bytes_per_token`; neither: twice the
+GPU pool, SGLang's default `--hicache-ratio 2`), `host_read_gbps`
 / `host_write_gbps` (default: the H200's PCIe Gen5 x16, `cachelib/tiers.py`),
 `eviction_policy` (one order for both tiers, as SGLang's). Deviation from `radix` that
 follows the unified tree: a split's upper part keeps the lower part's creation time
@@ -62,6 +63,7 @@ class HiRadixCache(RadixCache):
     """SGLang 0.5.23 HiCache over `num_pages` GPU pages and a host tier (module docstring)."""
 
     memory_tiers: ClassVar[tuple[str, ...]] = ("gpu", "host")
+    compared_by_default = False  # it holds KV beyond the GPU capacity the others get: name it
     emits_kv_events = False  # SGLang publishes per-medium events; not built here
 
     def __init__(
@@ -82,8 +84,11 @@ class HiRadixCache(RadixCache):
             raise InvalidRequestError(f"unknown write_policy {write_policy!r}; choose one of {', '.join(WRITE_POLICIES)}")
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
             raise InvalidRequestError(f"page_size must be a positive int, got {page_size!r}")
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
+            raise InvalidRequestError(f"num_pages must be a positive int, got {num_pages!r}")
         self.host_tier = HostTier.build(
             page_size,
+            num_pages * page_size,
             capacity_tokens=host_capacity_tokens,
             capacity_gb=host_capacity_gb,
             read_gbps=host_read_gbps,
@@ -103,6 +108,10 @@ class HiRadixCache(RadixCache):
     # -- the mover the tree calls (transfers complete at once) ------------------------
 
     def give(self, pages: list[int]) -> None:
+        """An evicted device copy's pages. A demoted node stays in the tree (and may come
+        back on other pages), so proving a match by its nodes no longer suffices: every
+        eviction makes older matches stale."""
+        self._epoch += 1
         self._give(pages)
 
     def copied_to_host(self, device_pages: list[int], host_pages: list[int]) -> None:
@@ -202,6 +211,11 @@ class HiRadixCache(RadixCache):
     def _release(self, seq: Sequence, held: _Held) -> None:
         super()._release(seq, held)
         self.tree.finish_loads()
+
+    def _evict_tokens(self, num_tokens: int) -> int:
+        freed = self.tree.evict(num_tokens, self.give) // self.page_size
+        self._counters["evicted_pages"] += freed
+        return freed
 
     def _evict(self, num_pages: int) -> int:
         return self._evict_tokens(num_pages * self.page_size)

@@ -16,7 +16,7 @@ from cachelib.errors import (
 )
 from cachelib.interface import PrefixCache
 from cachelib.kv_events import KvEvent, KvEventListener, PageKeys, PagesRemoved, PagesStored
-from cachelib.registry import available_backends, create_cache, get_backend, register_backend
+from cachelib.registry import available_backends, create_cache, default_backends, get_backend, register_backend
 from cachelib.types import CacheStats, CopyOp, ExtraKeys, Match, MultiModalSpan, Sequence
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "UnknownSequenceError",
     "available_backends",
     "create_cache",
+    "default_backends",
     "get_backend",
     "register_backend",
 ]

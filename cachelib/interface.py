@@ -99,6 +99,8 @@ class PrefixCache(ABC):
     #: `admit`: `seq.num_computed` after `admit` is then the match plus what was loaded
     #: (every token not recomputed), and `tier_traffic` reports what moved
     memory_tiers: ClassVar[tuple[str, ...]] = ("gpu",)
+    #: run by a comparison that names no backend (`cachelib.registry.default_backends`)
+    compared_by_default: ClassVar[bool] = True
 
     def __init__(self, num_pages: int, page_size: int) -> None:
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:

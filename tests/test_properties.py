@@ -108,6 +108,7 @@ class CacheMachine(RuleBasedStateMachine):
     def setup(self):
         tally = TALLY.setdefault(self.case, Counter())
         self.raw = create_cache(self.backend, num_pages=self.num_pages, page_size=self.page_size, **self.options)
+        self.tiered = len(self.raw.memory_tiers) > 1
         self.cache = Counted(self.raw, tally)
         # another cache with the same history of prefixes: the source of foreign matches
         self.twin = Counted(
@@ -200,7 +201,18 @@ class CacheMachine(RuleBasedStateMachine):
         if ops is None:
             return False
         assert hit_ok, "admit accepted a match whose pages hold other KV"
-        assert s.num_computed == m.num_tokens
+        if self.tiered:
+            # a tiered cache may load more of the prefix back from the host inside admit:
+            # whole pages, never past the prompt's last token. This simulated KV has no
+            # host store, so the loaded tokens are written as an executor would copy them;
+            # the cache's track_contents proves its host copy held exactly these tokens.
+            assert m.num_tokens <= s.num_computed < n and s.num_computed % self.page_size == 0
+            loaded = s.num_computed
+            s.num_computed = m.num_tokens
+            self._write(s, loaded)
+            s.num_computed = loaded
+        else:
+            assert s.num_computed == m.num_tokens
         self._apply(ops)
         self.live[s.request_id] = s
         self._write(s, n)
@@ -481,11 +493,16 @@ class CacheMachine(RuleBasedStateMachine):
         assert st_.pages_pinned == st_.extra.get("prefix_pages", 0), "pages stay pinned after every release"
 
 
-def _options(backend: str) -> dict:
-    """Content tracking on, so check_invariants proves index entries hold their tokens."""
+def _options(backend: str, page_size: int, num_pages: int) -> dict:
+    """Content tracking on, so check_invariants proves index entries hold their tokens
+    (radix-hicache: on both tiers); a tiered case also names its write policy and a host
+    as small as the GPU (default: twice it), so host eviction runs all the time."""
     if backend == "apc":
         return {"verify_tokens": True}
     if backend.startswith("radix"):
+        name, _, policy = backend.partition(":")
+        if policy:
+            return {"track_contents": True, "write_policy": policy, "host_capacity_tokens": num_pages * page_size}
         return {"track_contents": True}
     return {}
 
@@ -493,7 +510,9 @@ def _options(backend: str) -> dict:
 #: (page size, pages, prompt scale, examples, steps): small caches evict all the time, the
 #: larger one holds long prompts of several pages and many live sequences
 SHAPES = [(1, 12, 1, 60, 50), (4, 10, 1, 60, 50), (4, 48, 3, 70, 60)]
-CASES = [(b, *shape) for b in available_backends() for shape in SHAPES]
+#: the tiered backend once more per other write policy (`radix-hicache:POLICY`), host-bound
+TIERED = ["radix-hicache:write_through_selective", "radix-hicache:write_back"]
+CASES = [(b, *shape) for b in [*available_backends(), *TIERED] for shape in SHAPES]
 
 
 def _same_draws_in_every_session(monkeypatch) -> None:
@@ -517,14 +536,14 @@ def test_random_operation_sequences(backend, page_size, num_pages, scale, exampl
     case = f"{backend}-{page_size}-{num_pages}"
     TALLY.pop(case, None)
     machine = type(
-        case.replace("-", "_"),
+        case.replace("-", "_").replace(":", "_"),
         (CacheMachine,),
         {
-            "backend": backend,
+            "backend": backend.partition(":")[0],
             "page_size": page_size,
             "num_pages": num_pages,
             "scale": scale,
-            "options": _options(backend),
+            "options": _options(backend, page_size, num_pages),
             "case": case,
         },
     )

@@ -176,6 +176,9 @@ def bootstrap_sglang() -> None:
     if getattr(SG, "ready", False):
         return
     warnings.filterwarnings("ignore")
+    import logging
+
+    logging.getLogger("sglang").setLevel(logging.ERROR)  # write_back logs every dropped subtree
     from transformers.utils import import_utils as _tf_import_utils
 
     assert _tf_import_utils.is_torchvision_available() is False  # cached before the stub
