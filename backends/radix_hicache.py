@@ -24,7 +24,9 @@ sources). Per request, under the replay protocol:
 
 Transfers complete at once (the GPU-optimistic timing of the replay protocol): backups
 inside the call that issues them, load-backs at the next `commit` or `release` (where
-SGLang's scheduler would poll them). What is not built: transfer time on the serving
+SGLang's scheduler would poll them). The bytes move in the executor: each page backed up
+or loaded is a `TierCopy` handed out, in decision order, with the next `admit`, `grow`
+or `fork`'s copies (attention/kv_cache.py keeps the host pages). What is not built: transfer time on the serving
 clock (bandwidths are recorded, not charged), KV events for the host tier (this backend
 publishes none), L3 storage and its prefetch, and SGLang's Rust TreeCore (this follows the
 Python TreeCore, which the goldens run). Golden runs of the real code:
@@ -55,7 +57,7 @@ from cachelib.interface import Occupancy, PagePartition
 from cachelib.kv_events import PageKeys
 from cachelib.registry import register_backend
 from cachelib.tiers import H200_HOST_READ_GBPS, H200_HOST_WRITE_GBPS, LLAMA3_8B_KV_BYTES_PER_TOKEN, HostTier
-from cachelib.types import CopyOp, Match, Sequence
+from cachelib.types import CopyOp, Match, Sequence, TierCopy
 
 
 @register_backend("radix-hicache")
@@ -104,6 +106,8 @@ class HiRadixCache(RadixCache):
             np.full(self.host_tier.capacity_tokens, -1, dtype=np.int64) if track_contents else None
         )
         self.host_hit_tokens = 0  # loaded back at admission, over every admission
+        #: `TierCopy`s decided but not handed out yet (they go with the next admit, grow, fork)
+        self._moves: list[TierCopy] = []
 
     # -- the mover the tree calls (transfers complete at once) ------------------------
 
@@ -115,12 +119,22 @@ class HiRadixCache(RadixCache):
         self._give(pages)
 
     def copied_to_host(self, device_pages: list[int], host_pages: list[int]) -> None:
+        self._moves += [TierCopy(True, d, h) for d, h in zip(device_pages, host_pages, strict=True)]
         if self._contents is not None:
             self._host_contents[self._slots(host_pages)] = self._contents[self._slots(device_pages)]
 
     def copied_to_device(self, host_pages: list[int], device_pages: list[int]) -> None:
+        self._moves += [TierCopy(False, d, h) for d, h in zip(device_pages, host_pages, strict=True)]
         if self._contents is not None:
             self._contents[self._slots(device_pages)] = self._host_contents[self._slots(host_pages)]
+
+    def _take_moves(self, ops: list[CopyOp] | None) -> list | None:
+        """The tier moves decided since the last hand-out, then `ops` (None stays None:
+        a call that did not fit decided nothing)."""
+        if ops is None or not self._moves:
+            return ops
+        moves, self._moves = self._moves, []
+        return moves + ops
 
     def _slots(self, pages: list[int]) -> np.ndarray:
         ps = self.page_size
@@ -165,7 +179,16 @@ class HiRadixCache(RadixCache):
         table += self._take(need)
         seq.page_table = table
         seq.num_computed = hit
-        return _Held(seq, node, hit, 0, num_tokens), []
+        return _Held(seq, node, hit, 0, num_tokens), self._take_moves([])
+
+    def _grow(self, seq: Sequence, held: _Held, num_tokens: int) -> list[CopyOp] | None:
+        return self._take_moves(super()._grow(seq, held, num_tokens))
+
+    def _fork(self, parent: Sequence, held: _Held, child: Sequence) -> tuple[_Held, list[CopyOp]] | None:
+        forked = super()._fork(parent, held, child)
+        if forked is None:
+            return None
+        return forked[0], self._take_moves(forked[1])
 
     def _load_back(self, host: list[TieredNode], host_len: int) -> list[int] | None:
         """`load_back`: the device pages the host nodes were loaded into, or None (the

@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from cachelib import CacheError, ExtraKeys, Sequence, StaleMatchError, available_backends, create_cache
+from cachelib import CacheError, ExtraKeys, Sequence, StaleMatchError, TierCopy, available_backends, create_cache
 from tests.snapshots import deep_state, first_difference
 
 TOP = 2**31 - 1  # the largest int32 token id
@@ -115,6 +115,7 @@ class CacheMachine(RuleBasedStateMachine):
             create_cache(self.backend, num_pages=self.num_pages, page_size=self.page_size, **self.options), tally
         )
         self.kv: dict[int, list[bytes | None]] = {}
+        self.host_kv: dict[int, list[bytes | None]] = {}  # a tiered cache's host pages
         self.live: dict[str, Sequence] = {}
         self.pending: list = []  # (sequence, match) made earlier, admitted later
         self.values: dict[str, tuple] = {}  # request id -> (seq, running hash, prefix values)
@@ -145,7 +146,13 @@ class CacheMachine(RuleBasedStateMachine):
 
     def _apply(self, ops):
         for op in ops:
-            self.kv[op.dst_page] = list(self.kv.get(op.src_page, [None] * self.page_size))
+            if isinstance(op, TierCopy):  # a tiered cache's move, in order
+                if op.to_host:
+                    self.host_kv[op.host_page] = list(self.kv.get(op.device_page, [None] * self.page_size))
+                else:
+                    self.kv[op.device_page] = list(self.host_kv[op.host_page])
+            else:
+                self.kv[op.dst_page] = list(self.kv.get(op.src_page, [None] * self.page_size))
 
     def _write(self, s: Sequence, upto: int):
         B = self.page_size
@@ -202,18 +209,13 @@ class CacheMachine(RuleBasedStateMachine):
             return False
         assert hit_ok, "admit accepted a match whose pages hold other KV"
         if self.tiered:
-            # a tiered cache may load more of the prefix back from the host inside admit:
-            # whole pages, never past the prompt's last token. This simulated KV has no
-            # host store, so the loaded tokens are written as an executor would copy them;
-            # the cache's track_contents proves its host copy held exactly these tokens.
+            # a tiered cache may load more of the prefix back from the host inside admit
+            # (whole pages, never the prompt's last token); its TierCopy moves carry the KV
             assert m.num_tokens <= s.num_computed < n and s.num_computed % self.page_size == 0
-            loaded = s.num_computed
-            s.num_computed = m.num_tokens
-            self._write(s, loaded)
-            s.num_computed = loaded
         else:
             assert s.num_computed == m.num_tokens
         self._apply(ops)
+        assert self._reads_back(s, s.page_table, s.num_computed), "the loaded-back prefix holds other KV"
         self.live[s.request_id] = s
         self._write(s, n)
         self.cache.commit(s, n)
