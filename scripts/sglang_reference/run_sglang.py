@@ -99,6 +99,43 @@ Requests in trace order, at most C in flight, the oldest finishing first
    `unlock`, `req_to_token_pool.free`. At the end of the trace all in-flight requests finish,
    oldest first.
 
+HiCache (--hicache --host-capacity TOKENS [--write-policies ...])
+-------------------------------------------------------------------
+The hierarchical cache a 0.5.23 server builds for `--enable-hierarchical-cache`:
+`UnifiedRadixCache` (FULL component, `tree_core_backend="python"`: the Python TreeCore, whose
+decisions the `radix-hicache` backend follows) with a host tier attached as
+`UnifiedRadixCache.init_hicache` -> `attach_hybrid_pool_to_unified_cache` leaves it. What is
+stubbed, and why (nothing in the tree core, the cache's backup / eviction / load-back code
+or the allocators is touched):
+- The host pool: `HostPoolStub`, the slot accounting of `pool_host/base.py`
+  (`alloc(need)`: page multiples, None when more than is free; `free`; `available_size`),
+  sized `--host-capacity` tokens, with no tensors behind it (no bytes are moved on CPU).
+  It also stands in for the pool group (`free(indices, pool=KV)`) and its anchor entry
+  (`shared_allocation_domain=None`, so the cache takes its own `evict_host` path, as a
+  plain MHA host pool does).
+- The controller: `ControllerStub`, `HybridCacheController.write` / `load` as the cache calls
+  them: `write` allocates host slots (None when short) and queues an ack; `load` allocates
+  device slots from the real allocator (None when short) and queues an ack. Every ack's
+  CUDA events report completion at once (the GPU-optimistic timing of the replay protocol).
+- The attributes `init_hicache` sets: `cache_controller`, `host_pool_group`, the FULL
+  component's `_full_kv_pool_host`, `tree_core.set_hicache_enabled()`,
+  `write_through_threshold` (1 for write_through, else 2, as `init_hicache`),
+  `is_write_back`, `load_back_threshold = 10`.
+- `evict_host` is wrapped on the instance to count host tokens freed (observation only);
+  the `sglang` logger is set to ERROR (write_back logs every dropped subtree).
+The protocol gains, per request: after the fit check (2), if the match has a host hit
+(`req.host_hit_length > 0`), `PrefillAdder.add_one_req`'s load-back: under
+`tree.lock(req.last_node)` and `_lock_node(req.best_match_node, lock_host=True)`
+(`inc_host_lock_ref` + `lock`), `tree.init_load_back(InitLoadBackParams(best_match_node,
+host_hit_length, req))`; then `req.host_loaded_length, req.last_node = loaded`,
+`req.prefix_len += loaded`, `req.kv.cache_protected_len = req.prefix_len`, and admission (3)
+goes on from there. Transfers complete where the scheduler would poll them
+(`check_hicache_events` -> `writing_check` / `loading_check` with every queued ack ready):
+after the prefill's checkpoint, after every finish, and after each request. Recorded per
+config: `per_request_hits` (the GPU prefix at match), `per_request_host_loaded` (tokens
+loaded back; -1 if unschedulable), `backup_tokens`, `load_back_tokens`,
+`host_evicted_tokens`, `host_tokens_end`, besides the usual fields.
+
 Output: one gzip'd JSON per trace, see tests/fixtures/sglang_0_5_23/README.md.
 """
 
