@@ -94,18 +94,22 @@ class PagedKVCache:
             return done
         return self._copy(ops)
 
-    def _move(self, to_host: bool, device_page: int, host_page: int) -> None:
-        """One page between the GPU pool and host memory, every layer."""
-        if not 0 <= int(device_page) < self.num_pages:
-            raise PageTableError(f"a tier move names page {device_page} outside the pool [0, {self.num_pages})")
-        if to_host:
-            self.host[int(host_page)] = [kv[int(device_page)].clone() for kv in self.layers]
-        else:
-            saved = self.host.get(int(host_page))
-            if saved is None:
-                raise PageTableError(f"a load-back reads host page {host_page}, which was never written")
-            for kv, page in zip(self.layers, saved, strict=True):
-                kv[int(device_page)] = page
+    def _move(self, to_host: bool, device_pages: tuple[int, ...], host_pages: tuple[int, ...]) -> None:
+        """Pages between the GPU pool and host memory (`device_pages[i]` <-> `host_pages[i]`),
+        every layer."""
+        if len(device_pages) != len(host_pages):
+            raise PageTableError(f"a tier move pairs {len(device_pages)} GPU pages with {len(host_pages)} host pages")
+        for device_page, host_page in zip(device_pages, host_pages, strict=True):
+            if not 0 <= int(device_page) < self.num_pages:
+                raise PageTableError(f"a tier move names page {device_page} outside the pool [0, {self.num_pages})")
+            if to_host:
+                self.host[int(host_page)] = [kv[int(device_page)].clone() for kv in self.layers]
+            else:
+                saved = self.host.get(int(host_page))
+                if saved is None:
+                    raise PageTableError(f"a load-back reads host page {host_page}, which was never written")
+                for kv, page in zip(self.layers, saved, strict=True):
+                    kv[int(device_page)] = page
 
     def _copy(self, ops: list) -> int:
         if not ops:

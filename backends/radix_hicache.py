@@ -24,9 +24,10 @@ sources). Per request, under the replay protocol:
 
 Transfers complete at once (the GPU-optimistic timing of the replay protocol): backups
 inside the call that issues them, load-backs at the next `commit` or `release` (where
-SGLang's scheduler would poll them). The bytes move in the executor: each page backed up
-or loaded is a `TierCopy` handed out, in decision order, with the next `admit`, `grow`
-or `fork`'s copies (attention/kv_cache.py keeps the host pages). What is not built: transfer time on the serving
+SGLang's scheduler would poll them). The bytes move in the executor: each node demoted
+(its host copy written when its GPU pages are freed) or loaded is a `TierCopy` handed out,
+in decision order, with the next `admit`, `grow` or `fork`'s copies
+(attention/kv_cache.py keeps the host pages). What is not built: transfer time on the serving
 clock (bandwidths are recorded, not charged), KV events for the host tier (this backend
 publishes none), L3 storage and its prefetch, and SGLang's Rust TreeCore (this follows the
 Python TreeCore, which the goldens run). Golden runs of the real code:
@@ -119,14 +120,23 @@ class HiRadixCache(RadixCache):
         self._give(pages)
 
     def copied_to_host(self, device_pages: list[int], host_pages: list[int]) -> None:
-        self._moves += [TierCopy(True, d, h) for d, h in zip(device_pages, host_pages, strict=True)]
+        # the executor's copy waits for `demoted` (see there); the record of contents does not
         if self._contents is not None:
             self._host_contents[self._slots(host_pages)] = self._contents[self._slots(device_pages)]
 
     def copied_to_device(self, host_pages: list[int], device_pages: list[int]) -> None:
-        self._moves += [TierCopy(False, d, h) for d, h in zip(device_pages, host_pages, strict=True)]
+        self._moves.append(TierCopy(False, tuple(device_pages), tuple(host_pages)))
         if self._contents is not None:
             self._contents[self._slots(device_pages)] = self._host_contents[self._slots(host_pages)]
+
+    def demoted(self, device_pages: list[int], host_pages: list[int]) -> None:
+        """A node's GPU copy is freed and its host copy is all that is left: the executor
+        copies the bytes now. SGLang copies at backup time; for the executor the copy is
+        only needed once the GPU pages can be reused, and deferring it to here is what
+        makes it safe when a scheduler publishes pages before it computes them (vLLM's
+        `cache_blocks` at scheduling): a node is demoted only once unlocked, i.e. after its
+        KV was written."""
+        self._moves.append(TierCopy(True, tuple(device_pages), tuple(host_pages)))
 
     def _take_moves(self, ops: list[CopyOp] | None) -> list | None:
         """The tier moves decided since the last hand-out, then `ops` (None stays None:

@@ -89,6 +89,9 @@ class TierMover(Protocol):
     def copied_to_host(self, device_pages: list[int], host_pages: list[int]) -> None:
         """A backup wrote `device_pages` into `host_pages`."""
 
+    def demoted(self, device_pages: list[int], host_pages: list[int]) -> None:
+        """A node's GPU copy in `device_pages` is about to be freed; its host copy stays."""
+
     def copied_to_device(self, host_pages: list[int], device_pages: list[int]) -> None:
         """A load-back wrote `host_pages` into `device_pages`."""
 
@@ -435,6 +438,7 @@ class HiCacheTree(RadixTree):
 
     def _demote(self, x: TieredNode, give: Callable[[list[int]], None]) -> None:
         """Free `x`'s device copy; its host copy stays (`_demote`)."""
+        self.mover.demoted(x.pages, x.host_pages)
         give(x.pages)
         x.pages = None
         self.traffic.demoted += len(x.key)

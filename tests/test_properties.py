@@ -147,10 +147,11 @@ class CacheMachine(RuleBasedStateMachine):
     def _apply(self, ops):
         for op in ops:
             if isinstance(op, TierCopy):  # a tiered cache's move, in order
-                if op.to_host:
-                    self.host_kv[op.host_page] = list(self.kv.get(op.device_page, [None] * self.page_size))
-                else:
-                    self.kv[op.device_page] = list(self.host_kv[op.host_page])
+                for d, h in zip(op.device_pages, op.host_pages, strict=True):
+                    if op.to_host:
+                        self.host_kv[h] = list(self.kv.get(d, [None] * self.page_size))
+                    else:
+                        self.kv[d] = list(self.host_kv[h])
             else:
                 self.kv[op.dst_page] = list(self.kv.get(op.src_page, [None] * self.page_size))
 
