@@ -84,7 +84,9 @@ class HiRadixCache(RadixCache):
         track_contents: bool = False,
     ) -> None:
         if write_policy not in WRITE_POLICIES:
-            raise InvalidRequestError(f"unknown write_policy {write_policy!r}; choose one of {', '.join(WRITE_POLICIES)}")
+            raise InvalidRequestError(
+                f"unknown write_policy {write_policy!r}; choose one of {', '.join(WRITE_POLICIES)}"
+            )
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
             raise InvalidRequestError(f"page_size must be a positive int, got {page_size!r}")
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
@@ -103,9 +105,7 @@ class HiRadixCache(RadixCache):
         self.write_policy = write_policy
         self.tree = HiCacheTree(page_size, policy, write_policy, self.host_tier.capacity_tokens // page_size)
         self.tree.mover = self
-        self._host_contents = (
-            np.full(self.host_tier.capacity_tokens, -1, dtype=np.int64) if track_contents else None
-        )
+        self._host_contents = np.full(self.host_tier.capacity_tokens, -1, dtype=np.int64) if track_contents else None
         self.host_hit_tokens = 0  # loaded back at admission, over every admission
         #: `TierCopy`s decided but not handed out yet (they go with the next admit, grow, fork)
         self._moves: list[TierCopy] = []

@@ -98,7 +98,9 @@ def _check_tiers(cache: HiRadixCache) -> None:
     # host pages: each once, in range, the rest free; never above capacity
     everything = host_seen + tree.host_free
     if len(set(everything)) != len(everything) or sorted(everything) != list(range(tree.host_pages)):
-        _fail(f"host pages: {len(host_seen)} held + {len(tree.host_free)} free are not the {tree.host_pages} pages once each")
+        _fail(
+            f"host pages: {len(host_seen)} held + {len(tree.host_free)} free are not the {tree.host_pages} pages once each"
+        )
     if len(host_seen) * ps > cache.host_tier.capacity_tokens:
         _fail(f"host tier holds {len(host_seen) * ps} tokens, above its capacity {cache.host_tier.capacity_tokens}")
     for nid, x in tree.dups.items():

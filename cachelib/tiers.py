@@ -78,7 +78,9 @@ class HostTier:
         for name, value in (("host_read_gbps", read_gbps), ("host_write_gbps", write_gbps)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise InvalidRequestError(f"{name} must be a positive bandwidth in GB/s, got {value!r}")
-        tokens_given = not (isinstance(capacity_tokens, int) and not isinstance(capacity_tokens, bool) and capacity_tokens == 0)
+        tokens_given = not (
+            isinstance(capacity_tokens, int) and not isinstance(capacity_tokens, bool) and capacity_tokens == 0
+        )
         gb_given = capacity_gb != 0
         if tokens_given and gb_given:
             raise InvalidRequestError(

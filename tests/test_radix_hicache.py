@@ -200,7 +200,10 @@ def test_replay_reports_hits_by_tier_and_traffic():
     assert result["per_request_hits"] == [0, 0, 0, 12]  # every token not recomputed
     assert result["hit_tokens"] == 12 and result["hit_tokens_by_tier"] == {"gpu": 0, "host": 12, "storage": 0}
     assert result["memory_tiers"] == ["gpu", "host"]
-    assert result["tier_traffic"]["gpu_to_host_bytes"] == result["tier_traffic"]["backed_up"] * LLAMA3_8B_KV_BYTES_PER_TOKEN
+    assert (
+        result["tier_traffic"]["gpu_to_host_bytes"]
+        == result["tier_traffic"]["backed_up"] * LLAMA3_8B_KV_BYTES_PER_TOKEN
+    )
     plain = replay(create_cache("radix", num_pages=24, page_size=1), reqs)
     assert "per_request_hits_by_tier" not in plain and "tier_traffic" not in plain
 

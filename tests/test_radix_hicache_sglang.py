@@ -157,7 +157,9 @@ def test_radix_hicache_decides_as_sglang_0_5_23(golden, tmp_path_factory):
                 f"SGLang {cfg['backup_tokens']} / {cfg['load_back_tokens']}"
             )
         if traffic["host_tokens"] != cfg["host_tokens_end"]:
-            differences.append(f"{where}: host holds {traffic['host_tokens']} at the end, SGLang {cfg['host_tokens_end']}")
+            differences.append(
+                f"{where}: host holds {traffic['host_tokens']} at the end, SGLang {cfg['host_tokens_end']}"
+            )
         # hit_tokens counts every prompt token not recomputed, whichever tier it came from
         assert result["per_request_hits"] == [g + h if g >= 0 else -1 for g, h in zip(gpu, host, strict=True)]
         assert result["hit_tokens_by_tier"]["host"] == cfg["total_host_loaded_tokens"], where

@@ -31,7 +31,9 @@ def main(argv: list[str]) -> int:
     tmp = out.with_suffix(out.suffix + ".tmp")
     with tmp.open("w") as fh:
         for r in requests:
-            fh.write(json.dumps({"id": r.request_id, "prompt": r.prompt.tolist(), "output_len": int(r.output_len)}) + "\n")
+            fh.write(
+                json.dumps({"id": r.request_id, "prompt": r.prompt.tolist(), "output_len": int(r.output_len)}) + "\n"
+            )
     tmp.replace(out)
     print(f"wrote {out}: {len(requests)} requests")
     return 0

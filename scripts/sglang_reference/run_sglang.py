@@ -232,8 +232,8 @@ def bootstrap_sglang() -> None:
         alloc_token_slots,
     )
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
     from sglang.srt.mem_cache.hicache_storage import PoolName
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
@@ -633,7 +633,9 @@ class ControllerStub:
         self.ack_write_queue.append(_Ack(node_id))
         return host_indices
 
-    def load(self, host_indices, priority=None, node_id=-1, extra_pools=None, *, device_indices=None, anchor_indices=None):
+    def load(
+        self, host_indices, priority=None, node_id=-1, extra_pools=None, *, device_indices=None, anchor_indices=None
+    ):
         assert not extra_pools and device_indices is None
         if host_indices.numel() == 0:
             return SG.torch.empty((0,), dtype=SG.torch.int64)
@@ -661,8 +663,14 @@ class HiCacheReplay(Replay):
     one (see the module docstring, "HiCache"), transfers completing at once."""
 
     def __init__(
-        self, policy: str, page_size: int, capacity_tokens: int, concurrency: int, max_len: int,
-        write_policy: str, host_tokens: int,
+        self,
+        policy: str,
+        page_size: int,
+        capacity_tokens: int,
+        concurrency: int,
+        max_len: int,
+        write_policy: str,
+        host_tokens: int,
     ) -> None:
         super().__init__(policy, page_size, capacity_tokens, concurrency, max_len, cache="unified:python")
         tree = self.tree
@@ -708,9 +716,7 @@ class HiCacheReplay(Replay):
             host_params = tree.inc_host_lock_ref(req.best_match_node).to_dec_params()
             best_lock = tree.lock(req.best_match_node)
             loaded, node = tree.init_load_back(
-                SG.InitLoadBackParams(
-                    best_match_node=req.best_match_node, host_hit_length=req.host_hit_length, req=req
-                )
+                SG.InitLoadBackParams(best_match_node=req.best_match_node, host_hit_length=req.host_hit_length, req=req)
             )
             tree.unlock(best_lock)
             tree.dec_host_lock_ref(req.best_match_node, host_params)
