@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from backends.radix_hicache_tree import on_device
-from cachelib import InvalidRequestError, Sequence, create_cache
+from cachelib import InvalidRequestError, Sequence, TierCopy, create_cache
 from cachelib.tiers import H200_HOST_READ_GBPS, LLAMA3_8B_KV_BYTES_PER_TOKEN, HostTier
 from experiments.backend_options import resolve_variants
 from experiments.engine import replay
@@ -255,3 +255,43 @@ def test_tier_defaults():
     gb = HostTier.build(16, 1024, capacity_gb=1.0)
     assert gb.capacity_tokens == 1_000_000_000 // LLAMA3_8B_KV_BYTES_PER_TOKEN // 16 * 16
     assert tier.transfer_seconds(1000, to_host=True) == pytest.approx(1000 * LLAMA3_8B_KV_BYTES_PER_TOKEN / 64e9)
+
+
+# -- the bytes: TierCopy moves for the executor ----------------------------------------------
+
+
+def test_demotes_and_loads_are_handed_out_with_the_next_admit_in_order():
+    cache = make("write_through", gpu=16, host=24)
+    serve(cache, A)
+    (a,) = cache.tree.nodes()
+    a_gpu, a_host = tuple(a.pages), tuple(a.host_pages)
+    seq = Sequence("b", np.asarray(B, dtype=np.int32))
+    ops = cache.admit(seq, cache.match(seq), 12)  # evicts A: its GPU copy goes to the host now
+    assert ops == [TierCopy(True, a_gpu, a_host)]
+    cache.commit(seq, 12)
+    cache.release(seq)
+    (b,) = [n for n in cache.tree.nodes() if on_device(n)]
+    b_gpu, b_host = tuple(b.pages), tuple(b.host_pages)
+    seq = Sequence("a2", np.asarray(A + [1], dtype=np.int32))
+    ops = cache.admit(seq, cache.match(seq), 13)  # B evicted (saved first), then A loaded
+    assert ops[0] == TierCopy(True, b_gpu, b_host)
+    assert ops[1].to_host is False and ops[1].host_pages == a_host and len(ops) == 2
+    assert seq.page_table[:12] == list(ops[1].device_pages) and seq.num_computed == 12
+    assert cache.stats().copied_pages == 0  # tier moves are not copy-on-write copies
+
+
+def test_the_kv_cache_applies_tier_moves_in_order():
+    import torch
+
+    from attention.kv_cache import PagedKVCache
+    from cachelib import CopyOp
+
+    kv = PagedKVCache(1, 4, 1, 1, 1)
+    for page in range(4):
+        kv.layers[0][page] = float(page + 1)
+    # save page 0 to host 7, copy page 1 over page 0, load host 7 into page 2
+    kv.apply([TierCopy(True, (0,), (7,)), CopyOp(1, 0), TierCopy(False, (2,), (7,))])
+    assert [float(kv.layers[0][p].flatten()[0]) for p in range(4)] == [2.0, 2.0, 1.0, 4.0]
+    with pytest.raises(Exception, match="never written"):
+        kv.apply([TierCopy(False, (3,), (9,))])
+    assert torch.equal(kv.layers[0][3], torch.full_like(kv.layers[0][3], 4.0))
