@@ -7,7 +7,8 @@ controller's transfers stubbed to complete at once), run on CPU under the replay
 by `scripts/sglang_reference/run_sglang.py --hicache` (its docstring lists every patch).
 Each golden covers the three write policies at page sizes 1 and 16: the first 1000
 conversation requests at GPU 200k + host 2M tokens, two synthetic traces at a steady
-eviction, and a stress host as small as the GPU at concurrency 1 and 4. The backend must
+eviction (one of them under the other four eviction policies too: lfu, fifo, mru, filo),
+and a stress host as small as the GPU at concurrency 1 and 4. The backend must
 reproduce every request's GPU hit, the host tokens it loaded back, the device tokens
 evicted after every request, and what moved to the host.
 """
@@ -65,6 +66,7 @@ def test_the_goldens_are_there():
         "shared_doc_qa_s7.cap1024.host4096",
         "shared_doc_qa_s7.cap1024.host1024",
         "multi_turn_chat_s11.cap2048.host8192",
+        "multi_turn_chat_s11.cap2048.host8192.policies",
     } <= names
     sizes = set()
     for path in GOLDENS:

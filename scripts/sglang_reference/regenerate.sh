@@ -52,4 +52,8 @@ $RUN --trace jsonl:$OUT/multi_turn_chat_s11.jsonl.gz --capacity 2048 --host-capa
 $RUN --trace jsonl:$OUT/shared_doc_qa_s7.jsonl.gz --capacity 1024 --host-capacity 1024 --hicache \
      --policies lru --concurrency 1,4 --trace-meta "$(cat $OUT/shared_doc_qa_s7.meta.json)" \
      --out $OUT/shared_doc_qa_s7.cap1024.host1024.hicache-golden.json.gz
+# the other eviction policies (one order for both tiers)
+$RUN --trace jsonl:$OUT/multi_turn_chat_s11.jsonl.gz --capacity 2048 --host-capacity 8192 --hicache \
+     --policies lfu,fifo,mru,filo --concurrency 1 --trace-meta "$(cat $OUT/multi_turn_chat_s11.meta.json)" \
+     --out $OUT/multi_turn_chat_s11.cap2048.host8192.policies.hicache-golden.json.gz
 rm -r "$TMP"
