@@ -33,6 +33,15 @@ publishes none), L3 storage and its prefetch, and SGLang's Rust TreeCore (this f
 Python TreeCore, which the goldens run). Golden runs of the real code:
 `tests/test_radix_hicache_sglang.py`.
 
+Where it differs from SGLang 0.5.23, on purpose: whether a prompt fits is the engine's
+protocol (every page past the GPU prefix, in free + evictable pages), not `PrefillAdder`'s
+budget; a serving chunk that ends inside the host hit recomputes it (a load covers whole
+nodes and `admit` must not pass the chunk); a node in flight is never locked (transfers
+are instantaneous); any eviction makes older matches stale (a demoted node stays in the
+tree, so a match is not proven by its nodes alone); the executor copies a node's KV to the
+host when it is demoted rather than when it is backed up (only then can its GPU pages be
+reused), while `tier_traffic` counts bytes when SGLang moves them.
+
 Options: `write_policy` (`write_through`: back up a node at its first hit;
 `write_through_selective`: at its second; `write_back`: only when the device evicts it),
 `host_capacity_tokens` or `host_capacity_gb` (with `kv_bytes_per_token`; neither: twice the
