@@ -167,6 +167,9 @@ class TreeEvents(Protocol):
 class RadixTree:
     """Radix tree over token ids with page-granular keys and policy-ordered leaf eviction."""
 
+    #: the class of its nodes (a tiered tree's nodes carry a host copy too)
+    node_class: type[RadixNode] = RadixNode
+
     def __init__(self, page_size: int, policy: EvictionPolicy) -> None:
         self.page_size = page_size
         self.policy = policy
@@ -214,7 +217,7 @@ class RadixTree:
     def root(self, namespace: tuple, create: bool) -> RadixNode | None:
         node = self.roots.get(namespace)
         if node is None and create:
-            node = RadixNode(np.empty(0, dtype=np.int32), [], None, self.clock, -1 - len(self.roots))
+            node = self.node_class(np.empty(0, dtype=np.int32), [], None, self.clock, -1 - len(self.roots))
             node.namespace = namespace
             node.lock_ref = 1  # a root is never evicted (SGLang: root lock_ref = 1)
             self.roots[namespace] = node
@@ -230,7 +233,7 @@ class RadixTree:
     def _new_node(self, key: np.ndarray, pages: list[int] | None, parent: RadixNode, tick: int, edge) -> RadixNode:
         self._next_id += 1
         self.num_nodes += 1
-        node = RadixNode(key, pages, parent, tick, self._next_id, edge)
+        node = self.node_class(key, pages, parent, tick, self._next_id, edge)
         parent.children[edge] = node
         self.policy.created(node)
         return node

@@ -22,6 +22,7 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "radix": "backends.radix",
     "paged": "backends.paged",
     "radix-aged": "backends.radix_aged",
+    "radix-hicache": "backends.radix_hicache",
 }
 
 _registry: dict[str, type[PrefixCache]] = {}
@@ -48,6 +49,13 @@ def available_backends() -> list[str]:
     names = list(BUILTIN_BACKENDS)
     names += sorted(n for n in _registry if n not in BUILTIN_BACKENDS)
     return names
+
+
+def default_backends() -> list[str]:
+    """The backends a comparison runs when none is named: every registered one whose class
+    says `compared_by_default` (a tiered design holds KV beyond the GPU capacity the others
+    get, so it is compared only when named)."""
+    return [n for n in available_backends() if get_backend(n).compared_by_default]
 
 
 def get_backend(name: str) -> type[PrefixCache]:

@@ -248,6 +248,22 @@ class CopyOp(NamedTuple):
     dst_page: int
 
 
+class TierCopy(NamedTuple):
+    """Move pages of KV between GPU pages and host pages of a tiered cache
+    (cachelib/tiers.py): `to_host` a backup (GPU -> host), else a load-back (host -> GPU);
+    `device_pages[i]` pairs with `host_pages[i]` (one op per tree node moved).
+
+    A tiered cache hands these out with the copies of its next `admit`, `grow` or `fork`,
+    in the order it decided them; an executor applies a call's ops *in order* before it
+    writes any KV (a GPU page saved to the host may be reused by a load in the same list).
+    Until they are applied the GPU pages they read are not written: a page freed by an
+    eviction is only handed out by the call that returns the ops."""
+
+    to_host: bool
+    device_pages: tuple[int, ...]
+    host_pages: tuple[int, ...]
+
+
 @dataclass(slots=True)
 class CacheStats:
     """Counters and occupancy of one cache. Pages are free, cached-unpinned or pinned."""

@@ -144,3 +144,20 @@ def test_fork_parallel_sampling_copy_on_write(model, backend, page_size):
     assert len({tuple(r.tokens) for r in got.values()}) == 5, "branches should differ"
     for rid, res in got.items():
         assert_same(res, run_alone(model, prompt, NEW_TOKENS, forced=force[rid]), rid)
+
+
+@pytest.mark.parametrize("write_policy", ["write_through", "write_through_selective", "write_back"])
+def test_kv_moved_through_the_host_tier_gives_the_same_output(model, alone, write_policy):
+    """radix-hicache with a GPU too small for the workload: prefixes are demoted to the host
+    and loaded back (`TierCopy` moves the executor applies), and every output is unchanged."""
+    cache = create_cache(
+        "radix-hicache", num_pages=24, page_size=4, write_policy=write_policy, host_capacity_tokens=256
+    )
+    runner = CachedRunner(model, cache)
+    order = ["sys0", "doc0", "sys1", "doc1", "sys2", "repeat", "sys3", "prefix_of_sys2", "sys4", "short"]
+    for rid in order + order:  # the second round finds its prefixes on the host
+        got = runner.run({rid: WORKLOAD[rid]}, NEW_TOKENS)[rid]
+        assert_same(got, alone[rid], rid)
+    traffic = cache.tier_traffic()
+    assert traffic["demoted"] > 0 and traffic["loaded"] > 0, traffic
+    _assert_drained(cache)

@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from cachelib import CacheError, ExtraKeys, Sequence, StaleMatchError, available_backends, create_cache
+from cachelib import CacheError, ExtraKeys, Sequence, StaleMatchError, TierCopy, available_backends, create_cache
 from tests.snapshots import deep_state, first_difference
 
 TOP = 2**31 - 1  # the largest int32 token id
@@ -108,12 +108,14 @@ class CacheMachine(RuleBasedStateMachine):
     def setup(self):
         tally = TALLY.setdefault(self.case, Counter())
         self.raw = create_cache(self.backend, num_pages=self.num_pages, page_size=self.page_size, **self.options)
+        self.tiered = len(self.raw.memory_tiers) > 1
         self.cache = Counted(self.raw, tally)
         # another cache with the same history of prefixes: the source of foreign matches
         self.twin = Counted(
             create_cache(self.backend, num_pages=self.num_pages, page_size=self.page_size, **self.options), tally
         )
         self.kv: dict[int, list[bytes | None]] = {}
+        self.host_kv: dict[int, list[bytes | None]] = {}  # a tiered cache's host pages
         self.live: dict[str, Sequence] = {}
         self.pending: list = []  # (sequence, match) made earlier, admitted later
         self.values: dict[str, tuple] = {}  # request id -> (seq, running hash, prefix values)
@@ -144,7 +146,14 @@ class CacheMachine(RuleBasedStateMachine):
 
     def _apply(self, ops):
         for op in ops:
-            self.kv[op.dst_page] = list(self.kv.get(op.src_page, [None] * self.page_size))
+            if isinstance(op, TierCopy):  # a tiered cache's move, in order
+                for d, h in zip(op.device_pages, op.host_pages, strict=True):
+                    if op.to_host:
+                        self.host_kv[h] = list(self.kv.get(d, [None] * self.page_size))
+                    else:
+                        self.kv[d] = list(self.host_kv[h])
+            else:
+                self.kv[op.dst_page] = list(self.kv.get(op.src_page, [None] * self.page_size))
 
     def _write(self, s: Sequence, upto: int):
         B = self.page_size
@@ -200,8 +209,14 @@ class CacheMachine(RuleBasedStateMachine):
         if ops is None:
             return False
         assert hit_ok, "admit accepted a match whose pages hold other KV"
-        assert s.num_computed == m.num_tokens
+        if self.tiered:
+            # a tiered cache may load more of the prefix back from the host inside admit
+            # (whole pages, never the prompt's last token); its TierCopy moves carry the KV
+            assert m.num_tokens <= s.num_computed < n and s.num_computed % self.page_size == 0
+        else:
+            assert s.num_computed == m.num_tokens
         self._apply(ops)
+        assert self._reads_back(s, s.page_table, s.num_computed), "the loaded-back prefix holds other KV"
         self.live[s.request_id] = s
         self._write(s, n)
         self.cache.commit(s, n)
@@ -481,11 +496,16 @@ class CacheMachine(RuleBasedStateMachine):
         assert st_.pages_pinned == st_.extra.get("prefix_pages", 0), "pages stay pinned after every release"
 
 
-def _options(backend: str) -> dict:
-    """Content tracking on, so check_invariants proves index entries hold their tokens."""
+def _options(backend: str, page_size: int, num_pages: int) -> dict:
+    """Content tracking on, so check_invariants proves index entries hold their tokens
+    (radix-hicache: on both tiers); a tiered case also names its write policy and a host
+    as small as the GPU (default: twice it), so host eviction runs all the time."""
     if backend == "apc":
         return {"verify_tokens": True}
     if backend.startswith("radix"):
+        name, _, policy = backend.partition(":")
+        if policy:
+            return {"track_contents": True, "write_policy": policy, "host_capacity_tokens": num_pages * page_size}
         return {"track_contents": True}
     return {}
 
@@ -493,7 +513,9 @@ def _options(backend: str) -> dict:
 #: (page size, pages, prompt scale, examples, steps): small caches evict all the time, the
 #: larger one holds long prompts of several pages and many live sequences
 SHAPES = [(1, 12, 1, 60, 50), (4, 10, 1, 60, 50), (4, 48, 3, 70, 60)]
-CASES = [(b, *shape) for b in available_backends() for shape in SHAPES]
+#: the tiered backend once more per other write policy (`radix-hicache:POLICY`), host-bound
+TIERED = ["radix-hicache:write_through_selective", "radix-hicache:write_back"]
+CASES = [(b, *shape) for b in [*available_backends(), *TIERED] for shape in SHAPES]
 
 
 def _same_draws_in_every_session(monkeypatch) -> None:
@@ -517,14 +539,14 @@ def test_random_operation_sequences(backend, page_size, num_pages, scale, exampl
     case = f"{backend}-{page_size}-{num_pages}"
     TALLY.pop(case, None)
     machine = type(
-        case.replace("-", "_"),
+        case.replace("-", "_").replace(":", "_"),
         (CacheMachine,),
         {
-            "backend": backend,
+            "backend": backend.partition(":")[0],
             "page_size": page_size,
             "num_pages": num_pages,
             "scale": scale,
-            "options": _options(backend),
+            "options": _options(backend, page_size, num_pages),
             "case": case,
         },
     )

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from attention.config import PRESETS
-from cachelib import available_backends
+from cachelib import default_backends
 from experiments import defaults
 from experiments.backend_options import (
     BackendVariant,
@@ -131,10 +131,10 @@ def options_given(args: argparse.Namespace) -> list[OptionGiven]:
 
 
 def backend_variants(args: argparse.Namespace, page_sizes: list[int], default_all: bool) -> list[BackendVariant]:
-    """The `--backend` list (default: every registered backend) with its options, checked."""
+    """The `--backend` list (default: every backend compared by default) with its options, checked."""
     specs = [s for item in (args.backend or []) for s in split_backend_list(item)]
     if not specs and default_all:
-        specs = available_backends()
+        specs = default_backends()
     if not specs:
         raise UsageError("name a backend with --backend")
     return resolve_variants(specs, options_given(args), page_sizes)
@@ -146,7 +146,7 @@ def add_run_arguments(p: argparse.ArgumentParser, many_backends: bool) -> None:
         "--backend",
         action="append",
         help="backend name(s) or variants NAME[KEY=VALUE,...]; repeat or comma-separate"
-        + (" (default: all)" if many_backends else ""),
+        + (" (default: all but tiered designs, which must be named)" if many_backends else ""),
     )
     p.add_argument("--workload", default=defaults.WORKLOAD, help="workload name (`workloads` lists them)")
     p.add_argument(

@@ -23,6 +23,7 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from cachelib.interface import PrefixCache
+from cachelib.tiers import TIER_NAMES
 from experiments.engine.cache_client import CacheClient
 from experiments.engine.clock import VirtualClock
 from experiments.engine.executors import ReplayExecutor
@@ -40,7 +41,10 @@ def replay(
 ) -> dict[str, Any]:
     """Run the replay protocol of `requests` on `cache`; returns the result as a JSON-able dict.
 
-    `per_request_hits[i]` is the hit of request i (-1 when it was unschedulable). A request
+    `per_request_hits[i]` is the hit of request i (-1 when it was unschedulable): every
+    prompt token not recomputed, whichever memory tier it came from; a tiered cache
+    (`memory_tiers` beyond the GPU) adds `per_request_hits_by_tier` ([gpu, host, storage]
+    per request, host = tokens loaded back), their totals and `tier_traffic`. A request
     with `n > 1` forks `n - 1` samples after its prompt (sample j decodes `sample_lens[j]`
     tokens); one with `beam_width > 1` follows its beam schedule (`beam_parents[t]`: the
     parent of each surviving beam at step t; a beam nobody picks is released, one picked k
@@ -69,6 +73,10 @@ class Replay:
         config = ServingConfig(max_running=concurrency)
         self.scheduler = Scheduler(client, ReplayExecutor(), config, VirtualClock())
         self.hits: list[int] = []
+        #: per request [gpu, host, storage] tokens reused (only for a tiered cache)
+        cache = client.cache  # a PrefixCache, or a test's reference model with the same calls
+        self.tiers = isinstance(cache, PrefixCache) and len(cache.memory_tiers) > 1
+        self.hits_by_tier: list[list[int]] = []
         self.prompt_tokens = self.hit_tokens = self.unschedulable = self.truncated = 0
 
     def run(self, requests: Seq[RequestSpec], *, progress: bool = False) -> dict[str, Any]:
@@ -96,9 +104,13 @@ class Replay:
         if not scheduler.admit_prompt(r):
             self.unschedulable += 1
             self.hits.append(-1)
+            if self.tiers:
+                self.hits_by_tier.append([-1, -1, -1])
             return
         hit = r.hit_tokens
         self.hits.append(hit)
+        if self.tiers:
+            self.hits_by_tier.append([hit - r.host_hit_tokens, r.host_hit_tokens, 0])
         self.prompt_tokens += len(r.seq)
         self.hit_tokens += hit
         scheduler.run_to_completion(r)
@@ -128,6 +140,17 @@ class Replay:
             "us_per_request": seconds / num_requests * 1e6 if num_requests else 0.0,
             "metadata_bytes_end": stats.metadata_bytes,
             "per_request_hits": self.hits,
+        } | (self.tier_result(cache) if self.tiers else {})
+
+    def tier_result(self, cache: PrefixCache) -> dict[str, Any]:
+        """What a tiered cache adds: hits per tier (GPU, host, storage: L3 is not built, so
+        0) per request and in total, and what moved between the tiers."""
+        totals = [sum(h[i] for h in self.hits_by_tier if h[0] >= 0) for i in range(3)]
+        return {
+            "memory_tiers": list(cache.memory_tiers),
+            "hit_tokens_by_tier": dict(zip(TIER_NAMES, totals, strict=True)),
+            "tier_traffic": cache.tier_traffic(),
+            "per_request_hits_by_tier": self.hits_by_tier,
         }
 
 

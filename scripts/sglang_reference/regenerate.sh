@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerate every fixture in tests/fixtures/sglang_0_5_23 (about 30 minutes on one core).
+# Regenerate every fixture in tests/fixtures/sglang_0_5_23 (about 60 minutes on one core).
 # Needs the side venv (setup_venv.sh) for SGLang and the project's .venv for the generators.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -29,3 +29,31 @@ $RUN --trace jsonl:$OUT/shared_doc_qa_s7.jsonl.gz --capacity 1024 \
 $RUN --trace jsonl:$OUT/multi_turn_chat_s11.jsonl.gz --capacity 512 \
      --trace-meta "$(cat $OUT/multi_turn_chat_s11.meta.json)" \
      --out $OUT/multi_turn_chat_s11.cap512.golden.json.gz
+
+# HiCache goldens (--hicache: UnifiedRadixCache + a host tier; every write policy at page
+# sizes 1 and 16). The conversation slice is exported with the project's venv first (the
+# side venv lacks the hash package the Mooncake loader imports). Page-16 Mooncake configs
+# take ~7 min each on one core.
+TMP=$(mktemp -d)
+$PY scripts/sglang_reference/export_mooncake.py experiments/data/mooncake_conversation_2000.jsonl 1000 "$TMP/mooncake1000.jsonl"
+META='{"path": "experiments/data/mooncake_conversation_2000.jsonl", "kind": "mooncake", "expanded_by": "experiments.workloads.mooncake.load_mooncake(path, 1000), exported as token-id JSONL (sha256 fields are of that export)"}'
+for ps in 16 1; do
+  $RUN --trace jsonl:"$TMP/mooncake1000.jsonl" --name mooncake_conversation_2000_first1000 --trace-meta "$META" \
+       --capacity 200000 --host-capacity 2000000 --hicache --policies lru --concurrency 1 --page-sizes $ps \
+       --out $OUT/mooncake_conversation_1000.cap200000.host2000000.ps$ps.hicache-golden.json.gz
+done
+$RUN --trace jsonl:$OUT/shared_doc_qa_s7.jsonl.gz --capacity 1024 --host-capacity 4096 --hicache \
+     --policies lru --concurrency 1 --trace-meta "$(cat $OUT/shared_doc_qa_s7.meta.json)" \
+     --out $OUT/shared_doc_qa_s7.cap1024.host4096.hicache-golden.json.gz
+$RUN --trace jsonl:$OUT/multi_turn_chat_s11.jsonl.gz --capacity 2048 --host-capacity 8192 --hicache \
+     --policies lru --concurrency 1 --trace-meta "$(cat $OUT/multi_turn_chat_s11.meta.json)" \
+     --out $OUT/multi_turn_chat_s11.cap2048.host8192.hicache-golden.json.gz
+# stress: a host as small as the GPU (write_back drops what it cannot take), concurrency 1 and 4
+$RUN --trace jsonl:$OUT/shared_doc_qa_s7.jsonl.gz --capacity 1024 --host-capacity 1024 --hicache \
+     --policies lru --concurrency 1,4 --trace-meta "$(cat $OUT/shared_doc_qa_s7.meta.json)" \
+     --out $OUT/shared_doc_qa_s7.cap1024.host1024.hicache-golden.json.gz
+# the other eviction policies (one order for both tiers)
+$RUN --trace jsonl:$OUT/multi_turn_chat_s11.jsonl.gz --capacity 2048 --host-capacity 8192 --hicache \
+     --policies lfu,fifo,mru,filo --concurrency 1 --trace-meta "$(cat $OUT/multi_turn_chat_s11.meta.json)" \
+     --out $OUT/multi_turn_chat_s11.cap2048.host8192.policies.hicache-golden.json.gz
+rm -r "$TMP"

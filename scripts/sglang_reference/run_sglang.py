@@ -99,6 +99,43 @@ Requests in trace order, at most C in flight, the oldest finishing first
    `unlock`, `req_to_token_pool.free`. At the end of the trace all in-flight requests finish,
    oldest first.
 
+HiCache (--hicache --host-capacity TOKENS [--write-policies ...])
+-------------------------------------------------------------------
+The hierarchical cache a 0.5.23 server builds for `--enable-hierarchical-cache`:
+`UnifiedRadixCache` (FULL component, `tree_core_backend="python"`: the Python TreeCore, whose
+decisions the `radix-hicache` backend follows) with a host tier attached as
+`UnifiedRadixCache.init_hicache` -> `attach_hybrid_pool_to_unified_cache` leaves it. What is
+stubbed, and why (nothing in the tree core, the cache's backup / eviction / load-back code
+or the allocators is touched):
+- The host pool: `HostPoolStub`, the slot accounting of `pool_host/base.py`
+  (`alloc(need)`: page multiples, None when more than is free; `free`; `available_size`),
+  sized `--host-capacity` tokens, with no tensors behind it (no bytes are moved on CPU).
+  It also stands in for the pool group (`free(indices, pool=KV)`) and its anchor entry
+  (`shared_allocation_domain=None`, so the cache takes its own `evict_host` path, as a
+  plain MHA host pool does).
+- The controller: `ControllerStub`, `HybridCacheController.write` / `load` as the cache calls
+  them: `write` allocates host slots (None when short) and queues an ack; `load` allocates
+  device slots from the real allocator (None when short) and queues an ack. Every ack's
+  CUDA events report completion at once (the GPU-optimistic timing of the replay protocol).
+- The attributes `init_hicache` sets: `cache_controller`, `host_pool_group`, the FULL
+  component's `_full_kv_pool_host`, `tree_core.set_hicache_enabled()`,
+  `write_through_threshold` (1 for write_through, else 2, as `init_hicache`),
+  `is_write_back`, `load_back_threshold = 10`.
+- `evict_host` is wrapped on the instance to count host tokens freed (observation only);
+  the `sglang` logger is set to ERROR (write_back logs every dropped subtree).
+The protocol gains, per request: after the fit check (2), if the match has a host hit
+(`req.host_hit_length > 0`), `PrefillAdder.add_one_req`'s load-back: under
+`tree.lock(req.last_node)` and `_lock_node(req.best_match_node, lock_host=True)`
+(`inc_host_lock_ref` + `lock`), `tree.init_load_back(InitLoadBackParams(best_match_node,
+host_hit_length, req))`; then `req.host_loaded_length, req.last_node = loaded`,
+`req.prefix_len += loaded`, `req.kv.cache_protected_len = req.prefix_len`, and admission (3)
+goes on from there. Transfers complete where the scheduler would poll them
+(`check_hicache_events` -> `writing_check` / `loading_check` with every queued ack ready):
+after the prefill's checkpoint, after every finish, and after each request. Recorded per
+config: `per_request_hits` (the GPU prefix at match), `per_request_host_loaded` (tokens
+loaded back; -1 if unschedulable), `backup_tokens`, `load_back_tokens`,
+`host_evicted_tokens`, `host_tokens_end`, besides the usual fields.
+
 Output: one gzip'd JSON per trace, see tests/fixtures/sglang_0_5_23/README.md.
 """
 
@@ -176,6 +213,9 @@ def bootstrap_sglang() -> None:
     if getattr(SG, "ready", False):
         return
     warnings.filterwarnings("ignore")
+    import logging
+
+    logging.getLogger("sglang").setLevel(logging.ERROR)  # write_back logs every dropped subtree
     from transformers.utils import import_utils as _tf_import_utils
 
     assert _tf_import_utils.is_torchvision_available() is False  # cached before the stub
@@ -192,8 +232,10 @@ def bootstrap_sglang() -> None:
         alloc_token_slots,
     )
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
+    from sglang.srt.mem_cache.hicache_storage import PoolName
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
     from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
@@ -210,6 +252,8 @@ def bootstrap_sglang() -> None:
         radix_cache=radix_cache,
         RadixCache=radix_cache.RadixCache,
         UnifiedRadixCache=UnifiedRadixCache,
+        InitLoadBackParams=InitLoadBackParams,
+        PoolName=PoolName,
         ComponentType=ComponentType,
         alloc_token_slots=alloc_token_slots,
         alloc_paged_token_slots_extend=alloc_paged_token_slots_extend,
@@ -374,17 +418,7 @@ class Replay:
             origin_input_ids=array("q", prompt),  # a copy: the Req appends to its own arrays
             sampling_params=SG.SamplingParams(max_new_tokens=max(output_len, 1), ignore_eos=True),
         )
-        while True:
-            req.init_next_round_input(tree)  # match_kv_cache: len-1 cap, page-aligned
-            new_tokens = ceil_div(prompt_len, ps) * ps - req.prefix_len
-            lock = tree.lock(req.last_node)  # PrefillAdder._lock_node: the pin during the check
-            ok = self.fits(new_tokens)
-            tree.unlock(lock)
-            if ok or not self.inflight:
-                break
-            self.counts["admission_finishes"] += 1
-            self.finish_oldest()
-        if not ok:
+        if not self.admit_match(req, prompt_len):
             self.counts["unschedulable"] += 1
             return -1
         hit = req.prefix_len
@@ -421,6 +455,7 @@ class Replay:
         if output_len > 0:
             req.output_ids.append(first)
         SG.checkpoint_kv_cache(req, tree)  # cache_unfinished_req: insert the prompt
+        self.after_prefill()
         # decode: output_len - 1 steps, each giving KV to the token fed back
         steps = max(output_len - 1, 0)
         if steps:
@@ -436,6 +471,24 @@ class Replay:
             req.output_ids.append(first + k)
         self.inflight.append(req)
         return hit
+
+    def admit_match(self, req, prompt_len: int) -> bool:
+        """Steps 1-2: match, and the fit check (finishing the oldest for room); False when
+        the prompt does not fit even with nothing in flight."""
+        tree = self.tree
+        while True:
+            req.init_next_round_input(tree)  # match_kv_cache: len-1 cap, page-aligned
+            new_tokens = ceil_div(prompt_len, self.ps) * self.ps - req.prefix_len
+            lock = tree.lock(req.last_node)  # PrefillAdder._lock_node: the pin during the check
+            ok = self.fits(new_tokens)
+            tree.unlock(lock)
+            if ok or not self.inflight:
+                return ok
+            self.counts["admission_finishes"] += 1
+            self.finish_oldest()
+
+    def after_prefill(self) -> None:
+        """After the prefill's checkpoint (HiCache: its transfers complete)."""
 
     def decode_step(self, req, row: int) -> None:
         torch = SG.torch
@@ -482,6 +535,225 @@ class Replay:
 
 
 # --------------------------------------------------------------------------------------
+# HiCache (--hicache): UnifiedRadixCache with a host tier, transfers completing at once
+# --------------------------------------------------------------------------------------
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+
+
+class HostPoolStub:
+    """The host KV pool's slot accounting (`mem_cache/pool_host/base.py` `alloc` / `free` /
+    `available_size`: page-multiple requests, None when more than is free), with no
+    tensors behind it. Also stands in for the pool group and its anchor entry, which the
+    cache reads only for these calls."""
+
+    def __init__(self, size: int, page_size: int) -> None:
+        assert size % page_size == 0, "host capacity must be whole pages"
+        self.size = size
+        self.page_size = page_size
+        self.logical_page_size = page_size
+        self.shared_allocation_domain = None  # -> the cache's own evict_host path
+        self.host_pool = self
+        self.host_evict_fn = None
+        self.anchor_entry = self
+        self.clear()
+
+    def clear(self) -> None:
+        self.free_slots: list[int] = list(range(self.size))
+        self.used = 0
+
+    def available_size(self) -> int:
+        return len(self.free_slots)
+
+    def alloc(self, need_size: int):
+        assert need_size % self.page_size == 0, "host alloc must be whole pages"
+        if need_size > len(self.free_slots):
+            return None
+        out, self.free_slots = self.free_slots[:need_size], self.free_slots[need_size:]
+        self.used += need_size
+        return SG.torch.tensor(out, dtype=SG.torch.int64)
+
+    def free(self, indices, pool=None) -> int:
+        n = int(indices.numel())
+        self.free_slots.extend(indices.tolist())
+        self.used -= n
+        return n
+
+    def get_pool(self, name):
+        return self if name == SG.PoolName.KV else None
+
+    def destroy(self) -> None:
+        pass
+
+
+class _DoneEvent:
+    """A CUDA event that has always completed (GPU-optimistic transfer)."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _Ack:
+    def __init__(self, node_id: int) -> None:
+        self.node_ids = [node_id]
+        self.finish_event = _DoneEvent()
+        self.start_event = _DoneEvent()
+        self.num_tokens_by_pool = None
+        self.num_bytes = 0
+        self.timing_enabled = False
+
+
+class ControllerStub:
+    """`HybridCacheController`'s `write` / `load` as the cache calls them
+    (`hybrid_cache/hybrid_cache_controller.py`): `write` allocates host slots (None when
+    the host has too few) and queues an ack; `load` allocates device slots from the real
+    allocator (None when short) and queues an ack. No bytes move; every ack is complete at
+    once, so the next `writing_check` / `loading_check` consumes it."""
+
+    def __init__(self, host: HostPoolStub, allocator, write_policy: str) -> None:
+        self.mem_pool_host = host
+        self.mem_pool_device_allocator = allocator
+        self.write_policy = write_policy
+        self.enable_storage = False
+        self.pp_prefetch_command_group = None  # no pipeline parallelism
+        self.ack_write_queue: list = []
+        self.ack_load_queue: list = []
+        self.written_tokens = 0
+        self.loaded_tokens = 0
+
+    def write(self, device_indices, priority=None, node_id=-1, extra_pools=None, flush=True, start_owner=None):
+        assert not extra_pools and start_owner is None
+        host_indices = self.mem_pool_host.alloc(len(device_indices))
+        if host_indices is None:
+            return None
+        self.written_tokens += len(device_indices)
+        self.ack_write_queue.append(_Ack(node_id))
+        return host_indices
+
+    def load(
+        self, host_indices, priority=None, node_id=-1, extra_pools=None, *, device_indices=None, anchor_indices=None
+    ):
+        assert not extra_pools and device_indices is None
+        if host_indices.numel() == 0:
+            return SG.torch.empty((0,), dtype=SG.torch.int64)
+        out = self.mem_pool_device_allocator.alloc(len(host_indices))
+        if out is None:
+            return None
+        self.loaded_tokens += len(host_indices)
+        self.ack_load_queue.append(_Ack(node_id))
+        return out
+
+    def start_writing(self) -> None:
+        pass
+
+    def start_loading(self) -> int:
+        return 0
+
+    def reset(self) -> None:
+        self.ack_write_queue.clear()
+        self.ack_load_queue.clear()
+
+
+class HiCacheReplay(Replay):
+    """The replay protocol on SGLang 0.5.23's hierarchical cache: `UnifiedRadixCache`
+    (FULL component, Python TreeCore) with a host tier attached as `init_hicache` attaches
+    one (see the module docstring, "HiCache"), transfers completing at once."""
+
+    def __init__(
+        self,
+        policy: str,
+        page_size: int,
+        capacity_tokens: int,
+        concurrency: int,
+        max_len: int,
+        write_policy: str,
+        host_tokens: int,
+    ) -> None:
+        super().__init__(policy, page_size, capacity_tokens, concurrency, max_len, cache="unified:python")
+        tree = self.tree
+        self.host = HostPoolStub(host_tokens, page_size)
+        self.cc = ControllerStub(self.host, self.allocator, write_policy)
+        # what init_hicache + attach_hybrid_pool_to_unified_cache leave behind, FULL only
+        tree.cache_controller = self.cc
+        tree.host_pool_group = self.host
+        tree.components[SG.ComponentType.FULL]._full_kv_pool_host = self.host
+        tree.tree_core.set_hicache_enabled()
+        tree.write_through_threshold = 1 if write_policy == "write_through" else 2
+        tree.is_write_back = write_policy == "write_back"
+        tree.load_back_threshold = 10
+        self.host_evicted = 0
+        real_evict_host = tree.evict_host
+
+        def counting_evict_host(num_tokens, *args, **kwargs):
+            before = self.host.used
+            out = real_evict_host(num_tokens, *args, **kwargs)
+            self.host_evicted += before - self.host.used
+            return out
+
+        tree.evict_host = counting_evict_host
+
+    def drain(self) -> None:
+        """check_hicache_events: every transfer issued so far has completed."""
+        self.tree.writing_check(finish_count=len(self.cc.ack_write_queue))
+        self.tree.loading_check(finish_count=len(self.cc.ack_load_queue))
+
+    def finish(self, req) -> None:
+        super().finish(req)
+        self.drain()
+
+    def admit_match(self, req, prompt_len: int) -> bool:
+        """Steps 1-2 (match, fit check), then 2b: the host load-back."""
+        ok = super().admit_match(req, prompt_len)
+        self.loaded = 0
+        if ok and req.host_hit_length > 0:
+            tree = self.tree
+            # PrefillAdder.add_one_req: under _lock_node(last_node) and
+            # _lock_node(best_match_node, lock_host=True), init_load_back
+            dev_lock = tree.lock(req.last_node)
+            host_params = tree.inc_host_lock_ref(req.best_match_node).to_dec_params()
+            best_lock = tree.lock(req.best_match_node)
+            loaded, node = tree.init_load_back(
+                SG.InitLoadBackParams(best_match_node=req.best_match_node, host_hit_length=req.host_hit_length, req=req)
+            )
+            tree.unlock(best_lock)
+            tree.dec_host_lock_ref(req.best_match_node, host_params)
+            tree.unlock(dev_lock)
+            req.host_loaded_length, req.last_node = loaded, node
+            req.prefix_len += loaded
+            req.kv.cache_protected_len = req.prefix_len
+            self.loaded = loaded
+        return ok
+
+    def after_prefill(self) -> None:
+        self.drain()
+
+    def request(self, idx: int, prompt: list[int], output_len: int) -> int:
+        """The GPU hit (the host tokens loaded back are recorded beside it)."""
+        self.loaded = 0
+        total = super().request(idx, prompt, output_len)
+        self.drain()
+        self.loaded_per_request.append(self.loaded if total >= 0 else -1)
+        return total - self.loaded if total >= 0 else -1
+
+    def run(self, requests):
+        self.loaded_per_request: list[int] = []
+        out = super().run(requests)
+        self.drain()
+        out["per_request_host_loaded"] = self.loaded_per_request
+        out["total_host_loaded_tokens"] = sum(self.loaded_per_request)
+        out["host_capacity_tokens"] = self.host.size
+        out["write_policy"] = self.cc.write_policy
+        out["backup_tokens"] = self.cc.written_tokens
+        out["load_back_tokens"] = self.cc.loaded_tokens
+        out["host_evicted_tokens"] = self.host_evicted
+        out["host_tokens_end"] = self.host.used
+        return out
+
+
+# --------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------
 
@@ -502,7 +774,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--out", required=True, help="output .json.gz")
     ap.add_argument("--trace-meta", help="JSON object merged into the output's trace metadata")
+    ap.add_argument(
+        "--hicache", action="store_true", help="the hierarchical cache (UnifiedRadixCache + a host tier, see HiCache)"
+    )
+    ap.add_argument("--write-policies", default=",".join(WRITE_POLICIES), help="with --hicache")
+    ap.add_argument("--host-capacity", type=int, help="with --hicache: host tier size in tokens")
     args = ap.parse_args(argv)
+    if args.hicache:
+        if not args.host_capacity or args.host_capacity <= 0:
+            ap.error("--hicache needs --host-capacity TOKENS > 0")
+        bad = set(args.write_policies.split(",")) - set(WRITE_POLICIES)
+        if bad:
+            ap.error(f"unknown write policies {sorted(bad)}; choose from {', '.join(WRITE_POLICIES)}")
 
     bootstrap_sglang()
     kind, path, requests = load_trace(args.trace)
@@ -511,14 +794,27 @@ def main(argv: list[str] | None = None) -> int:
     max_len = max(len(p) + o for p, o in requests)
     name = args.name or path.name.split(".")[0]
     configs = []
-    for policy in args.policies.split(","):
+    write_policies = args.write_policies.split(",") if args.hicache else [None]
+    for policy, wp in itertools.product(args.policies.split(","), write_policies):
         for ps in (int(x) for x in args.page_sizes.split(",")):
             for c in (int(x) for x in args.concurrency.split(",")):
                 t0 = time.perf_counter()
-                result = Replay(policy, ps, args.capacity, c, max_len, args.cache).run(requests)
+                if wp is None:
+                    result = Replay(policy, ps, args.capacity, c, max_len, args.cache).run(requests)
+                else:
+                    result = HiCacheReplay(policy, ps, args.capacity, c, max_len, wp, args.host_capacity).run(requests)
                 dt = time.perf_counter() - t0
                 cfg = {"policy": policy, "page_size": ps, "concurrency": c, "capacity_tokens": args.capacity}
-                if args.cache != "radix":
+                if wp is not None:
+                    cfg["cache"] = "unified:python+hicache"
+                    cfg["write_policy"] = wp
+                    cfg["host_capacity_tokens"] = args.host_capacity
+                    print(
+                        f"  {wp}: host loaded={result['total_host_loaded_tokens']:,} "
+                        f"backup={result['backup_tokens']:,} host_evicted={result['host_evicted_tokens']:,}",
+                        flush=True,
+                    )
+                elif args.cache != "radix":
                     cfg["cache"] = args.cache
                 print(
                     f"{name} {policy:4s} ps={ps:2d} C={c}: hits={result['total_hit_tokens']:,} "

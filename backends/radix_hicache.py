@@ -1,0 +1,311 @@
+"""radix-hicache: SGLang RadixAttention with a host tier (reference: SGLang 0.5.23
+HiCache, `--enable-hierarchical-cache`, which builds `UnifiedRadixCache.init_hicache()`:
+`mem_cache/unified_radix_cache.py`, `unified_cache/unified_tree_core.py`, the FULL
+component `unified_cache/components/full.py`, the host pool `pool_host/` and
+`hybrid_cache/hybrid_cache_controller.py`; the scheduler's `PrefillAdder.add_one_req`).
+
+Everything of the `radix` backend (`backends/radix.py`: match limit, admission and decode
+eviction, checkpoint inserts, release) holds; below the GPU pages sits a host tier of
+`host_capacity_tokens` (or `host_capacity_gb`) that keeps copies of tree nodes, with
+SGLang's rules (the tree: `backends/radix_hicache_tree.py`, which lists them with their
+sources). Per request, under the replay protocol:
+
+- `match` walks the tree across both tiers (the device prefix is the hit it names; the
+  host-only nodes after it are the host hit), splitting and stamping as SGLang does.
+- `admit` fits the prompt as `radix` does (every token past the device prefix needs a
+  page), then loads the host hit back (`init_load_back` -> `load_back`): fewer than 10
+  host tokens are recomputed; otherwise the device evicts for the shortfall with the
+  path locked, and if it is still short the request recomputes and the host copies stay;
+  else device pages are allocated and the host copies are copied in and kept. The
+  sequence's `num_computed` after `admit` is the device hit plus what was loaded: every
+  token not recomputed, whichever tier it came from (engines read it, not the match).
+- A host hit the request recomputed goes back on the device at its insert with the
+  request's own pages.
+
+Transfers complete at once (the GPU-optimistic timing of the replay protocol): backups
+inside the call that issues them, load-backs at the next `commit` or `release` (where
+SGLang's scheduler would poll them). The bytes move in the executor: each node demoted
+(its host copy written when its GPU pages are freed) or loaded is a `TierCopy` handed out,
+in decision order, with the next `admit`, `grow` or `fork`'s copies
+(attention/kv_cache.py keeps the host pages). What is not built: transfer time on the serving
+clock (bandwidths are recorded, not charged), KV events for the host tier (this backend
+publishes none), L3 storage and its prefetch, and SGLang's Rust TreeCore (this follows the
+Python TreeCore, which the goldens run). Golden runs of the real code:
+`tests/test_radix_hicache_sglang.py`.
+
+Where it differs from SGLang 0.5.23, on purpose: whether a prompt fits is the engine's
+protocol (every page past the GPU prefix, in free + evictable pages), not `PrefillAdder`'s
+budget; a serving chunk that ends inside the host hit recomputes it (a load covers whole
+nodes and `admit` must not pass the chunk); a node in flight is never locked (transfers
+are instantaneous); any eviction makes older matches stale (a demoted node stays in the
+tree, so a match is not proven by its nodes alone); the executor copies a node's KV to the
+host when it is demoted rather than when it is backed up (only then can its GPU pages be
+reused), while `tier_traffic` counts bytes when SGLang moves them.
+
+Options: `write_policy` (`write_through`: back up a node at its first hit;
+`write_through_selective`: at its second; `write_back`: only when the device evicts it),
+`host_capacity_tokens` or `host_capacity_gb` (with `kv_bytes_per_token`; neither: twice the
+GPU pool, SGLang's default `--hicache-ratio 2`), `host_read_gbps`
+/ `host_write_gbps` (default: the H200's PCIe Gen5 x16, `cachelib/tiers.py`),
+`eviction_policy` (one order for both tiers, as SGLang's). Deviation from `radix` that
+follows the unified tree: a split's upper part keeps the lower part's creation time
+(only FIFO/FILO read it).
+"""
+
+from __future__ import annotations
+
+from itertools import chain
+from typing import ClassVar
+
+import numpy as np
+
+from backends.radix import RadixCache, _Held
+from backends.radix_hicache_tree import LOAD_BACK_THRESHOLD, WRITE_POLICIES, HiCacheTree, TieredNode
+from backends.radix_policy import make_policy
+from cachelib.errors import InvalidRequestError
+from cachelib.interface import Occupancy, PagePartition
+from cachelib.kv_events import PageKeys
+from cachelib.registry import register_backend
+from cachelib.tiers import H200_HOST_READ_GBPS, H200_HOST_WRITE_GBPS, LLAMA3_8B_KV_BYTES_PER_TOKEN, HostTier
+from cachelib.types import CopyOp, Match, Sequence, TierCopy
+
+
+@register_backend("radix-hicache")
+class HiRadixCache(RadixCache):
+    """SGLang 0.5.23 HiCache over `num_pages` GPU pages and a host tier (module docstring)."""
+
+    memory_tiers: ClassVar[tuple[str, ...]] = ("gpu", "host")
+    compared_by_default = False  # it holds KV beyond the GPU capacity the others get: name it
+    emits_kv_events = False  # SGLang publishes per-medium events; not built here
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        *,
+        host_capacity_tokens: int = 0,
+        host_capacity_gb: float = 0.0,
+        write_policy: str = "write_through",
+        host_read_gbps: float = H200_HOST_READ_GBPS,
+        host_write_gbps: float = H200_HOST_WRITE_GBPS,
+        kv_bytes_per_token: int = LLAMA3_8B_KV_BYTES_PER_TOKEN,
+        eviction_policy: str = "lru",
+        track_contents: bool = False,
+    ) -> None:
+        if write_policy not in WRITE_POLICIES:
+            raise InvalidRequestError(
+                f"unknown write_policy {write_policy!r}; choose one of {', '.join(WRITE_POLICIES)}"
+            )
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
+            raise InvalidRequestError(f"page_size must be a positive int, got {page_size!r}")
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
+            raise InvalidRequestError(f"num_pages must be a positive int, got {num_pages!r}")
+        self.host_tier = HostTier.build(
+            page_size,
+            num_pages * page_size,
+            capacity_tokens=host_capacity_tokens,
+            capacity_gb=host_capacity_gb,
+            read_gbps=host_read_gbps,
+            write_gbps=host_write_gbps,
+            kv_bytes_per_token=kv_bytes_per_token,
+        )
+        policy = make_policy(eviction_policy)
+        super().__init__(num_pages, page_size, eviction_policy=policy, track_contents=track_contents)
+        self.write_policy = write_policy
+        self.tree = HiCacheTree(page_size, policy, write_policy, self.host_tier.capacity_tokens // page_size)
+        self.tree.mover = self
+        self._host_contents = np.full(self.host_tier.capacity_tokens, -1, dtype=np.int64) if track_contents else None
+        self.host_hit_tokens = 0  # loaded back at admission, over every admission
+        #: `TierCopy`s decided but not handed out yet (they go with the next admit, grow, fork)
+        self._moves: list[TierCopy] = []
+
+    # -- the mover the tree calls (transfers complete at once) ------------------------
+
+    def give(self, pages: list[int]) -> None:
+        """An evicted device copy's pages. A demoted node stays in the tree (and may come
+        back on other pages), so proving a match by its nodes no longer suffices: every
+        eviction makes older matches stale."""
+        self._epoch += 1
+        self._give(pages)
+
+    def copied_to_host(self, device_pages: list[int], host_pages: list[int]) -> None:
+        # the executor's copy waits for `demoted` (see there); the record of contents does not
+        if self._contents is not None:
+            self._host_contents[self._slots(host_pages)] = self._contents[self._slots(device_pages)]
+
+    def copied_to_device(self, host_pages: list[int], device_pages: list[int]) -> None:
+        self._moves.append(TierCopy(False, tuple(device_pages), tuple(host_pages)))
+        if self._contents is not None:
+            self._contents[self._slots(device_pages)] = self._host_contents[self._slots(host_pages)]
+
+    def demoted(self, device_pages: list[int], host_pages: list[int]) -> None:
+        """A node's GPU copy is freed and its host copy is all that is left: the executor
+        copies the bytes now. SGLang copies at backup time; for the executor the copy is
+        only needed once the GPU pages can be reused, and deferring it to here is what
+        makes it safe when a scheduler publishes pages before it computes them (vLLM's
+        `cache_blocks` at scheduling): a node is demoted only once unlocked, i.e. after its
+        KV was written."""
+        self._moves.append(TierCopy(True, tuple(device_pages), tuple(host_pages)))
+
+    def _take_moves(self, ops: list[CopyOp] | None) -> list | None:
+        """The tier moves decided since the last hand-out, then `ops` (None stays None:
+        a call that did not fit decided nothing)."""
+        if ops is None or not self._moves:
+            return ops
+        moves, self._moves = self._moves, []
+        return moves + ops
+
+    def _slots(self, pages: list[int]) -> np.ndarray:
+        ps = self.page_size
+        return (np.asarray(pages, dtype=np.int64)[:, None] * ps + np.arange(ps)).reshape(-1)
+
+    # -- the contract -------------------------------------------------------------------
+
+    def _match(self, seq: Sequence) -> tuple[int, tuple[int, ...], TieredNode | None]:
+        ps = self.page_size
+        limit = (len(seq) - 1) // ps * ps
+        if limit <= 0:
+            return 0, (), None
+        node, hit, runs = self.tree.match_tiers(self._namespace(seq), seq.tokens, limit)
+        pages = tuple(runs[0]) if len(runs) == 1 else tuple(chain.from_iterable(runs))
+        return hit, pages, node
+
+    def _admit(self, seq: Sequence, match: Match, num_tokens: int) -> tuple[_Held, list[CopyOp]] | None:
+        if not self._can_admit(seq, match, num_tokens):
+            return None
+        tree = self.tree
+        ps = self.page_size
+        node = match.handle
+        if node is None:
+            node = tree.root(self._namespace(seq), create=True)
+        tree.lock(node)
+        table = list(match.pages)
+        hit = match.num_tokens
+        limit = (len(seq) - 1) // ps * ps
+        host = tree.host_continuation(node, seq.tokens, limit) if hit < limit else []
+        host_len = sum(len(x.key) for x in host)
+        # A chunk that ends inside the host hit (serving) recomputes it instead: the load
+        # covers whole nodes, and the table must not pass what admit was asked for.
+        if host and hit + host_len < num_tokens:
+            loaded = self._load_back(host, host_len)
+            if loaded is not None:
+                table += loaded
+                hit += host_len
+                node = host[-1]
+                self.host_hit_tokens += host_len
+        need = self.pages_for(num_tokens) - hit // ps
+        self._evict_for_extend(num_tokens - hit, need)
+        table += self._take(need)
+        seq.page_table = table
+        seq.num_computed = hit
+        return _Held(seq, node, hit, 0, num_tokens), self._take_moves([])
+
+    def _grow(self, seq: Sequence, held: _Held, num_tokens: int) -> list[CopyOp] | None:
+        return self._take_moves(super()._grow(seq, held, num_tokens))
+
+    def _fork(self, parent: Sequence, held: _Held, child: Sequence) -> tuple[_Held, list[CopyOp]] | None:
+        forked = super()._fork(parent, held, child)
+        if forked is None:
+            return None
+        return forked[0], self._take_moves(forked[1])
+
+    def _load_back(self, host: list[TieredNode], host_len: int) -> list[int] | None:
+        """`load_back`: the device pages the host nodes were loaded into, or None (the
+        request recomputes them; nothing changed but what the eviction freed)."""
+        tree = self.tree
+        ps = self.page_size
+        tree.lock_host_segment(host)
+        pages = None
+        if host_len >= LOAD_BACK_THRESHOLD:
+            free = self._num_free * ps
+            if free < host_len:
+                self._evict_tokens(host_len - free)
+            if self._num_free * ps >= host_len:
+                pages = self._take(host_len // ps)
+                tree.load(host, pages)
+        tree.release_host_segment(host, pages is not None)
+        return pages
+
+    def _insert(self, held: _Held, end: int, lend: bool) -> None:
+        """`RadixCache._insert` with adopted runs: a host-only node the insert put back on
+        the device holds the request's own pages (no duplicate to free)."""
+        seq = held.seq
+        ps = self.page_size
+        table = seq.page_table
+        start = held.protected
+        new, _matched, runs = self.tree.insert(held.node, start, seq.tokens, end, table, held.inserted, lend)
+        held.inserted = max(held.inserted, end)
+        lo = start // ps
+        for pages, adopted in runs:
+            k = len(pages)
+            if not adopted:
+                dups = table[lo : lo + k]
+                table[lo : lo + k] = pages
+                self._give(dups)
+            lo += k
+        held.node = new
+        held.protected = end
+
+    def _commit(self, seq: Sequence, held: _Held, num_computed: int) -> None:
+        super()._commit(seq, held, num_computed)
+        self.tree.finish_loads()  # the scheduler's next poll: the load-backs completed
+
+    def _release(self, seq: Sequence, held: _Held) -> None:
+        super()._release(seq, held)
+        self.tree.finish_loads()
+
+    def _evict_tokens(self, num_tokens: int) -> int:
+        freed = self.tree.evict(num_tokens, self.give) // self.page_size
+        self._counters["evicted_pages"] += freed
+        return freed
+
+    def _evict(self, num_pages: int) -> int:
+        return self._evict_tokens(num_pages * self.page_size)
+
+    # -- KV events: none ------------------------------------------------------------------
+
+    def page_keys(self) -> PageKeys:
+        raise InvalidRequestError("a radix-hicache cache publishes no KV events, hence no page keys")
+
+    # -- observation ------------------------------------------------------------------
+
+    def tier_traffic(self) -> dict[str, int]:
+        """Tokens and bytes moved between the tiers so far (`TierTraffic`), and what the
+        host holds."""
+        t = self.tree.traffic
+        tier = self.host_tier
+        out = t.as_dict()
+        out["gpu_to_host_bytes"] = tier.bytes_of(t.backed_up)
+        out["host_to_gpu_bytes"] = tier.bytes_of(t.loaded)
+        out["host_tokens"] = self.tree.host_used_tokens
+        out["host_capacity_tokens"] = tier.capacity_tokens
+        return out
+
+    def _occupancy(self) -> Occupancy:
+        occ = super()._occupancy()
+        tree = self.tree
+        extra = dict(occ.extra)
+        extra.update(
+            write_policy=self.write_policy,
+            host_capacity_tokens=self.host_tier.capacity_tokens,
+            host_tokens=tree.host_used_tokens,
+            host_leaves=len(tree.host_leaves),
+            host_hit_tokens=self.host_hit_tokens,
+        )
+        return occ._replace(extra=extra)
+
+    def _page_partition(self) -> PagePartition:
+        cached: list[int] = []
+        pinned: list[int] = []
+        for node in self.tree.nodes():
+            if node.pages is None and node.lender is None:
+                continue  # host-only: no device page
+            (pinned if node.lock_ref else cached).extend(self.tree.pages_of(node))
+        for held in self._live.values():
+            pinned += held.seq.page_table[held.protected // self.page_size :]
+        return PagePartition(free=self._free_pages(), cached=cached, pinned=pinned)
+
+    def _check_invariants(self) -> None:
+        from backends.radix_hicache_invariants import check_hicache
+
+        check_hicache(self)
