@@ -47,10 +47,11 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterator
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
+from backends.apc_offload import HostTier, HostTierSpec
 from cachelib.errors import InvalidRequestError
 from cachelib.free_queue import BlockQueue
 from cachelib.hashing import BlockHash, BlockHasher, DictIndex, HashFn, RunIndex
@@ -68,15 +69,28 @@ _NO_BLOCKS = np.empty(0, dtype=np.int64)
 
 
 class _Held(LiveState):
-    """An admitted sequence: its block ids (an int64 array, the page table's), and how many
-    leading ones are hashed (published)."""
+    """An admitted sequence: its block ids (an int64 array, the page table's), how many
+    leading ones are hashed (published), and, with a host tier, its offload state."""
 
-    __slots__ = ("blocks", "num_cached")
+    __slots__ = ("blocks", "num_cached", "offload")
 
-    def __init__(self, seq: Sequence, blocks: np.ndarray, num_cached: int) -> None:
+    def __init__(self, seq: Sequence, blocks: np.ndarray, num_cached: int, offload: Any = None) -> None:
         self.seq = seq
         self.blocks = blocks
         self.num_cached = num_cached
+        self.offload = offload
+
+
+class _TierHit:
+    """A match's handle with a host tier: the GPU hit's blocks and the tokens to load back
+    from the host after them (the match's pages are the GPU blocks, then one -1 per block
+    the load fills)."""
+
+    __slots__ = ("gpu", "loaded")
+
+    def __init__(self, gpu: list[int], loaded: int) -> None:
+        self.gpu = gpu
+        self.loaded = loaded
 
 
 class BlockView:
@@ -184,10 +198,20 @@ class APCCache(PrefixCache):
         hash_algorithm: str = "xxh3_128",
         hash_fn: HashFn | None = None,
         verify_tokens: bool = False,
+        host_capacity_tokens: int = 0,
+        host_eviction: str = "lru",
+        host_block_size: int = 0,
+        offload_prompt_only: bool = True,
+        kv_bytes_per_token: int = 0,
     ) -> None:
         super().__init__(num_pages, page_size)
         if not isinstance(verify_tokens, bool):
             raise InvalidRequestError(f"verify_tokens must be a bool, got {verify_tokens!r}")
+        #: vLLM 0.33's CPU KV offloading below the GPU blocks (backends/apc_offload.py), or None
+        self.host: HostTier | None = self._host_tier(
+            page_size, verify_tokens, host_capacity_tokens, host_eviction, host_block_size,
+            offload_prompt_only, kv_bytes_per_token,
+        )  # fmt: skip
         self.hasher = BlockHasher(page_size, hash_algorithm, hash_fn)
         self._page_keys = PageKeys(page_size, hash_algorithm, hash_fn)  # what events name blocks by
         self.verify_tokens = verify_tokens
@@ -209,6 +233,42 @@ class APCCache(PrefixCache):
             # from its recorded content, even after its parent block was evicted
             self._parent_hash: list[BlockHash | None] = []
             self._generation: list[int] = []
+
+    @staticmethod
+    def _host_tier(
+        page_size: int,
+        verify_tokens: bool,
+        capacity: Any,
+        eviction: Any,
+        block_size: Any,
+        prompt_only: Any,
+        bytes_per_token: Any,
+    ) -> HostTier | None:
+        """The host tier the options ask for (None without `host_capacity_tokens`); a host
+        option given without a capacity is an error, not silently dropped."""
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+            raise InvalidRequestError(f"host_capacity_tokens must be a non-negative int, got {capacity!r}")
+        if capacity == 0:
+            given = [
+                name
+                for name, value, default in (
+                    ("host_eviction", eviction, "lru"),
+                    ("host_block_size", block_size, 0),
+                    ("offload_prompt_only", prompt_only, True),
+                    ("kv_bytes_per_token", bytes_per_token, 0),
+                )
+                if value != default or value.__class__ is not default.__class__
+            ]
+            if given:
+                raise InvalidRequestError(f"{', '.join(given)} given without host_capacity_tokens (no host tier)")
+            return None
+        if verify_tokens:
+            raise InvalidRequestError(
+                "verify_tokens does not cover the host tier (it keys chunks by block hash, as vLLM does): "
+                "use one or the other"
+            )
+        spec = HostTierSpec.from_options(page_size, capacity, eviction, block_size, prompt_only, bytes_per_token)
+        return HostTier(spec)
 
     @property
     def blocks(self) -> _BlockViews:
@@ -260,7 +320,19 @@ class APCCache(PrefixCache):
             hit = self._verified_walk(seq, hashes[:max_blocks])
         else:  # the oldest block of each hash, up to the first miss
             hit = self.index.first_run(hashes[:max_blocks])
+        if self.host is not None:
+            return self._match_host(seq, hit)
         return len(hit) * self.page_size, tuple(hit), hit
+
+    def _match_host(self, seq: Sequence, hit: list[int]) -> tuple[int, tuple[int, ...], _TierHit]:
+        """The GPU hit, then the host chunks after it (rules R2, R3 of apc_offload): the
+        tokens not recomputed are `min(gpu + loaded, len - 1)`."""
+        size = self.page_size
+        gpu = len(hit) * size
+        loaded = self.host.lookup_tokens(self._block_hashes(seq, len(seq) // size), gpu, len(seq))
+        total = min(gpu + loaded, len(seq) - 1)
+        pages = tuple(hit) + (-1,) * (-(-total // size) - len(hit))
+        return total, pages, _TierHit(hit, loaded)
 
     def _verified_walk(self, seq: Sequence, hashes: list[BlockHash], chosen: list[int] | None = None) -> list[int]:
         """The longest run of cached blocks whose recorded contents are `seq`'s first blocks.
@@ -297,13 +369,15 @@ class APCCache(PrefixCache):
         """The hit must be this cache's blocks (not evicted since: the epoch says so), holding
         `seq`'s first blocks: their hashes equal the sequence's chained hashes (and, with
         `verify_tokens`, their recorded tokens, extra keys and parents equal its own)."""
-        hit, pages = match.handle, match.pages
+        hit, pages, num_tokens = match.handle, match.pages, match.num_tokens
+        if self.host is not None:
+            hit, pages, num_tokens = self._verify_host_part(seq, match)
         n = len(pages)
         ids = np.asarray(pages)
         if (
             hit.__class__ is not list
             or len(hit) != n
-            or n * self.page_size != match.num_tokens
+            or n * self.page_size != num_tokens
             or hit != list(pages)
             or (n and (ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= self._ref.size))
         ):
@@ -318,7 +392,32 @@ class APCCache(PrefixCache):
                 f"request {seq.request_id!r}: the match's blocks hold other tokens (a match made for another sequence)"
             )
 
+    def _verify_host_part(self, seq: Sequence, match: Match) -> tuple[list[int], tuple[int, ...], int]:
+        """A tiered match: its handle, its token count and its pages agree, and the host
+        still holds what it claims (the load is looked up again). Returns the GPU part
+        (blocks, pages, tokens) for the GPU checks."""
+        handle = match.handle
+        if handle.__class__ is not _TierHit or handle.gpu.__class__ is not list:
+            raise InvalidRequestError(
+                f"request {seq.request_id!r}: the match's blocks are not this cache's (another cache's match, or forged)"
+            )
+        gpu = len(handle.gpu) * self.page_size
+        total = min(gpu + handle.loaded, len(seq) - 1)
+        want = tuple(handle.gpu) + (-1,) * (-(-total // self.page_size) - len(handle.gpu))
+        if (
+            match.num_tokens != total
+            or match.pages != want
+            or handle.loaded != self.host.lookup_tokens(self._block_hashes(seq, len(seq) // self.page_size), gpu, len(seq))
+        ):
+            raise InvalidRequestError(
+                f"request {seq.request_id!r}: the match's host part is not what this cache holds (forged, or another sequence's)"
+            )
+        return handle.gpu, tuple(handle.gpu), gpu
+
     def _hit_ids(self, match: Match) -> np.ndarray:
+        handle = match.handle
+        if handle.__class__ is _TierHit:
+            return np.array(handle.gpu, dtype=np.int64) if handle.gpu else _NO_BLOCKS
         return np.array(match.pages, dtype=np.int64) if match.num_tokens else _NO_BLOCKS
 
     def _can_admit(self, seq: Sequence, match: Match, num_tokens: int) -> bool:
@@ -347,7 +446,11 @@ class APCCache(PrefixCache):
             blocks = self._take_new(num_new)
         seq.page_table = blocks.tolist()
         seq.num_computed = match.num_tokens
-        return _Held(seq, blocks, hit.size), []
+        offload = None
+        if self.host is not None:  # R4: the load (instantaneous); the loaded blocks are hashed at commit
+            size = self.page_size
+            offload = self.host.admit(self._block_hashes(seq, len(seq) // size), hit.size * size, match.handle.loaded)
+        return _Held(seq, blocks, hit.size, offload), []
 
     def _take_new(self, n: int) -> np.ndarray:
         """Pop `n` blocks from the queue head, evicting those that still hold a cached block."""
@@ -401,6 +504,8 @@ class APCCache(PrefixCache):
         seq.num_computed = num_computed
         full = num_computed // self.page_size
         start = held.num_cached
+        if held.offload is not None:
+            self._offer_host(seq, held, num_computed)
         if full <= start:
             return
         ids = held.blocks[start:full]
@@ -416,6 +521,24 @@ class APCCache(PrefixCache):
         held.num_cached = full
         if self._kv_listener is not None:  # vLLM's BlockStored from cache_full_blocks
             self._emit_kv_event(PagesStored(hashes[start:full], hashes[start - 1] if start else None))
+
+    def _offer_host(self, seq: Sequence, held: _Held, num_computed: int, final: bool = False) -> None:
+        """R5: offer the chunks that are computed and allocated to the host tier (at release,
+        `final`: the last offer, then the request's finish). A host eviction makes earlier
+        matches stale."""
+        host = self.host
+        num_chunks = host.storable_chunks(min(num_computed, len(seq)), held.blocks.size, seq.prompt_len)
+        offload = held.offload
+        if num_chunks <= offload.next_stored and not final:
+            return  # nothing new (every decode step of a prompt-only tier ends here)
+        hashes = self._block_hashes(seq, num_chunks * host.spec.blocks_per_chunk)
+        prompt_chunks = host.storable_chunks(seq.prompt_len, held.blocks.size, seq.prompt_len)
+        if final:
+            evicted = host.finish(offload, hashes, num_chunks, prompt_chunks)
+        else:
+            evicted = host.offer(offload, hashes, num_chunks, prompt_chunks)
+        if evicted:
+            self._epoch += 1
 
     def _record_contents(self, seq: Sequence, blocks: np.ndarray, start: int, stop: int) -> None:
         size = self.page_size
@@ -451,6 +574,8 @@ class APCCache(PrefixCache):
         return _Held(child, blocks, full), ops
 
     def _release(self, seq: Sequence, held: _Held) -> None:
+        if held.offload is not None:  # R5, R10: the final offer and the request's finish
+            self._offer_host(seq, held, seq.num_computed, final=True)
         # vLLM frees the table last block first: of the blocks nobody uses any more, hashed
         # ones go to the tail in that order (evicted late), the others to the head (reused
         # first: the first block of the table ends up at the head)
@@ -489,12 +614,35 @@ class APCCache(PrefixCache):
     # -- observation ----------------------------------------------------------------
 
     def _occupancy(self) -> Occupancy:
+        extra: dict[str, Any] = {"table_entries": self._num_hashed}
+        if self.host is not None:
+            extra["host_cached_tokens"] = self.host.num_cached() * self.host.spec.chunk_tokens
         return Occupancy(
             pages_free=self.free_queue.num_free - self._num_cached_free,
             pages_cached=self._num_cached_free,
             metadata_bytes=self.num_pages * _BLOCK_BYTES + self._num_hashed * _ENTRY_BYTES,
-            extra={"table_entries": self._num_hashed},
+            extra=extra,
         )
+
+    # -- tiers ------------------------------------------------------------------------
+
+    def has_tiers(self) -> bool:
+        return self.host is not None
+
+    def hits_by_tier(self, seq: Sequence) -> tuple[int, int, int]:
+        """For the admitted `seq`: (GPU tokens reused, host tokens loaded back, 0 from
+        storage). Loaded tokens can exceed the hit by the last token (rule R3)."""
+        held = self._check_live(seq)
+        if held.offload is None:
+            if self.host is None:
+                return super().hits_by_tier(seq)
+            return (held.num_cached * self.page_size, 0, 0)  # a forked child: its parent's KV
+        return (held.offload.gpu_tokens, held.offload.loaded_tokens, 0)
+
+    def tier_report(self) -> dict[str, Any]:
+        if self.host is None:
+            return super().tier_report()
+        return {"host": self.host.report()}
 
     def pages_pinned(self) -> int:
         return self.num_pages - self.free_queue.num_free  # O(1), no stats dict

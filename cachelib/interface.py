@@ -252,6 +252,21 @@ class PrefixCache(ABC):
         check_shared(self)
         self._check_invariants()
 
+    def has_tiers(self) -> bool:
+        """True when this cache keeps tiers below its GPU pages (apc with a host tier): its
+        matches then count tokens loaded back from them, and `hits_by_tier` / `tier_report`
+        answer. Set per instance by the backend's options, so a method, not a ClassVar."""
+        return False
+
+    def hits_by_tier(self, seq: Sequence) -> tuple[int, int, int]:
+        """For an admitted sequence: (tokens reused from GPU pages, loaded back from host
+        memory, from storage) at its admission. Only for `has_tiers()` caches."""
+        raise InvalidRequestError(f"this {self.name} cache has no tiers below its pages")
+
+    def tier_report(self) -> dict[str, Any]:
+        """Each lower tier's description and counters (JSON-able). Only for `has_tiers()` caches."""
+        raise InvalidRequestError(f"this {self.name} cache has no tiers below its pages")
+
     def pages_pinned(self) -> int:
         """Pages held by live sequences (or pinned registrations): `stats().pages_pinned`.
         Engines ask this every step; a backend whose `_occupancy()` is not O(1) overrides it."""

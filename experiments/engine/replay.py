@@ -68,6 +68,9 @@ class Replay:
         config = ServingConfig(max_running=concurrency)
         self.scheduler = Scheduler(client, ReplayExecutor(), config, VirtualClock())
         self.hits: list[int] = []
+        #: per request [gpu, host, storage] tokens reused, for a cache with tiers below its pages
+        self.tiered = client.cache.has_tiers()
+        self.hits_by_tier: list[list[int]] = []
         self.prompt_tokens = self.hit_tokens = self.unschedulable = self.truncated = 0
 
     def run(self, requests: Seq[RequestSpec], *, progress: bool = False) -> dict[str, Any]:
@@ -95,9 +98,13 @@ class Replay:
         if not scheduler.admit_prompt(r):
             self.unschedulable += 1
             self.hits.append(-1)
+            if self.tiered:
+                self.hits_by_tier.append([-1, -1, -1])
             return
         hit = r.hit_tokens
         self.hits.append(hit)
+        if self.tiered:
+            self.hits_by_tier.append(list(self.client.cache.hits_by_tier(r.seq)))
         self.prompt_tokens += len(r.seq)
         self.hit_tokens += hit
         scheduler.run_to_completion(r)
@@ -108,7 +115,7 @@ class Replay:
         cache = self.client.cache
         stats = cache.stats()
         seconds = self.client.seconds
-        return {
+        out = {
             "backend": cache.name,
             "page_size": cache.page_size,
             "num_pages": cache.num_pages,
@@ -127,6 +134,22 @@ class Replay:
             "us_per_request": seconds / num_requests * 1e6 if num_requests else 0.0,
             "metadata_bytes_end": stats.metadata_bytes,
             "per_request_hits": self.hits,
+        }
+        if self.tiered:
+            out.update(self.tier_result(cache))
+        return out
+
+    def tier_result(self, cache: PrefixCache) -> dict[str, Any]:
+        """A tiered cache's figures: tokens reused per tier (`hit_tokens` above counts every
+        prompt token not recomputed, whichever tier it came from; host = tokens loaded back,
+        which may include a last token then recomputed), and each tier's report."""
+        scheduled = [t for t in self.hits_by_tier if t[0] >= 0]
+        return {
+            "gpu_hit_tokens": sum(t[0] for t in scheduled),
+            "host_loaded_tokens": sum(t[1] for t in scheduled),
+            "storage_loaded_tokens": sum(t[2] for t in scheduled),
+            "per_request_hits_by_tier": self.hits_by_tier,
+            "tiers": cache.tier_report(),
         }
 
 
