@@ -397,17 +397,21 @@ class APCCache(PrefixCache):
         still holds what it claims (the load is looked up again). Returns the GPU part
         (blocks, pages, tokens) for the GPU checks."""
         handle = match.handle
-        if handle.__class__ is not _TierHit or handle.gpu.__class__ is not list:
+        if handle.__class__ is not _TierHit or handle.gpu.__class__ is not list or handle.loaded.__class__ is not int:
             raise InvalidRequestError(
                 f"request {seq.request_id!r}: the match's blocks are not this cache's (another cache's match, or forged)"
             )
         gpu = len(handle.gpu) * self.page_size
         total = min(gpu + handle.loaded, len(seq) - 1)
         want = tuple(handle.gpu) + (-1,) * (-(-total // self.page_size) - len(handle.gpu))
+        tpc = self.host.spec.chunk_tokens
         if (
             match.num_tokens != total
             or match.pages != want
-            or handle.loaded != self.host.lookup_tokens(self._block_hashes(seq, len(seq) // self.page_size), gpu, len(seq))
+            or (handle.loaded and (handle.loaded < tpc or (gpu + handle.loaded) % tpc))
+            # the chunks to load are still on the host (a store since the match may have
+            # added more: the match is then short, not wrong; an eviction made it stale)
+            or handle.loaded > self.host.lookup_tokens(self._block_hashes(seq, len(seq) // self.page_size), gpu, len(seq))
         ):
             raise InvalidRequestError(
                 f"request {seq.request_id!r}: the match's host part is not what this cache holds (forged, or another sequence's)"

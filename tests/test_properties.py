@@ -154,6 +154,11 @@ class CacheMachine(RuleBasedStateMachine):
 
     def _reads_back(self, s: Sequence, pages, n: int) -> bool:
         B = self.page_size
+        if self.raw.has_tiers():
+            # a tiered match ends with pages to load from the host (-1): only the GPU pages
+            # exist yet; the loaded ones are written at admit (`_load`)
+            pages = [p for p in pages if p >= 0]
+            n = min(n, len(pages) * B)
         vals = self._prefix_values(s, n)
         empty = [None] * B
         return all(self.kv.get(pages[t // B], empty)[t % B] == vals[t] for t in range(n))
@@ -202,10 +207,24 @@ class CacheMachine(RuleBasedStateMachine):
         assert hit_ok, "admit accepted a match whose pages hold other KV"
         assert s.num_computed == m.num_tokens
         self._apply(ops)
+        self._load(s, m)
         self.live[s.request_id] = s
         self._write(s, n)
         self.cache.commit(s, n)
         return True
+
+    def _load(self, s: Sequence, m) -> None:
+        """A tiered cache loaded the host part of the match into its new pages: the shadow
+        copies the KV those chunks hold (their keys are the prefix's chained hashes, so it is
+        the prefix's own KV; the fidelity tests check which chunks the host holds)."""
+        if not self.raw.has_tiers():
+            return
+        B = self.page_size
+        gpu, host, _ = self.raw.hits_by_tier(s)
+        assert gpu == B * sum(1 for p in m.pages if p >= 0) and gpu + host >= m.num_tokens
+        vals = self._prefix_values(s, gpu + host)
+        for t in range(gpu, gpu + host):
+            self.kv.setdefault(s.page_table[t // B], [None] * B)[t % B] = vals[t]
 
     def _release(self, s: Sequence) -> None:
         self.cache.release(s)
@@ -481,8 +500,19 @@ class CacheMachine(RuleBasedStateMachine):
         assert st_.pages_pinned == st_.extra.get("prefix_pages", 0), "pages stay pinned after every release"
 
 
+#: apc with a host tier (vLLM's CPU offloading): no `verify_tokens` (it does not cover the
+#: host tier), a host of a few chunks so that it evicts all the time, both policies, and
+#: host blocks of two pages
+TIERED = {
+    "apc+host-lru": {"host_capacity_tokens": 24, "host_eviction": "lru"},
+    "apc+host-arc": {"host_capacity_tokens": 24, "host_eviction": "arc", "host_block_size": 8},
+}
+
+
 def _options(backend: str) -> dict:
     """Content tracking on, so check_invariants proves index entries hold their tokens."""
+    if backend in TIERED:
+        return TIERED[backend]
     if backend == "apc":
         return {"verify_tokens": True}
     if backend.startswith("radix"):
@@ -494,6 +524,7 @@ def _options(backend: str) -> dict:
 #: larger one holds long prompts of several pages and many live sequences
 SHAPES = [(1, 12, 1, 60, 50), (4, 10, 1, 60, 50), (4, 48, 3, 70, 60)]
 CASES = [(b, *shape) for b in available_backends() for shape in SHAPES]
+CASES += [(variant, 4, 10, 1, 60, 50) for variant in TIERED] + [(variant, 4, 48, 3, 40, 60) for variant in TIERED]
 
 
 def _same_draws_in_every_session(monkeypatch) -> None:
@@ -520,7 +551,7 @@ def test_random_operation_sequences(backend, page_size, num_pages, scale, exampl
         case.replace("-", "_"),
         (CacheMachine,),
         {
-            "backend": backend,
+            "backend": backend.split("+")[0],
             "page_size": page_size,
             "num_pages": num_pages,
             "scale": scale,

@@ -281,6 +281,12 @@ def main():
     ap.add_argument(
         "--all-tokens", action="store_true", help="offload_prompt_only=False: offload decode blocks too (vLLM default: prompt only)"
     )
+    ap.add_argument(
+        "--source",
+        default=None,
+        help="the trace a jsonl:PATH was exported from (recorded with its sha256; regenerate_offload.sh "
+        "exports the Mooncake trace with the project's .venv, whose hashing needs xxhash, which this venv lacks)",
+    )
     ap.add_argument("--out", required=True)
     ap.add_argument("--progress", action="store_true")
     a = ap.parse_args()
@@ -291,19 +297,23 @@ def main():
         reqs, a.capacity, a.host, a.host_block, a.policy, a.block_size, a.progress, not a.all_tokens
     )
     rt = totals.pop("runtime_s")
+    source = Path(a.source) if a.source else path
+    if not source.is_absolute():
+        source = REPO / source
     try:
-        rel = str(path.relative_to(REPO))
+        rel = str(source.relative_to(REPO))
     except ValueError:
-        rel = str(path)
+        rel = str(source)
     golden = dict(
         vllm_version=vllm.__version__,
         generator="scripts/vllm_reference/run_vllm_offload.py",
-        command="run_vllm_offload.py " + " ".join(sys.argv[1:]),
+        command="run_vllm_offload.py " + " ".join(x for x in sys.argv[1:] if not x.startswith("jsonl:/")),
         trace=dict(
             name=a.name or path.name.split(".")[0],
             kind=kind,
             path=rel,
-            sha256=sha256_file(path),
+            sha256=sha256_file(source),
+            exported_as_jsonl=a.source is not None,
             requests=len(reqs),
             limit=a.limit,
         ),

@@ -132,3 +132,6 @@ class VllmModel:
 
     def check_invariants(self) -> None:
         pass  # a model, not a backend: the fast backend is what gets checked
+
+    def has_tiers(self) -> bool:
+        return False  # GPU blocks only (the replay asks every cache)
