@@ -45,19 +45,21 @@ treated as a miss: conservative, never wrong.)
 
 from __future__ import annotations
 
+import inspect
 import operator
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import numpy as np
 
-from backends.apc_offload import HostTier, HostTierSpec
+from backends.apc_offload import HostTierSpec, OffloadTier
 from cachelib.errors import InvalidRequestError
 from cachelib.free_queue import BlockQueue
 from cachelib.hashing import BlockHash, BlockHasher, DictIndex, HashFn, RunIndex
 from cachelib.interface import LiveState, Occupancy, PagePartition, PrefixCache
 from cachelib.kv_events import PageKeys, PagesRemoved, PagesStored
 from cachelib.registry import register_backend
+from cachelib.tiers import H200_HOST_READ_GBPS, H200_HOST_WRITE_GBPS, LLAMA3_8B_KV_BYTES_PER_TOKEN, HostTier
 from cachelib.types import CopyOp, Match, Sequence
 
 # Modelled bytes of index metadata, as a compact native implementation would keep it:
@@ -79,18 +81,6 @@ class _Held(LiveState):
         self.blocks = blocks
         self.num_cached = num_cached
         self.offload = offload
-
-
-class _TierHit:
-    """A match's handle with a host tier: the GPU hit's blocks and the tokens to load back
-    from the host after them (the match's pages are the GPU blocks, then one -1 per block
-    the load fills)."""
-
-    __slots__ = ("gpu", "loaded")
-
-    def __init__(self, gpu: list[int], loaded: int) -> None:
-        self.gpu = gpu
-        self.loaded = loaded
 
 
 class BlockView:
@@ -199,19 +189,31 @@ class APCCache(PrefixCache):
         hash_fn: HashFn | None = None,
         verify_tokens: bool = False,
         host_capacity_tokens: int = 0,
+        host_capacity_gb: float = 0.0,
         host_eviction: str = "lru",
         host_block_size: int = 0,
         offload_prompt_only: bool = True,
-        kv_bytes_per_token: int = 0,
+        host_read_gbps: float = H200_HOST_READ_GBPS,
+        host_write_gbps: float = H200_HOST_WRITE_GBPS,
+        kv_bytes_per_token: int = LLAMA3_8B_KV_BYTES_PER_TOKEN,
     ) -> None:
         super().__init__(num_pages, page_size)
         if not isinstance(verify_tokens, bool):
             raise InvalidRequestError(f"verify_tokens must be a bool, got {verify_tokens!r}")
+        given = dict(
+            host_capacity_tokens=host_capacity_tokens,
+            host_capacity_gb=host_capacity_gb,
+            host_eviction=host_eviction,
+            host_block_size=host_block_size,
+            offload_prompt_only=offload_prompt_only,
+            host_read_gbps=host_read_gbps,
+            host_write_gbps=host_write_gbps,
+            kv_bytes_per_token=kv_bytes_per_token,
+        )
         #: vLLM 0.33's CPU KV offloading below the GPU blocks (backends/apc_offload.py), or None
-        self.host: HostTier | None = self._host_tier(
-            page_size, verify_tokens, host_capacity_tokens, host_eviction, host_block_size,
-            offload_prompt_only, kv_bytes_per_token,
-        )  # fmt: skip
+        self.host: OffloadTier | None = self._host_tier(page_size, verify_tokens, given)
+        if self.host is not None:
+            self.memory_tiers = ("gpu", "host")  # per instance: the tier is an option of apc
         self.hasher = BlockHasher(page_size, hash_algorithm, hash_fn)
         self._page_keys = PageKeys(page_size, hash_algorithm, hash_fn)  # what events name blocks by
         self.verify_tokens = verify_tokens
@@ -235,40 +237,40 @@ class APCCache(PrefixCache):
             self._generation: list[int] = []
 
     @staticmethod
-    def _host_tier(
-        page_size: int,
-        verify_tokens: bool,
-        capacity: Any,
-        eviction: Any,
-        block_size: Any,
-        prompt_only: Any,
-        bytes_per_token: Any,
-    ) -> HostTier | None:
-        """The host tier the options ask for (None without `host_capacity_tokens`); a host
-        option given without a capacity is an error, not silently dropped."""
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
-            raise InvalidRequestError(f"host_capacity_tokens must be a non-negative int, got {capacity!r}")
-        if capacity == 0:
-            given = [
-                name
-                for name, value, default in (
-                    ("host_eviction", eviction, "lru"),
-                    ("host_block_size", block_size, 0),
-                    ("offload_prompt_only", prompt_only, True),
-                    ("kv_bytes_per_token", bytes_per_token, 0),
+    def _host_tier(page_size: int, verify_tokens: bool, given: dict[str, Any]) -> OffloadTier | None:
+        """The host tier the options ask for (None without a host capacity); a host option
+        given without a capacity is an error, not silently dropped."""
+        defaults = {
+            name: param.default
+            for name, param in inspect.signature(APCCache.__init__).parameters.items()
+            if name in given
+        }
+        if given["host_capacity_tokens"] == 0 and given["host_capacity_gb"] == 0:
+            if type(given["host_capacity_tokens"]) is not int:
+                raise InvalidRequestError(f"host_capacity_tokens must be an int, got {given['host_capacity_tokens']!r}")
+            stray = [k for k, v in given.items() if v != defaults[k] or type(v) is not type(defaults[k])]
+            if stray:
+                raise InvalidRequestError(
+                    f"{', '.join(stray)} given without host_capacity_tokens or host_capacity_gb (no host tier)"
                 )
-                if value != default or value.__class__ is not default.__class__
-            ]
-            if given:
-                raise InvalidRequestError(f"{', '.join(given)} given without host_capacity_tokens (no host tier)")
             return None
         if verify_tokens:
             raise InvalidRequestError(
                 "verify_tokens does not cover the host tier (it keys chunks by block hash, as vLLM does): "
                 "use one or the other"
             )
-        spec = HostTierSpec.from_options(page_size, capacity, eviction, block_size, prompt_only, bytes_per_token)
-        return HostTier(spec)
+        tier = HostTier.build(
+            page_size,
+            capacity_tokens=given["host_capacity_tokens"],
+            capacity_gb=given["host_capacity_gb"],
+            read_gbps=given["host_read_gbps"],
+            write_gbps=given["host_write_gbps"],
+            kv_bytes_per_token=given["kv_bytes_per_token"],
+        )
+        spec = HostTierSpec.from_options(
+            page_size, tier, given["host_eviction"], given["host_block_size"], given["offload_prompt_only"]
+        )
+        return OffloadTier(spec)
 
     @property
     def blocks(self) -> _BlockViews:
@@ -320,19 +322,7 @@ class APCCache(PrefixCache):
             hit = self._verified_walk(seq, hashes[:max_blocks])
         else:  # the oldest block of each hash, up to the first miss
             hit = self.index.first_run(hashes[:max_blocks])
-        if self.host is not None:
-            return self._match_host(seq, hit)
         return len(hit) * self.page_size, tuple(hit), hit
-
-    def _match_host(self, seq: Sequence, hit: list[int]) -> tuple[int, tuple[int, ...], _TierHit]:
-        """The GPU hit, then the host chunks after it (rules R2, R3 of apc_offload): the
-        tokens not recomputed are `min(gpu + loaded, len - 1)`."""
-        size = self.page_size
-        gpu = len(hit) * size
-        loaded = self.host.lookup_tokens(self._block_hashes(seq, len(seq) // size), gpu, len(seq))
-        total = min(gpu + loaded, len(seq) - 1)
-        pages = tuple(hit) + (-1,) * (-(-total // size) - len(hit))
-        return total, pages, _TierHit(hit, loaded)
 
     def _verified_walk(self, seq: Sequence, hashes: list[BlockHash], chosen: list[int] | None = None) -> list[int]:
         """The longest run of cached blocks whose recorded contents are `seq`'s first blocks.
@@ -370,8 +360,6 @@ class APCCache(PrefixCache):
         `seq`'s first blocks: their hashes equal the sequence's chained hashes (and, with
         `verify_tokens`, their recorded tokens, extra keys and parents equal its own)."""
         hit, pages, num_tokens = match.handle, match.pages, match.num_tokens
-        if self.host is not None:
-            hit, pages, num_tokens = self._verify_host_part(seq, match)
         n = len(pages)
         ids = np.asarray(pages)
         if (
@@ -392,42 +380,23 @@ class APCCache(PrefixCache):
                 f"request {seq.request_id!r}: the match's blocks hold other tokens (a match made for another sequence)"
             )
 
-    def _verify_host_part(self, seq: Sequence, match: Match) -> tuple[list[int], tuple[int, ...], int]:
-        """A tiered match: its handle, its token count and its pages agree, and the host
-        still holds what it claims (the load is looked up again). Returns the GPU part
-        (blocks, pages, tokens) for the GPU checks."""
-        handle = match.handle
-        if handle.__class__ is not _TierHit or handle.gpu.__class__ is not list or handle.loaded.__class__ is not int:
-            raise InvalidRequestError(
-                f"request {seq.request_id!r}: the match's blocks are not this cache's (another cache's match, or forged)"
-            )
-        gpu = len(handle.gpu) * self.page_size
-        total = min(gpu + handle.loaded, len(seq) - 1)
-        want = tuple(handle.gpu) + (-1,) * (-(-total // self.page_size) - len(handle.gpu))
-        tpc = self.host.spec.chunk_tokens
-        if (
-            match.num_tokens != total
-            or match.pages != want
-            or (handle.loaded and (handle.loaded < tpc or (gpu + handle.loaded) % tpc))
-            # the chunks to load are still on the host (a store since the match may have
-            # added more: the match is then short, not wrong; an eviction made it stale)
-            or handle.loaded > self.host.lookup_tokens(self._block_hashes(seq, len(seq) // self.page_size), gpu, len(seq))
-        ):
-            raise InvalidRequestError(
-                f"request {seq.request_id!r}: the match's host part is not what this cache holds (forged, or another sequence's)"
-            )
-        return handle.gpu, tuple(handle.gpu), gpu
-
     def _hit_ids(self, match: Match) -> np.ndarray:
-        handle = match.handle
-        if handle.__class__ is _TierHit:
-            return np.array(handle.gpu, dtype=np.int64) if handle.gpu else _NO_BLOCKS
         return np.array(match.pages, dtype=np.int64) if match.num_tokens else _NO_BLOCKS
 
     def _can_admit(self, seq: Sequence, match: Match, num_tokens: int) -> bool:
         """vLLM's `allocate_slots` check: the new blocks fit in the free queue, less the hit
         blocks still in it (they are about to leave it: they are not free for us)."""
+        if self.host is not None:
+            num_tokens = max(num_tokens, self._host_load(seq, match)[1])
         return self._fits(self._hit_ids(match), num_tokens)
+
+    def _host_load(self, seq: Sequence, match: Match) -> tuple[int, int]:
+        """(tokens to load from the host after the GPU hit, tokens the GPU blocks must then
+        cover): rules R2, R3 of apc_offload. Read-only. The blocks a load fills are allocated
+        even past `num_tokens` (vLLM allocates for the whole load, outside the token budget)."""
+        size = self.page_size
+        loaded = self.host.lookup_tokens(self._block_hashes(seq, len(seq) // size), match.num_tokens, len(seq))
+        return loaded, match.num_tokens + loaded
 
     def _fits(self, hit: np.ndarray, num_tokens: int) -> bool:
         num_free_hit = int(np.count_nonzero(self._ref[hit] == 0)) if hit.size else 0
@@ -435,6 +404,10 @@ class APCCache(PrefixCache):
 
     def _admit(self, seq: Sequence, match: Match, num_tokens: int) -> tuple[_Held, list[CopyOp]] | None:
         hit = self._hit_ids(match)
+        loaded = 0
+        if self.host is not None:
+            loaded, covered = self._host_load(seq, match)
+            num_tokens = max(num_tokens, covered)
         if not self._fits(hit, num_tokens):
             return None
         num_new = self.pages_for(num_tokens) - hit.size
@@ -453,7 +426,9 @@ class APCCache(PrefixCache):
         offload = None
         if self.host is not None:  # R4: the load (instantaneous); the loaded blocks are hashed at commit
             size = self.page_size
-            offload = self.host.admit(self._block_hashes(seq, len(seq) // size), hit.size * size, match.handle.loaded)
+            offload = self.host.admit(self._block_hashes(seq, len(seq) // size), match.num_tokens, loaded)
+            # R3: every token not recomputed (a load reaching the whole prompt recomputes the last)
+            seq.num_computed = min(match.num_tokens + loaded, len(seq) - 1)
         return _Held(seq, blocks, hit.size, offload), []
 
     def _take_new(self, n: int) -> np.ndarray:
@@ -528,8 +503,8 @@ class APCCache(PrefixCache):
 
     def _offer_host(self, seq: Sequence, held: _Held, num_computed: int, final: bool = False) -> None:
         """R5: offer the chunks that are computed and allocated to the host tier (at release,
-        `final`: the last offer, then the request's finish). A host eviction makes earlier
-        matches stale."""
+        `final`: the last offer, then the request's finish). A match is the GPU's alone, so
+        a host eviction leaves earlier matches valid: the load is decided in `admit`."""
         host = self.host
         num_chunks = host.storable_chunks(min(num_computed, len(seq)), held.blocks.size, seq.prompt_len)
         offload = held.offload
@@ -538,11 +513,9 @@ class APCCache(PrefixCache):
         hashes = self._block_hashes(seq, num_chunks * host.spec.blocks_per_chunk)
         prompt_chunks = host.storable_chunks(seq.prompt_len, held.blocks.size, seq.prompt_len)
         if final:
-            evicted = host.finish(offload, hashes, num_chunks, prompt_chunks)
+            host.finish(offload, hashes, num_chunks, prompt_chunks)
         else:
-            evicted = host.offer(offload, hashes, num_chunks, prompt_chunks)
-        if evicted:
-            self._epoch += 1
+            host.offer(offload, hashes, num_chunks, prompt_chunks)
 
     def _record_contents(self, seq: Sequence, blocks: np.ndarray, start: int, stop: int) -> None:
         size = self.page_size
@@ -630,23 +603,13 @@ class APCCache(PrefixCache):
 
     # -- tiers ------------------------------------------------------------------------
 
-    def has_tiers(self) -> bool:
-        return self.host is not None
-
-    def hits_by_tier(self, seq: Sequence) -> tuple[int, int, int]:
-        """For the admitted `seq`: (GPU tokens reused, host tokens loaded back, 0 from
-        storage). Loaded tokens can exceed the hit by the last token (rule R3)."""
-        held = self._check_live(seq)
-        if held.offload is None:
-            if self.host is None:
-                return super().hits_by_tier(seq)
-            return (held.num_cached * self.page_size, 0, 0)  # a forked child: its parent's KV
-        return (held.offload.gpu_tokens, held.offload.loaded_tokens, 0)
-
-    def tier_report(self) -> dict[str, Any]:
+    def tier_traffic(self) -> dict[str, int]:
+        """Tokens (and bytes) moved between the GPU and the host so far, and what the host
+        holds; empty without a host tier. `loaded` counts every token copied back, including
+        a last prompt token then recomputed (rule R3)."""
         if self.host is None:
-            return super().tier_report()
-        return {"host": self.host.report()}
+            return {}
+        return self.host.traffic()
 
     def pages_pinned(self) -> int:
         return self.num_pages - self.free_queue.num_free  # O(1), no stats dict

@@ -2,9 +2,12 @@
 
 `--backend apc --backend-opt host_capacity_tokens=N [--backend-opt host_eviction=lru|arc]`
 puts a host-memory tier of N tokens under apc's GPU blocks, deciding what vLLM 0.33.0 decides
-(scheduler side; the worker's copies are instantaneous, see below). Self-contained on
-purpose: `HostTierSpec` is this tier's description (capacity, unit, policy, bytes per token);
-a shared tier description for every tiered backend is the lead's merge (issue 14).
+(scheduler side; the worker's copies are instantaneous, see below). The tier's capacity,
+bandwidths and KV bytes per token are `cachelib.tiers.HostTier` (shared with radix-hicache);
+`HostTierSpec` adds what vLLM's CPU offloading decides by: its unit, eviction policy and
+whether decode blocks are stored. A match is the GPU's alone; `admit` decides the load and
+leaves `seq.num_computed` at every token not recomputed (the `PrefixCache.memory_tiers`
+convention).
 
 The rules, each with the vLLM 0.33.0 source it is read from (paths under `vllm/`):
 
@@ -82,39 +85,29 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from cachelib.errors import InvalidRequestError, InvariantViolation
+from cachelib.tiers import HostTier
 
 HOST_EVICTION_POLICIES = ("lru", "arc")
 
 
 @dataclass(frozen=True)
 class HostTierSpec:
-    """What the host tier is: capacity, unit, eviction policy, what is stored, bytes."""
+    """The host tier as vLLM's CPU offloading sees it: the tier (capacity, bandwidths, bytes
+    per token), its unit, its eviction policy, whether decode blocks are stored."""
 
-    capacity_tokens: int
+    tier: HostTier
     chunk_tokens: int  # the offloaded unit (vLLM's extra config `block_size`)
     page_size: int  # the GPU block size
     eviction: str = "lru"
     offload_prompt_only: bool = True
-    kv_bytes_per_token: int = 0  # 0 = unknown: transfers are reported in tokens only
 
     @classmethod
     def from_options(
-        cls,
-        page_size: int,
-        capacity_tokens: Any,
-        eviction: Any,
-        block_size: Any,
-        offload_prompt_only: Any,
-        kv_bytes_per_token: Any,
+        cls, page_size: int, tier: HostTier, eviction: Any, block_size: Any, offload_prompt_only: Any
     ) -> HostTierSpec:
         """Check the options (a clear error before any work) and build the spec."""
-        for name, value in (
-            ("host_capacity_tokens", capacity_tokens),
-            ("host_block_size", block_size),
-            ("kv_bytes_per_token", kv_bytes_per_token),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise InvalidRequestError(f"{name} must be a non-negative int, got {value!r}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 0:
+            raise InvalidRequestError(f"host_block_size must be a non-negative int, got {block_size!r}")
         if not isinstance(offload_prompt_only, bool):
             raise InvalidRequestError(f"offload_prompt_only must be a bool, got {offload_prompt_only!r}")
         if eviction not in HOST_EVICTION_POLICIES:
@@ -128,15 +121,15 @@ class HostTierSpec:
                 f"host_block_size {block_size} must be a multiple of the GPU page size {page_size} "
                 f"(vLLM: 'block_size' must be a multiple of the GPU KV cache block size)"
             )
-        if capacity_tokens < chunk:
+        if tier.capacity_tokens < chunk:
             raise InvalidRequestError(
-                f"host_capacity_tokens {capacity_tokens} is smaller than one host block of {chunk} tokens"
+                f"a host tier of {tier.capacity_tokens} tokens is smaller than one host block of {chunk} tokens"
             )
-        return cls(capacity_tokens, chunk, page_size, eviction, offload_prompt_only, kv_bytes_per_token)
+        return cls(tier, chunk, page_size, eviction, offload_prompt_only)
 
     @property
     def num_chunks(self) -> int:
-        return self.capacity_tokens // self.chunk_tokens
+        return self.tier.capacity_tokens // self.chunk_tokens
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -418,7 +411,7 @@ class _ArcPolicy:
 _POLICIES = {"lru": _LruPolicy, "arc": _ArcPolicy}
 
 
-class HostTier:
+class OffloadTier:
     """The host tier of one apc cache: vLLM's `CPUOffloadingManager` (chunk pool, ref counts,
     policy) and the scheduler-side decisions of `OffloadingConnectorScheduler` (what to look
     up, load and offer), with instantaneous transfers. Every method names a decision."""
@@ -633,23 +626,20 @@ class HostTier:
     def num_cached(self) -> int:
         return self._num_allocated - len(self._free)
 
-    def report(self) -> dict[str, Any]:
-        """The tier's description and counters (JSON-able)."""
+    def traffic(self) -> dict[str, int]:
+        """What moved and what the host holds (tokens; bytes from the tier's bytes per
+        token), in the names radix-hicache's `tier_traffic` uses where they mean the same."""
         spec, c = self.spec, self.counters
-        tpc, bpt = spec.chunk_tokens, spec.kv_bytes_per_token
-        stored_tokens = c["stored_chunks"] * tpc
+        tpc, tier = spec.chunk_tokens, spec.tier
+        backed_up = c["stored_chunks"] * tpc
         return {
-            "capacity_tokens": spec.num_chunks * tpc,
-            "block_size": tpc,
-            "eviction": spec.eviction,
-            "offload_prompt_only": spec.offload_prompt_only,
-            "cached_tokens_end": self.num_cached() * tpc,
-            "host_to_gpu_tokens": c["loaded_tokens"],
-            "gpu_to_host_tokens": stored_tokens,
-            # bytes need the model's KV bytes per token (option kv_bytes_per_token); without it
-            # they are None and the token counts above are the transfer volume
-            "host_to_gpu_bytes": c["loaded_tokens"] * bpt if bpt else None,
-            "gpu_to_host_bytes": stored_tokens * bpt if bpt else None,
+            "backed_up": backed_up,  # GPU -> host, tokens
+            "loaded": c["loaded_tokens"],  # host -> GPU, tokens (a last token recomputed included)
+            "host_evicted": c["evicted_chunks"] * tpc,
+            "gpu_to_host_bytes": tier.bytes_of(backed_up),
+            "host_to_gpu_bytes": tier.bytes_of(c["loaded_tokens"]),
+            "host_tokens": self.num_cached() * tpc,
+            "host_capacity_tokens": spec.num_chunks * tpc,
             **{k: v for k, v in c.items() if k != "loaded_tokens"},
         }
 

@@ -94,6 +94,11 @@ class PrefixCache(ABC):
     #: "pages stored" as it publishes full pages, "pages removed" as it evicts them
     #: (cachelib/kv_events.py). apc and radix do; none and paged publish nothing
     emits_kv_events: ClassVar[bool] = False
+    #: the memory tiers the cache keeps KV on, GPU first (cachelib/tiers.py `TIER_NAMES`).
+    #: A cache with more than the GPU may load part of a hit back from a lower tier inside
+    #: `admit`: `seq.num_computed` after `admit` is then the match plus what was loaded
+    #: (every token not recomputed), and `tier_traffic` reports what moved
+    memory_tiers: ClassVar[tuple[str, ...]] = ("gpu",)
 
     def __init__(self, num_pages: int, page_size: int) -> None:
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
@@ -252,20 +257,9 @@ class PrefixCache(ABC):
         check_shared(self)
         self._check_invariants()
 
-    def has_tiers(self) -> bool:
-        """True when this cache keeps tiers below its GPU pages (apc with a host tier): its
-        matches then count tokens loaded back from them, and `hits_by_tier` / `tier_report`
-        answer. Set per instance by the backend's options, so a method, not a ClassVar."""
-        return False
-
-    def hits_by_tier(self, seq: Sequence) -> tuple[int, int, int]:
-        """For an admitted sequence: (tokens reused from GPU pages, loaded back from host
-        memory, from storage) at its admission. Only for `has_tiers()` caches."""
-        raise InvalidRequestError(f"this {self.name} cache has no tiers below its pages")
-
-    def tier_report(self) -> dict[str, Any]:
-        """Each lower tier's description and counters (JSON-able). Only for `has_tiers()` caches."""
-        raise InvalidRequestError(f"this {self.name} cache has no tiers below its pages")
+    def tier_traffic(self) -> dict[str, int]:
+        """Tokens (and bytes) moved between memory tiers so far; empty with one tier."""
+        return {}
 
     def pages_pinned(self) -> int:
         """Pages held by live sequences (or pinned registrations): `stats().pages_pinned`.

@@ -27,13 +27,14 @@ def tiered(host_tokens: int = 12, eviction: str = "lru", pages: int = 100, **opt
     )
 
 
-def run(cache, rid: str, tokens: list[int], decode: int = 1) -> tuple[int, tuple[int, int, int]]:
+def run(cache, rid: str, tokens: list[int], decode: int = 1) -> tuple[int, int, int]:
     """One request of the replay protocol: match, admit, commit the prompt, decode, release.
-    Returns (hit tokens, hits by tier)."""
+    Returns (GPU hit, tokens not recomputed, tokens loaded from the host)."""
     seq = Sequence(rid, np.array(tokens, dtype=np.int32))
     m = cache.match(seq)
+    loaded = cache.tier_traffic()["loaded"]
     assert cache.admit(seq, m, len(seq)) is not None
-    tiers = cache.hits_by_tier(seq)
+    result = (m.num_tokens, seq.num_computed, cache.tier_traffic()["loaded"] - loaded)
     cache.commit(seq, len(seq))
     for i in range(decode - 1):
         seq.append_token(10_000 + i)
@@ -41,7 +42,7 @@ def run(cache, rid: str, tokens: list[int], decode: int = 1) -> tuple[int, tuple
         cache.commit(seq, len(seq))
     cache.release(seq)
     cache.check_invariants()
-    return m.num_tokens, tiers
+    return result
 
 
 def keys(cache, tokens: list[int], n: int) -> list[bytes]:
@@ -74,7 +75,7 @@ def test_full_prompt_blocks_are_stored_as_they_fill_and_decode_blocks_are_not():
         cache.commit(seq, len(seq))
     cache.release(seq)
     assert cache.host.cached_keys() == set(keys(cache, A, 2))
-    assert cache.tier_report()["host"]["gpu_to_host_tokens"] == 8
+    assert cache.tier_traffic()["backed_up"] == 8
 
 
 def test_decode_blocks_are_stored_with_offload_prompt_only_false():
@@ -86,7 +87,7 @@ def test_decode_blocks_are_stored_with_offload_prompt_only_false():
 def test_a_store_the_host_cannot_take_is_refused_whole_and_retried_at_release():
     cache = tiered(host_tokens=8)  # two chunks; the prompt has three full blocks
     run(cache, "a", A + [99])
-    rep = cache.tier_report()["host"]
+    rep = cache.tier_traffic()
     assert cache.host.cached_keys() == set()  # all or nothing (prepare_store returns None)
     assert rep["failed_stores"] == 2 and rep["stored_chunks"] == 0  # at the prompt's commit, at release
 
@@ -99,10 +100,9 @@ def test_a_prompt_evicted_from_the_gpu_is_loaded_back_from_the_host():
     run(cache, "a", A)
     cache.evict(cache.num_pages)  # the GPU forgets everything; the host keeps its copies (R9)
     assert cache.stats().pages_cached == 0
-    hit, tiers = run(cache, "b", A + [7, 7])
-    assert hit == 12 and tiers == (0, 12, 0)
-    rep = cache.tier_report()["host"]
-    assert rep["host_to_gpu_tokens"] == 12 and rep["loaded_chunks"] == 3
+    assert run(cache, "b", A + [7, 7]) == (0, 12, 12)  # (GPU hit, not recomputed, loaded)
+    rep = cache.tier_traffic()
+    assert rep["loaded"] == 12 and rep["loaded_chunks"] == 3
     # the loaded blocks are GPU-cached again (hashed at commit) and the host copies stay
     seq = Sequence("c", np.array(A + [5], dtype=np.int32))
     assert cache.match(seq).num_tokens == 12
@@ -115,8 +115,7 @@ def test_a_fully_cached_prompt_loads_its_last_block_from_the_host_and_recomputes
     # the GPU holds all three blocks, but its hit stops at len - 1 (two blocks); the
     # connector looks up from there up to len: the third chunk is loaded, the last token
     # recomputed (vLLM's _update_waiting_for_remote_kv)
-    hit, tiers = run(cache, "b", A)
-    assert hit == 11 and tiers == (8, 4, 0)
+    assert run(cache, "b", A) == (8, 11, 4)
     h2 = keys(cache, A, 3)[2]
     assert len(cache.index.members(h2)) == 2  # the loaded block is a duplicate of the GPU's
 
@@ -126,10 +125,9 @@ def test_a_host_hit_shorter_than_one_chunk_past_the_gpu_hit_is_not_loaded():
     run(cache, "a", A[:8] + [1])  # chunk 0 = blocks 0 and 1
     cache.evict(cache.num_pages)
     run(cache, "b", A[:4] + [2])  # GPU caches block 0 again (its chunk is not full: no store)
-    hit, tiers = run(cache, "c", A[:8] + [3])
     # GPU hit 4 tokens; the lookup starts at chunk 4 // 8 = 0 and reaches token 8: 4 tokens
     # past the GPU hit, less than a chunk, so no load (`_lookup_complete_chunks`)
-    assert hit == 4 and tiers == (4, 0, 0)
+    assert run(cache, "c", A[:8] + [3]) == (4, 4, 0)
 
 
 def test_the_host_hit_stops_at_the_first_missing_chunk():
@@ -137,17 +135,16 @@ def test_the_host_hit_stops_at_the_first_missing_chunk():
     run(cache, "a", A[:4] + [1])  # chunk of block 0 only
     run(cache, "x", A[:8] + [1])  # blocks 0, 1 (block 1's chunk is stored too)
     cache.evict(cache.num_pages)
-    hit, tiers = run(cache, "b", A + [1])  # blocks 0, 1 on the host, 2 nowhere
-    assert hit == 8 and tiers == (0, 8, 0)
+    assert run(cache, "b", A + [1]) == (0, 8, 8)  # blocks 0, 1 on the host, 2 nowhere
 
 
 def test_chunks_the_load_reached_are_not_offered_again():
     cache = tiered(host_tokens=40)
     run(cache, "a", A[:8] + [1])
     cache.evict(cache.num_pages)
-    before = cache.tier_report()["host"]
+    before = cache.tier_traffic()
     run(cache, "b", A + [1])  # loads blocks 0, 1; stores block 2 only
-    after = cache.tier_report()["host"]
+    after = cache.tier_traffic()
     assert after["stored_chunks"] - before["stored_chunks"] == 1
     assert after["reused_chunks"] == before["reused_chunks"]
 
@@ -156,7 +153,7 @@ def test_without_a_load_every_chunk_is_offered_and_the_cached_ones_count_as_reus
     cache = tiered(host_tokens=40)
     run(cache, "a", A[:8] + [1])
     run(cache, "b", A + [1])  # GPU hit on blocks 0, 1: offered again, reused on the host
-    rep = cache.tier_report()["host"]
+    rep = cache.tier_traffic()
     assert rep["reused_chunks"] == 2 and rep["stored_chunks"] == 3
 
 
@@ -231,16 +228,18 @@ def test_replay_reports_hits_by_tier_and_bytes_per_direction():
     # head, evicting a2 and a1. c: a0 from the GPU, a1 and a2 loaded back from the host
     assert r["per_request_hits"] == [0, 0, 12]
     assert r["per_request_hits_by_tier"] == [[0, 0, 0], [0, 0, 0], [4, 8, 0]]
-    assert r["gpu_hit_tokens"] == 4 and r["host_loaded_tokens"] == 8 and r["hit_tokens"] == 12
-    host = r["tiers"]["host"]
-    assert host["host_to_gpu_bytes"] == 800 and host["gpu_to_host_bytes"] == host["gpu_to_host_tokens"] * 100
+    assert r["hit_tokens_by_tier"] == {"gpu": 4, "host": 8, "storage": 0} and r["hit_tokens"] == 12
+    host = r["tier_traffic"]
+    assert host["host_to_gpu_bytes"] == 800 and host["gpu_to_host_bytes"] == host["backed_up"] * 100
 
 
 def test_replay_without_a_host_tier_has_no_tier_fields():
     r = replay(create_cache("apc", num_pages=8, page_size=P), [spec("a", A)])
-    assert "per_request_hits_by_tier" not in r and "tiers" not in r
+    assert "per_request_hits_by_tier" not in r and "tier_traffic" not in r
     r2 = replay(tiered(host_tokens=40), [spec("a", A)])
-    assert r2["tiers"]["host"]["host_to_gpu_bytes"] is None  # no bytes per token: tokens only
+    assert r2["memory_tiers"] == ["gpu", "host"]
+    # bytes from the default model's KV bytes per token (cachelib/tiers.py: Llama-3-8B bf16)
+    assert r2["tier_traffic"]["gpu_to_host_bytes"] == r2["tier_traffic"]["backed_up"] * 131072
 
 
 # -- bad input: clear errors before any work -------------------------------------------------
@@ -249,15 +248,18 @@ def test_replay_without_a_host_tier_has_no_tier_fields():
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"host_capacity_tokens": 3}, "smaller than one host block of 4 tokens"),
+        ({"host_capacity_tokens": 3}, "not a whole number of 4-token pages"),
         ({"host_capacity_tokens": 12, "host_block_size": 16}, "smaller than one host block of 16 tokens"),
-        ({"host_capacity_tokens": -1}, "host_capacity_tokens must be a non-negative int"),
+        ({"host_capacity_tokens": -4}, "host_capacity_tokens must be a positive int"),
+        ({"host_capacity_tokens": 64, "host_read_gbps": 0}, "host_read_gbps must be a positive bandwidth"),
+        ({"host_capacity_tokens": 64, "host_capacity_gb": 1.0}, "exactly one of host_capacity_tokens and host_capacity_gb"),
         ({"host_capacity_tokens": 64, "host_eviction": "mru"}, "host_eviction must be one of lru, arc"),
         ({"host_capacity_tokens": 64, "host_block_size": 6}, "must be a multiple of the GPU page size 4"),
         ({"host_capacity_tokens": 64, "host_block_size": -4}, "host_block_size must be a non-negative int"),
-        ({"host_capacity_tokens": 64, "kv_bytes_per_token": -1}, "kv_bytes_per_token must be a non-negative int"),
+        ({"host_capacity_tokens": 64, "kv_bytes_per_token": -1}, "kv_bytes_per_token must be a positive int"),
         ({"host_eviction": "arc"}, "host_eviction given without host_capacity_tokens"),
         ({"offload_prompt_only": False}, "offload_prompt_only given without host_capacity_tokens"),
+        ({"host_write_gbps": 10.0}, "host_write_gbps given without host_capacity_tokens"),
         ({"host_capacity_tokens": 64, "verify_tokens": True}, "verify_tokens does not cover the host tier"),
     ],
 )
@@ -269,8 +271,10 @@ def test_bad_host_options_are_refused_naming_the_problem(options, message):
 def test_bad_host_options_are_input_errors_in_the_options_layer():
     with pytest.raises(InputError, match="host_eviction must be one of lru, arc"):
         resolve_variants(["apc"], _given("host_capacity_tokens=64", "host_eviction=fifo"), [16])
-    with pytest.raises(InputError, match="smaller than one host block"):
-        resolve_variants(["apc"], _given("host_capacity_tokens=8"), [16])
+    with pytest.raises(InputError, match="smaller than one page of 16 tokens"):
+        resolve_variants(["apc"], _given("host_capacity_tokens=0", "host_capacity_gb=0.000001"), [16])
+    with pytest.raises(InputError, match="smaller than one host block of 32 tokens"):
+        resolve_variants(["apc"], _given("host_capacity_tokens=16", "host_block_size=32"), [16])
     (variant,) = resolve_variants(["apc"], _given("host_capacity_tokens=2000000", "host_eviction=arc"), [16])
     assert variant.label == "apc[host_capacity_tokens=2000000,host_eviction=arc]"
 

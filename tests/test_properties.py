@@ -154,11 +154,6 @@ class CacheMachine(RuleBasedStateMachine):
 
     def _reads_back(self, s: Sequence, pages, n: int) -> bool:
         B = self.page_size
-        if self.raw.has_tiers():
-            # a tiered match ends with pages to load from the host (-1): only the GPU pages
-            # exist yet; the loaded ones are written at admit (`_load`)
-            pages = [p for p in pages if p >= 0]
-            n = min(n, len(pages) * B)
         vals = self._prefix_values(s, n)
         empty = [None] * B
         return all(self.kv.get(pages[t // B], empty)[t % B] == vals[t] for t in range(n))
@@ -205,25 +200,26 @@ class CacheMachine(RuleBasedStateMachine):
         if ops is None:
             return False
         assert hit_ok, "admit accepted a match whose pages hold other KV"
-        assert s.num_computed == m.num_tokens
+        assert s.num_computed == m.num_tokens or len(self.raw.memory_tiers) > 1
         self._apply(ops)
         self._load(s, m)
         self.live[s.request_id] = s
+        n = max(n, s.num_computed)  # a tiered cache may have loaded past the first chunk
         self._write(s, n)
         self.cache.commit(s, n)
         return True
 
     def _load(self, s: Sequence, m) -> None:
-        """A tiered cache loaded the host part of the match into its new pages: the shadow
-        copies the KV those chunks hold (their keys are the prefix's chained hashes, so it is
-        the prefix's own KV; the fidelity tests check which chunks the host holds)."""
-        if not self.raw.has_tiers():
+        """A tiered cache loaded tokens after the match from the host inside admit
+        (`num_computed` past the match): the shadow copies the KV those host blocks hold
+        (keyed by the prefix's chained hashes, so the prefix's own KV; the fidelity tests
+        check which blocks the host holds and loads)."""
+        if s.num_computed == m.num_tokens:
             return
+        assert len(self.raw.memory_tiers) > 1 and m.num_tokens < s.num_computed < len(s)
         B = self.page_size
-        gpu, host, _ = self.raw.hits_by_tier(s)
-        assert gpu == B * sum(1 for p in m.pages if p >= 0) and gpu + host >= m.num_tokens
-        vals = self._prefix_values(s, gpu + host)
-        for t in range(gpu, gpu + host):
+        vals = self._prefix_values(s, s.num_computed)
+        for t in range(m.num_tokens, s.num_computed):
             self.kv.setdefault(s.page_table[t // B], [None] * B)[t % B] = vals[t]
 
     def _release(self, s: Sequence) -> None:
@@ -285,6 +281,7 @@ class CacheMachine(RuleBasedStateMachine):
             assert self._reads_back(s, m.pages, m.num_tokens), "match returned pages holding other KV"
             n = len(s) if not chunk else min(len(s), max(m.num_tokens, 1) + chunk)
             if self._admit(s, m, n):
+                n = max(n, s.num_computed)
                 break
             if not self._finish_oldest():
                 return

@@ -22,6 +22,7 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from cachelib.interface import PrefixCache
+from cachelib.tiers import TIER_NAMES
 from experiments.engine.cache_client import CacheClient
 from experiments.engine.clock import VirtualClock
 from experiments.engine.executors import ReplayExecutor
@@ -39,7 +40,10 @@ def replay(
 ) -> dict[str, Any]:
     """Run the replay protocol of `requests` on `cache`; returns the result as a JSON-able dict.
 
-    `per_request_hits[i]` is the hit of request i (-1 when it was unschedulable). A request
+    `per_request_hits[i]` is the hit of request i (-1 when it was unschedulable): every
+    prompt token not recomputed, whichever memory tier it came from; a tiered cache
+    (`memory_tiers` beyond the GPU) adds `per_request_hits_by_tier` ([gpu, host, storage]
+    per request, host = tokens loaded back), their totals and `tier_traffic`. A request
     with `n > 1` forks `n - 1` samples after its prompt (sample j decodes `sample_lens[j]`
     tokens); one with `beam_width > 1` follows its beam schedule (`beam_parents[t]`: the
     parent of each surviving beam at step t; a beam nobody picks is released, one picked k
@@ -68,8 +72,8 @@ class Replay:
         config = ServingConfig(max_running=concurrency)
         self.scheduler = Scheduler(client, ReplayExecutor(), config, VirtualClock())
         self.hits: list[int] = []
-        #: per request [gpu, host, storage] tokens reused, for a cache with tiers below its pages
-        self.tiered = client.cache.has_tiers()
+        #: per request [gpu, host, storage] tokens reused (only for a tiered cache)
+        self.tiers = len(client.cache.memory_tiers) > 1
         self.hits_by_tier: list[list[int]] = []
         self.prompt_tokens = self.hit_tokens = self.unschedulable = self.truncated = 0
 
@@ -98,13 +102,13 @@ class Replay:
         if not scheduler.admit_prompt(r):
             self.unschedulable += 1
             self.hits.append(-1)
-            if self.tiered:
+            if self.tiers:
                 self.hits_by_tier.append([-1, -1, -1])
             return
         hit = r.hit_tokens
         self.hits.append(hit)
-        if self.tiered:
-            self.hits_by_tier.append(list(self.client.cache.hits_by_tier(r.seq)))
+        if self.tiers:
+            self.hits_by_tier.append([hit - r.host_hit_tokens, r.host_hit_tokens, 0])
         self.prompt_tokens += len(r.seq)
         self.hit_tokens += hit
         scheduler.run_to_completion(r)
@@ -115,7 +119,7 @@ class Replay:
         cache = self.client.cache
         stats = cache.stats()
         seconds = self.client.seconds
-        out = {
+        return {
             "backend": cache.name,
             "page_size": cache.page_size,
             "num_pages": cache.num_pages,
@@ -134,22 +138,17 @@ class Replay:
             "us_per_request": seconds / num_requests * 1e6 if num_requests else 0.0,
             "metadata_bytes_end": stats.metadata_bytes,
             "per_request_hits": self.hits,
-        }
-        if self.tiered:
-            out.update(self.tier_result(cache))
-        return out
+        } | (self.tier_result(cache) if self.tiers else {})
 
     def tier_result(self, cache: PrefixCache) -> dict[str, Any]:
-        """A tiered cache's figures: tokens reused per tier (`hit_tokens` above counts every
-        prompt token not recomputed, whichever tier it came from; host = tokens loaded back,
-        which may include a last token then recomputed), and each tier's report."""
-        scheduled = [t for t in self.hits_by_tier if t[0] >= 0]
+        """What a tiered cache adds: hits per tier (GPU, host, storage: L3 is not built, so
+        0) per request and in total, and what moved between the tiers."""
+        totals = [sum(h[i] for h in self.hits_by_tier if h[0] >= 0) for i in range(3)]
         return {
-            "gpu_hit_tokens": sum(t[0] for t in scheduled),
-            "host_loaded_tokens": sum(t[1] for t in scheduled),
-            "storage_loaded_tokens": sum(t[2] for t in scheduled),
+            "memory_tiers": list(cache.memory_tiers),
+            "hit_tokens_by_tier": dict(zip(TIER_NAMES, totals, strict=True)),
+            "tier_traffic": cache.tier_traffic(),
             "per_request_hits_by_tier": self.hits_by_tier,
-            "tiers": cache.tier_report(),
         }
 
 

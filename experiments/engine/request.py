@@ -55,6 +55,8 @@ class Request:
     generated: int = 0
     first_admit_hit: int | None = None
     hit_tokens: int = 0  # over every admission, re-admissions after preemption included
+    #: of `hit_tokens`, those loaded back from a lower memory tier (the rest were on the GPU)
+    host_hit_tokens: int = 0
     computed_tokens: int = 0
     first_token_at: float | None = None
     finished_at: float | None = None

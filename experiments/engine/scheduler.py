@@ -167,9 +167,13 @@ class Scheduler:
             self.executor.apply_copies(ops)
             waiting.popleft()
             running.append(r)
+            # a tiered cache may have loaded part of the hit back inside admit
+            hit = r.seq.num_computed
+            n -= hit - m.num_tokens
             if r.first_admit_hit is None:
-                r.first_admit_hit = m.num_tokens
-            r.hit_tokens += m.num_tokens
+                r.first_admit_hit = hit
+            r.hit_tokens += hit
+            r.host_hit_tokens += hit - m.num_tokens
             batch.append((r, n))
             budget -= n
 
@@ -399,9 +403,11 @@ class Scheduler:
             if not self.finish_oldest():
                 return False
         self.executor.apply_copies(ops)
-        r.first_admit_hit = m.num_tokens
-        r.hit_tokens += m.num_tokens
-        r.computed_tokens += len(seq) - m.num_tokens
+        hit = seq.num_computed  # the match, plus what a tiered cache loaded back in admit
+        r.first_admit_hit = hit
+        r.hit_tokens += hit
+        r.host_hit_tokens += hit - m.num_tokens
+        r.computed_tokens += len(seq) - hit
         client.commit(seq, len(seq))
         return True
 

@@ -1,0 +1,107 @@
+"""Memory tiers below a backend's GPU pages (DESIGN §7): what each tier holds and how fast
+it moves KV.
+
+L1 is the backend's own GPU pages (`num_pages` x `page_size`, unchanged). Below it:
+
+- L2, host memory (`HostTier`): a capacity in tokens and a read / write bandwidth. Built:
+  the `radix-hicache` backend (`backends/radix_hicache.py`, SGLang 0.5.23 HiCache) keeps
+  host copies in it.
+- L3, storage (local disk, or a pool shared by a cluster's replicas): declared here as a
+  name in `TIER_NAMES` so metrics carry its column from the start, *not built yet*: no
+  backend accepts one, and every storage figure reads 0.
+
+A tier never knows about tensors: it is capacities, bandwidths and the bytes one token of
+KV takes (to turn a capacity in GB into tokens and tokens moved into bytes).
+
+Bandwidth defaults for an H200 host (`H200_HOST_READ_GBPS`, `H200_HOST_WRITE_GBPS`): the
+H200 SXM's host link is PCIe Gen5 x16, which NVIDIA's H200 datasheet gives as 128 GB/s
+bidirectional (nvidia.com, "NVIDIA H200 Tensor Core GPU" datasheet, interconnect row:
+"PCIe Gen5: 128GB/s"), i.e. 64 GB/s each way; that ceiling is the default in both
+directions (what a copy engine reaches in practice is lower: pass a measured figure). Under
+the replay protocol transfers are instantaneous (the GPU-optimistic timing) and the
+bandwidths are not read; the serving clock (not built yet) is where they will cost time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cachelib.errors import InvalidRequestError
+
+#: the tiers metrics report, in order (`per_request_hits_by_tier` columns)
+TIER_NAMES = ("gpu", "host", "storage")
+
+#: GB/s host -> GPU and GPU -> host: PCIe Gen5 x16, 128 GB/s bidirectional (H200 datasheet)
+H200_HOST_READ_GBPS = 64.0
+H200_HOST_WRITE_GBPS = 64.0
+
+#: bytes of KV per token of Llama-3-8B (the project's default model, experiments/defaults.py)
+#: in bf16: 2 (K and V) x 32 layers x 8 KV heads x 128 head dim x 2 bytes; used only to
+#: turn a capacity in GB into tokens and tokens moved into bytes
+LLAMA3_8B_KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2
+
+
+@dataclass(frozen=True)
+class HostTier:
+    """L2: host memory below the GPU pages.
+
+    `capacity_tokens` (a whole number of pages), `read_gbps` (host -> GPU, a load-back),
+    `write_gbps` (GPU -> host, a backup), `kv_bytes_per_token` (for bytes moved)."""
+
+    capacity_tokens: int
+    read_gbps: float = H200_HOST_READ_GBPS
+    write_gbps: float = H200_HOST_WRITE_GBPS
+    kv_bytes_per_token: int = LLAMA3_8B_KV_BYTES_PER_TOKEN
+
+    @classmethod
+    def build(
+        cls,
+        page_size: int,
+        *,
+        capacity_tokens: int = 0,
+        capacity_gb: float = 0.0,
+        read_gbps: float = H200_HOST_READ_GBPS,
+        write_gbps: float = H200_HOST_WRITE_GBPS,
+        kv_bytes_per_token: int = LLAMA3_8B_KV_BYTES_PER_TOKEN,
+    ) -> HostTier:
+        """Check every figure and build the tier (`InvalidRequestError` naming the bad one,
+        before any work). Exactly one of `capacity_tokens` and `capacity_gb` is given; a
+        capacity in GB becomes whole pages of `kv_bytes_per_token`-byte tokens."""
+        if isinstance(kv_bytes_per_token, bool) or not isinstance(kv_bytes_per_token, int) or kv_bytes_per_token <= 0:
+            raise InvalidRequestError(f"kv_bytes_per_token must be a positive int, got {kv_bytes_per_token!r}")
+        for name, value in (("host_read_gbps", read_gbps), ("host_write_gbps", write_gbps)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise InvalidRequestError(f"{name} must be a positive bandwidth in GB/s, got {value!r}")
+        tokens_given = not (isinstance(capacity_tokens, int) and not isinstance(capacity_tokens, bool) and capacity_tokens == 0)
+        gb_given = capacity_gb != 0
+        if tokens_given == gb_given:
+            raise InvalidRequestError(
+                "a host tier needs exactly one of host_capacity_tokens and host_capacity_gb "
+                f"(got {capacity_tokens!r} tokens, {capacity_gb!r} GB)"
+            )
+        if gb_given:
+            if isinstance(capacity_gb, bool) or not isinstance(capacity_gb, (int, float)) or not capacity_gb > 0:
+                raise InvalidRequestError(f"host_capacity_gb must be a positive number, got {capacity_gb!r}")
+            capacity_tokens = int(capacity_gb * 1e9) // kv_bytes_per_token // page_size * page_size
+            what = f"host_capacity_gb={capacity_gb} ({capacity_tokens} tokens of {kv_bytes_per_token} bytes)"
+        else:
+            if isinstance(capacity_tokens, bool) or not isinstance(capacity_tokens, int) or capacity_tokens < 0:
+                raise InvalidRequestError(f"host_capacity_tokens must be a positive int, got {capacity_tokens!r}")
+            if capacity_tokens % page_size:
+                raise InvalidRequestError(
+                    f"host_capacity_tokens={capacity_tokens} is not a whole number of {page_size}-token pages"
+                )
+            what = f"host_capacity_tokens={capacity_tokens}"
+        if capacity_tokens < page_size:
+            raise InvalidRequestError(f"a host tier smaller than one page of {page_size} tokens: {what}")
+        return cls(int(capacity_tokens), float(read_gbps), float(write_gbps), kv_bytes_per_token)
+
+    def bytes_of(self, tokens: int) -> int:
+        """Bytes of KV in `tokens` tokens."""
+        return tokens * self.kv_bytes_per_token
+
+    def transfer_seconds(self, tokens: int, *, to_host: bool) -> float:
+        """Seconds to move `tokens` tokens of KV one way at this tier's bandwidth (what a
+        serving clock will charge; the replay protocol charges nothing)."""
+        gbps = self.write_gbps if to_host else self.read_gbps
+        return self.bytes_of(tokens) / (gbps * 1e9)
