@@ -386,17 +386,16 @@ class APCCache(PrefixCache):
     def _can_admit(self, seq: Sequence, match: Match, num_tokens: int) -> bool:
         """vLLM's `allocate_slots` check: the new blocks fit in the free queue, less the hit
         blocks still in it (they are about to leave it: they are not free for us)."""
-        if self.host is not None:
-            num_tokens = max(num_tokens, self._host_load(seq, match)[1])
         return self._fits(self._hit_ids(match), num_tokens)
 
-    def _host_load(self, seq: Sequence, match: Match) -> tuple[int, int]:
-        """(tokens to load from the host after the GPU hit, tokens the GPU blocks must then
-        cover): rules R2, R3 of apc_offload. Read-only. The blocks a load fills are allocated
-        even past `num_tokens` (vLLM allocates for the whole load, outside the token budget)."""
+    def _host_load(self, seq: Sequence, match: Match, num_tokens: int) -> int:
+        """Tokens to load from the host after the GPU hit (rules R2, R3 of apc_offload).
+        Read-only. A first chunk (serving) that ends inside the load recomputes instead,
+        so the table never passes `num_tokens` (vLLM would load the whole hit outside the
+        token budget); the replay admits whole prompts, where this never happens."""
         size = self.page_size
         loaded = self.host.lookup_tokens(self._block_hashes(seq, len(seq) // size), match.num_tokens, len(seq))
-        return loaded, match.num_tokens + loaded
+        return loaded if match.num_tokens + loaded <= num_tokens else 0
 
     def _fits(self, hit: np.ndarray, num_tokens: int) -> bool:
         num_free_hit = int(np.count_nonzero(self._ref[hit] == 0)) if hit.size else 0
@@ -404,10 +403,6 @@ class APCCache(PrefixCache):
 
     def _admit(self, seq: Sequence, match: Match, num_tokens: int) -> tuple[_Held, list[CopyOp]] | None:
         hit = self._hit_ids(match)
-        loaded = 0
-        if self.host is not None:
-            loaded, covered = self._host_load(seq, match)
-            num_tokens = max(num_tokens, covered)
         if not self._fits(hit, num_tokens):
             return None
         num_new = self.pages_for(num_tokens) - hit.size
@@ -426,6 +421,7 @@ class APCCache(PrefixCache):
         offload = None
         if self.host is not None:  # R4: the load (instantaneous); the loaded blocks are hashed at commit
             size = self.page_size
+            loaded = self._host_load(seq, match, num_tokens)
             offload = self.host.admit(self._block_hashes(seq, len(seq) // size), match.num_tokens, loaded)
             # R3: every token not recomputed (a load reaching the whole prompt recomputes the last)
             seq.num_computed = min(match.num_tokens + loaded, len(seq) - 1)

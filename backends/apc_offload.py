@@ -67,6 +67,16 @@ R10 Request-finish order. A request's final offer (R5) and `on_request_finished`
     run before the next request is scheduled (the engine flushes `finished_req_ids` in a
     step of their own when nothing else runs).
 
+Where the decisions sit in the contract: `match` is the GPU's lookup alone; `admit` looks the
+host up (vLLM: `get_num_new_matched_tokens` at scheduling), allocates the GPU blocks for the
+GPU hit and `num_tokens`, loads (`update_state_after_alloc`) and sets `seq.num_computed` to every token not
+recomputed (a first chunk in serving that ends inside the load recomputes instead: a
+table never passes what admit was asked for); `commit` offers what filled; `release` makes
+the final offer and ends the request. So `per_request_hits_by_tier` counts, per request, the tokens not recomputed that
+were on the GPU and those loaded from the host; `tier_traffic()["loaded"]` counts every
+token copied back, the last token of a prompt loaded whole (then recomputed) included, as
+vLLM's `num_external_tokens` does.
+
 Transfers are instantaneous (the replay protocol's optimistic timing): a load's
 `prepare_load` and `complete_load` happen inside `admit`, a store's `prepare_store` and
 `complete_store` inside the `commit` that fills its blocks; so no chunk is ever pending
