@@ -45,7 +45,6 @@ treated as a miss: conservative, never wrong.)
 
 from __future__ import annotations
 
-import inspect
 import operator
 from collections.abc import Iterator
 from typing import Any, ClassVar
@@ -68,6 +67,18 @@ _BLOCK_BYTES = 28
 _ENTRY_BYTES = 20
 
 _NO_BLOCKS = np.empty(0, dtype=np.int64)
+
+#: the host-tier options with their defaults (no host tier): one given without a capacity is an error
+_NO_HOST: dict[str, Any] = dict(
+    host_capacity_tokens=0,
+    host_capacity_gb=0.0,
+    host_eviction="lru",
+    host_block_size=0,
+    offload_prompt_only=True,
+    host_read_gbps=H200_HOST_READ_GBPS,
+    host_write_gbps=H200_HOST_WRITE_GBPS,
+    kv_bytes_per_token=LLAMA3_8B_KV_BYTES_PER_TOKEN,
+)
 
 
 class _Held(LiveState):
@@ -240,15 +251,10 @@ class APCCache(PrefixCache):
     def _host_tier(page_size: int, verify_tokens: bool, given: dict[str, Any]) -> OffloadTier | None:
         """The host tier the options ask for (None without a host capacity); a host option
         given without a capacity is an error, not silently dropped."""
-        defaults = {
-            name: param.default
-            for name, param in inspect.signature(APCCache.__init__).parameters.items()
-            if name in given
-        }
         if given["host_capacity_tokens"] == 0 and given["host_capacity_gb"] == 0:
             if type(given["host_capacity_tokens"]) is not int:
                 raise InvalidRequestError(f"host_capacity_tokens must be an int, got {given['host_capacity_tokens']!r}")
-            stray = [k for k, v in given.items() if v != defaults[k] or type(v) is not type(defaults[k])]
+            stray = [k for k, v in given.items() if v != _NO_HOST[k] or isinstance(v, bool) != isinstance(_NO_HOST[k], bool)]
             if stray:
                 raise InvalidRequestError(
                     f"{', '.join(stray)} given without host_capacity_tokens or host_capacity_gb (no host tier)"
@@ -359,13 +365,13 @@ class APCCache(PrefixCache):
         """The hit must be this cache's blocks (not evicted since: the epoch says so), holding
         `seq`'s first blocks: their hashes equal the sequence's chained hashes (and, with
         `verify_tokens`, their recorded tokens, extra keys and parents equal its own)."""
-        hit, pages, num_tokens = match.handle, match.pages, match.num_tokens
+        hit, pages = match.handle, match.pages
         n = len(pages)
         ids = np.asarray(pages)
         if (
             hit.__class__ is not list
             or len(hit) != n
-            or n * self.page_size != num_tokens
+            or n * self.page_size != match.num_tokens
             or hit != list(pages)
             or (n and (ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= self._ref.size))
         ):
