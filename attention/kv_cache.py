@@ -50,6 +50,8 @@ class PagedKVCache:
             torch.zeros(num_pages, 2, page_size, num_kv_heads, head_dim, dtype=dtype, device=self.device)
             for _ in range(num_layers)
         ]
+        #: host memory of a tiered cache: host page -> that page's KV in every layer
+        self.host: dict[int, list[torch.Tensor]] = {}
 
     @property
     def nbytes(self) -> int:
@@ -67,13 +69,45 @@ class PagedKVCache:
         kv[meta.write_pages, 0, meta.write_slots] = k.to(self.dtype)
         kv[meta.write_pages, 1, meta.write_slots] = v.to(self.dtype)
 
-    def apply(self, copy_ops: Iterable[tuple[int, int]] | None) -> int:
-        """Do the cache's copy-on-write requests (`CopyOp(src_page, dst_page)`) in every layer.
+    def apply(self, copy_ops: Iterable[tuple] | None) -> int:
+        """Do the cache's copy-on-write requests (`CopyOp(src_page, dst_page)`) in every
+        layer, and a tiered cache's moves to and from host memory (`TierCopy`), in order.
 
-        Copies read every source before writing any destination, so the ops of one call
-        are independent of their order. Returns the number of pages copied.
+        Consecutive copies read every source before writing any destination, so they are
+        independent of their order among themselves; a `TierCopy` is done where it stands
+        (a page backed up may be reloaded with other KV later in the list). The host pages
+        are kept here, created when first written. Returns the number of pages copied.
         """
         ops = list(copy_ops or ())
+        if not ops:
+            return 0
+        if any(len(op) == 3 for op in ops):  # TierCopy(to_host, device_page, host_page)
+            done, run = 0, []
+            for op in [*ops, None]:
+                if op is not None and len(op) == 2:
+                    run.append(op)
+                    continue
+                done += self._copy(run)
+                run = []
+                if op is not None:
+                    self._move(*op)
+            return done
+        return self._copy(ops)
+
+    def _move(self, to_host: bool, device_page: int, host_page: int) -> None:
+        """One page between the GPU pool and host memory, every layer."""
+        if not 0 <= int(device_page) < self.num_pages:
+            raise PageTableError(f"a tier move names page {device_page} outside the pool [0, {self.num_pages})")
+        if to_host:
+            self.host[int(host_page)] = [kv[int(device_page)].clone() for kv in self.layers]
+        else:
+            saved = self.host.get(int(host_page))
+            if saved is None:
+                raise PageTableError(f"a load-back reads host page {host_page}, which was never written")
+            for kv, page in zip(self.layers, saved, strict=True):
+                kv[int(device_page)] = page
+
+    def _copy(self, ops: list) -> int:
         if not ops:
             return 0
         src = [int(op[0]) for op in ops]

@@ -222,7 +222,7 @@ class APCCache(PrefixCache):
             kv_bytes_per_token=kv_bytes_per_token,
         )
         #: vLLM 0.33's CPU KV offloading below the GPU blocks (backends/apc_offload.py), or None
-        self.host: OffloadTier | None = self._host_tier(page_size, verify_tokens, given)
+        self.host: OffloadTier | None = self._host_tier(page_size, num_pages * page_size, verify_tokens, given)
         if self.host is not None:
             self.memory_tiers = ("gpu", "host")  # per instance: the tier is an option of apc
         self.hasher = BlockHasher(page_size, hash_algorithm, hash_fn)
@@ -248,7 +248,7 @@ class APCCache(PrefixCache):
             self._generation: list[int] = []
 
     @staticmethod
-    def _host_tier(page_size: int, verify_tokens: bool, given: dict[str, Any]) -> OffloadTier | None:
+    def _host_tier(page_size: int, gpu_tokens: int, verify_tokens: bool, given: dict[str, Any]) -> OffloadTier | None:
         """The host tier the options ask for (None without a host capacity); a host option
         given without a capacity is an error, not silently dropped."""
         if given["host_capacity_tokens"] == 0 and given["host_capacity_gb"] == 0:
@@ -267,6 +267,7 @@ class APCCache(PrefixCache):
             )
         tier = HostTier.build(
             page_size,
+            gpu_tokens,
             capacity_tokens=given["host_capacity_tokens"],
             capacity_gb=given["host_capacity_gb"],
             read_gbps=given["host_read_gbps"],
@@ -401,7 +402,9 @@ class APCCache(PrefixCache):
         token budget); the replay admits whole prompts, where this never happens."""
         size = self.page_size
         loaded = self.host.lookup_tokens(self._block_hashes(seq, len(seq) // size), match.num_tokens, len(seq))
-        return loaded if match.num_tokens + loaded <= num_tokens else 0
+        # the whole prompt admitted: a load may reach its end (R3); a first chunk: only a
+        # load that leaves something of the chunk to compute
+        return loaded if match.num_tokens + loaded < num_tokens or num_tokens == len(seq) else 0
 
     def _fits(self, hit: np.ndarray, num_tokens: int) -> bool:
         num_free_hit = int(np.count_nonzero(self._ref[hit] == 0)) if hit.size else 0
@@ -428,9 +431,10 @@ class APCCache(PrefixCache):
         if self.host is not None:  # R4: the load (instantaneous); the loaded blocks are hashed at commit
             size = self.page_size
             loaded = self._host_load(seq, match, num_tokens)
-            offload = self.host.admit(self._block_hashes(seq, len(seq) // size), match.num_tokens, loaded)
+            offload = self.host.admit(self._block_hashes(seq, len(seq) // size), match.num_tokens, loaded, seq.page_table)
             # R3: every token not recomputed (a load reaching the whole prompt recomputes the last)
             seq.num_computed = min(match.num_tokens + loaded, len(seq) - 1)
+            return _Held(seq, blocks, hit.size, offload), self.host.take_moves()
         return _Held(seq, blocks, hit.size, offload), []
 
     def _take_new(self, n: int) -> np.ndarray:
@@ -472,13 +476,14 @@ class APCCache(PrefixCache):
 
     def _grow(self, seq: Sequence, held: _Held, num_tokens: int) -> list[CopyOp] | None:
         num_new = self.pages_for(num_tokens) - held.blocks.size
-        if num_new <= 0:
-            return []
         if num_new > self.free_queue.num_free:
             return None
-        new = self._take_new(num_new)
-        held.blocks = np.concatenate([held.blocks, new])
-        seq.page_table.extend(new.tolist())
+        if num_new > 0:
+            new = self._take_new(num_new)
+            held.blocks = np.concatenate([held.blocks, new])
+            seq.page_table.extend(new.tolist())
+        if self.host is not None and self.host.moves:  # host stores decided since the last call
+            return self.host.take_moves()
         return []
 
     def _commit(self, seq: Sequence, held: _Held, num_computed: int) -> None:
@@ -514,10 +519,11 @@ class APCCache(PrefixCache):
             return  # nothing new (every decode step of a prompt-only tier ends here)
         hashes = self._block_hashes(seq, num_chunks * host.spec.blocks_per_chunk)
         prompt_chunks = host.storable_chunks(seq.prompt_len, held.blocks.size, seq.prompt_len)
+        blocks = seq.page_table
         if final:
-            host.finish(offload, hashes, num_chunks, prompt_chunks)
+            host.finish(offload, hashes, num_chunks, prompt_chunks, blocks)
         else:
-            host.offer(offload, hashes, num_chunks, prompt_chunks)
+            host.offer(offload, hashes, num_chunks, prompt_chunks, blocks)
 
     def _record_contents(self, seq: Sequence, blocks: np.ndarray, start: int, stop: int) -> None:
         size = self.page_size
@@ -550,6 +556,8 @@ class APCCache(PrefixCache):
         child.num_computed = computed
         if parent.cache_memo is not None and parent.cache_memo[0] is self._memo_key:
             child.cache_memo = (self._memo_key, parent.cache_memo[1][:full])
+        if self.host is not None and self.host.moves:
+            ops = [*self.host.take_moves(), *ops]
         return _Held(child, blocks, full), ops
 
     def _release(self, seq: Sequence, held: _Held) -> None:

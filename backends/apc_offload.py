@@ -96,6 +96,7 @@ from typing import Any, ClassVar
 
 from cachelib.errors import InvalidRequestError, InvariantViolation
 from cachelib.tiers import HostTier
+from cachelib.types import TierCopy
 
 HOST_EVICTION_POLICIES = ("lru", "arc")
 
@@ -434,6 +435,9 @@ class OffloadTier:
         self._free: list[int] = []
         self._num_evictable = 0
         self._num_pending = 0  # stores in flight (always 0 between calls here)
+        #: the page moves decided and not yet handed to the executor, in decision order
+        #: (host page = chunk slot x blocks per chunk + the block's place in its chunk)
+        self.moves: list[TierCopy] = []
         self.counters = dict(
             loaded_tokens=0,
             loaded_chunks=0,
@@ -469,9 +473,10 @@ class OffloadTier:
 
     # -- R4: the load at admission -----------------------------------------------------
 
-    def admit(self, hashes: list[bytes], gpu_tokens: int, loaded_tokens: int) -> _Request:
-        """A request admitted with `gpu_tokens` from the GPU and `loaded_tokens` to load:
-        pin and copy the chunks (instantaneous), and say where its stores start."""
+    def admit(self, hashes: list[bytes], gpu_tokens: int, loaded_tokens: int, blocks: list[int]) -> _Request:
+        """A request admitted with `gpu_tokens` from the GPU and `loaded_tokens` to load
+        into its GPU `blocks` (its page table): pin the chunks, copy them (instantaneous,
+        a `TierCopy` per block), and say where its stores start."""
         req = _Request()
         req.gpu_tokens, req.loaded_tokens = gpu_tokens, loaded_tokens
         self._extend_keys(req, hashes)
@@ -483,6 +488,10 @@ class OffloadTier:
             num_chunks = -(-cached // tpc)
             keys = req.keys[start_chunk:num_chunks]
             self._prepare_load(keys, req)
+            bpc, get = self.spec.blocks_per_chunk, self.policy.get
+            for b in range(start_block, cached // self.spec.page_size):
+                slot = get(req.keys[b // bpc]).chunk_id
+                self.moves.append(TierCopy(False, blocks[b], slot * bpc + b % bpc))
             self._complete_load(keys)
             req.next_stored = num_chunks  # CHUNK_LEVEL: the chunks the load reached are not offered
             c = self.counters
@@ -536,7 +545,7 @@ class OffloadTier:
             num_offloadable = min(num_offloadable, prompt_len)
         return min(num_offloadable // self.spec.chunk_tokens, num_blocks // self.spec.blocks_per_chunk)
 
-    def offer(self, req: _Request, hashes: list[bytes], num_chunks: int, prompt_chunks: int) -> int:
+    def offer(self, req: _Request, hashes: list[bytes], num_chunks: int, prompt_chunks: int, blocks: list[int]) -> int:
         """Offer what became storable up to chunk `num_chunks`, step by step as vLLM's
         `_build_store_jobs` does: the prompt's chunks in one offer (a prefill step), each chunk
         past the prompt in one of its own (a decode step fills at most one), a refused offer
@@ -549,18 +558,24 @@ class OffloadTier:
         evicted = 0
         for target in targets:
             if target > req.next_stored:
-                evicted += self._offer_step(req, target)
+                evicted += self._offer_step(req, target, blocks)
         return evicted
 
-    def _offer_step(self, req: _Request, num_chunks: int) -> int:
+    def _offer_step(self, req: _Request, num_chunks: int, blocks: list[int]) -> int:
         """One step's offer of chunks `[next_stored, num_chunks)`: store what `prepare_store`
-        takes (instantaneous copy); returns how many host chunks it evicted."""
+        takes (instantaneous copy: a `TierCopy` per block from the request's GPU `blocks`);
+        returns how many host chunks it evicted."""
         keys = req.keys[req.next_stored : num_chunks]
         stored = self._prepare_store(keys, req)
         if stored is None:
             self.counters["failed_stores"] += 1
             return 0  # not advanced: offered again at the next commit or at release
         to_store, evicted = stored
+        bpc, tpc, get = self.spec.blocks_per_chunk, self.spec.chunk_tokens, self.policy.get
+        for key in to_store:
+            first = (req.positions[key] // tpc - 1) * bpc  # the chunk's first block in the table
+            slot = get(key).chunk_id
+            self.moves.extend(TierCopy(True, blocks[first + j], slot * bpc + j) for j in range(bpc))
         self._complete_store(to_store)
         req.next_stored = max(req.next_stored, num_chunks)
         return evicted
@@ -621,14 +636,20 @@ class OffloadTier:
 
     # -- R7, R8, R10: the request finishes ------------------------------------------------
 
-    def finish(self, req: _Request, hashes: list[bytes], num_chunks: int, prompt_chunks: int) -> int:
+    def finish(self, req: _Request, hashes: list[bytes], num_chunks: int, prompt_chunks: int, blocks: list[int]) -> int:
         """The final offer, then `on_request_finished`; returns host chunks evicted."""
-        evicted = self.offer(req, hashes, num_chunks, prompt_chunks) if num_chunks > req.next_stored else 0
+        evicted = self.offer(req, hashes, num_chunks, prompt_chunks, blocks) if num_chunks > req.next_stored else 0
         ordered = sorted(req.seen_order, key=req.positions.__getitem__)
         self.policy.on_request_finished(ordered, req.inserted - req.reused, req.reused)
         return evicted
 
     # -- observation ---------------------------------------------------------------------
+
+    def take_moves(self) -> list[TierCopy]:
+        """The moves decided since the last call, in order (handed out with the next admit,
+        grow or fork, before that call's own)."""
+        moves, self.moves = self.moves, []
+        return moves
 
     def num_free(self) -> int:
         return len(self._free) + self.num_chunks - self._num_allocated

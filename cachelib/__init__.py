@@ -16,8 +16,8 @@ from cachelib.errors import (
 )
 from cachelib.interface import PrefixCache
 from cachelib.kv_events import KvEvent, KvEventListener, PageKeys, PagesRemoved, PagesStored
-from cachelib.registry import available_backends, create_cache, get_backend, register_backend
-from cachelib.types import CacheStats, CopyOp, ExtraKeys, Match, MultiModalSpan, Sequence
+from cachelib.registry import available_backends, create_cache, default_backends, get_backend, register_backend
+from cachelib.types import CacheStats, CopyOp, ExtraKeys, Match, MultiModalSpan, Sequence, TierCopy
 
 __all__ = [
     "CacheError",
@@ -36,10 +36,12 @@ __all__ = [
     "PrefixCache",
     "Sequence",
     "StaleMatchError",
+    "TierCopy",
     "UnknownBackendError",
     "UnknownSequenceError",
     "available_backends",
     "create_cache",
+    "default_backends",
     "get_backend",
     "register_backend",
 ]

@@ -46,6 +46,11 @@ from cachelib.kv_events import KvEvent, KvEventFanout, KvEventListener, PageKeys
 from cachelib.types import CacheStats, CopyOp, Match, Sequence
 
 
+def _cow_copies(ops: list) -> int:
+    """The copy-on-write copies among `ops` (a tiered cache adds `TierCopy` moves)."""
+    return sum(1 for op in ops if op.__class__ is CopyOp)
+
+
 class LiveState:
     """What a backend keeps per admitted sequence. `seq` is the very object admitted (or
     forked): calls find the state by request id, then insist on that object."""
@@ -99,6 +104,8 @@ class PrefixCache(ABC):
     #: `admit`: `seq.num_computed` after `admit` is then the match plus what was loaded
     #: (every token not recomputed), and `tier_traffic` reports what moved
     memory_tiers: ClassVar[tuple[str, ...]] = ("gpu",)
+    #: run by a comparison that names no backend (`cachelib.registry.default_backends`)
+    compared_by_default: ClassVar[bool] = True
 
     def __init__(self, num_pages: int, page_size: int) -> None:
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
@@ -161,7 +168,7 @@ class PrefixCache(ABC):
         c["admitted_tokens"] += len(seq)
         c["hit_tokens"] += hit
         if ops:
-            c["copied_pages"] += len(ops)
+            c["copied_pages"] += _cow_copies(ops)
         return ops
 
     def can_admit(self, seq: Sequence, match: Match, num_tokens: int) -> bool:
@@ -184,7 +191,7 @@ class PrefixCache(ABC):
         self._check_num_tokens(seq, num_tokens, 0)
         ops = self._grow(seq, state, num_tokens)
         if ops:
-            self._counters["copied_pages"] += len(ops)
+            self._counters["copied_pages"] += _cow_copies(ops)
         return ops
 
     def commit(self, seq: Sequence, num_computed: int) -> None:
@@ -215,7 +222,7 @@ class PrefixCache(ABC):
         child_state, ops = forked
         self._live[child.request_id] = child_state
         if ops:
-            self._counters["copied_pages"] += len(ops)
+            self._counters["copied_pages"] += _cow_copies(ops)
         return ops
 
     def release(self, seq: Sequence) -> None:

@@ -50,6 +50,13 @@ def available_backends() -> list[str]:
     return names
 
 
+def default_backends() -> list[str]:
+    """The backends a comparison runs when none is named: every registered one whose class
+    says `compared_by_default` (a tiered design holds KV beyond the GPU capacity the others
+    get, so it is compared only when named)."""
+    return [n for n in available_backends() if get_backend(n).compared_by_default]
+
+
 def get_backend(name: str) -> type[PrefixCache]:
     """The class registered as `name`; `UnknownBackendError` lists the choices otherwise."""
     cls = _registry.get(name)

@@ -35,6 +35,10 @@ TIER_NAMES = ("gpu", "host", "storage")
 H200_HOST_READ_GBPS = 64.0
 H200_HOST_WRITE_GBPS = 64.0
 
+#: host size when none is given: SGLang's default `--hicache-ratio` (host = 2 x device;
+#: `srt/arg_groups/hicache_hook.py` `handle_hicache_ratio_default`)
+DEFAULT_HOST_RATIO = 2
+
 #: bytes of KV per token of Llama-3-8B (the project's default model, experiments/defaults.py)
 #: in bf16: 2 (K and V) x 32 layers x 8 KV heads x 128 head dim x 2 bytes; used only to
 #: turn a capacity in GB into tokens and tokens moved into bytes
@@ -57,6 +61,7 @@ class HostTier:
     def build(
         cls,
         page_size: int,
+        gpu_tokens: int,
         *,
         capacity_tokens: int = 0,
         capacity_gb: float = 0.0,
@@ -65,8 +70,9 @@ class HostTier:
         kv_bytes_per_token: int = LLAMA3_8B_KV_BYTES_PER_TOKEN,
     ) -> HostTier:
         """Check every figure and build the tier (`InvalidRequestError` naming the bad one,
-        before any work). Exactly one of `capacity_tokens` and `capacity_gb` is given; a
-        capacity in GB becomes whole pages of `kv_bytes_per_token`-byte tokens."""
+        before any work). At most one of `capacity_tokens` and `capacity_gb` is given; a
+        capacity in GB becomes whole pages of `kv_bytes_per_token`-byte tokens; neither
+        (both 0) is SGLang's default `--hicache-ratio 2.0`: twice the GPU's `gpu_tokens`."""
         if isinstance(kv_bytes_per_token, bool) or not isinstance(kv_bytes_per_token, int) or kv_bytes_per_token <= 0:
             raise InvalidRequestError(f"kv_bytes_per_token must be a positive int, got {kv_bytes_per_token!r}")
         for name, value in (("host_read_gbps", read_gbps), ("host_write_gbps", write_gbps)):
@@ -74,12 +80,15 @@ class HostTier:
                 raise InvalidRequestError(f"{name} must be a positive bandwidth in GB/s, got {value!r}")
         tokens_given = not (isinstance(capacity_tokens, int) and not isinstance(capacity_tokens, bool) and capacity_tokens == 0)
         gb_given = capacity_gb != 0
-        if tokens_given == gb_given:
+        if tokens_given and gb_given:
             raise InvalidRequestError(
-                "a host tier needs exactly one of host_capacity_tokens and host_capacity_gb "
-                f"(got {capacity_tokens!r} tokens, {capacity_gb!r} GB)"
+                "give a host tier's size once: host_capacity_tokens or host_capacity_gb "
+                f"(got {capacity_tokens!r} tokens and {capacity_gb!r} GB)"
             )
-        if gb_given:
+        if not tokens_given and not gb_given:
+            capacity_tokens = DEFAULT_HOST_RATIO * gpu_tokens
+            what = f"{DEFAULT_HOST_RATIO} x the GPU's {gpu_tokens} tokens"
+        elif gb_given:
             if isinstance(capacity_gb, bool) or not isinstance(capacity_gb, (int, float)) or not capacity_gb > 0:
                 raise InvalidRequestError(f"host_capacity_gb must be a positive number, got {capacity_gb!r}")
             capacity_tokens = int(capacity_gb * 1e9) // kv_bytes_per_token // page_size * page_size
@@ -87,6 +96,10 @@ class HostTier:
         else:
             if isinstance(capacity_tokens, bool) or not isinstance(capacity_tokens, int) or capacity_tokens < 0:
                 raise InvalidRequestError(f"host_capacity_tokens must be a positive int, got {capacity_tokens!r}")
+            if 0 < capacity_tokens < page_size:
+                raise InvalidRequestError(
+                    f"a host tier smaller than one page: host_capacity_tokens={capacity_tokens} < page_size {page_size}"
+                )
             if capacity_tokens % page_size:
                 raise InvalidRequestError(
                     f"host_capacity_tokens={capacity_tokens} is not a whole number of {page_size}-token pages"

@@ -226,6 +226,21 @@ class CopyOp(NamedTuple):
     dst_page: int
 
 
+class TierCopy(NamedTuple):
+    """Move one page of KV between a GPU page and a host page of a tiered cache
+    (cachelib/tiers.py): `to_host` a backup (GPU -> host), else a load-back (host -> GPU).
+
+    A tiered cache hands these out with the copies of its next `admit`, `grow` or `fork`,
+    in the order it decided them; an executor applies a call's ops *in order* before it
+    writes any KV (a GPU page backed up may be reused by a load in the same list). Until
+    they are applied the GPU pages they read are not written: a page freed by an eviction
+    is only handed out by the call that returns the ops."""
+
+    to_host: bool
+    device_page: int
+    host_page: int
+
+
 @dataclass(slots=True)
 class CacheStats:
     """Counters and occupancy of one cache. Pages are free, cached-unpinned or pinned."""

@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from cachelib import CacheError, ExtraKeys, Sequence, StaleMatchError, available_backends, create_cache
+from cachelib import CacheError, ExtraKeys, Sequence, StaleMatchError, TierCopy, available_backends, create_cache
 from tests.snapshots import deep_state, first_difference
 
 TOP = 2**31 - 1  # the largest int32 token id
@@ -108,12 +108,14 @@ class CacheMachine(RuleBasedStateMachine):
     def setup(self):
         tally = TALLY.setdefault(self.case, Counter())
         self.raw = create_cache(self.backend, num_pages=self.num_pages, page_size=self.page_size, **self.options)
+        self.tiered = len(self.raw.memory_tiers) > 1
         self.cache = Counted(self.raw, tally)
         # another cache with the same history of prefixes: the source of foreign matches
         self.twin = Counted(
             create_cache(self.backend, num_pages=self.num_pages, page_size=self.page_size, **self.options), tally
         )
         self.kv: dict[int, list[bytes | None]] = {}
+        self.host_kv: dict[int, list[bytes | None]] = {}  # a tiered cache's host pages
         self.live: dict[str, Sequence] = {}
         self.pending: list = []  # (sequence, match) made earlier, admitted later
         self.values: dict[str, tuple] = {}  # request id -> (seq, running hash, prefix values)
@@ -144,7 +146,13 @@ class CacheMachine(RuleBasedStateMachine):
 
     def _apply(self, ops):
         for op in ops:
-            self.kv[op.dst_page] = list(self.kv.get(op.src_page, [None] * self.page_size))
+            if isinstance(op, TierCopy):  # a tiered cache's move, in order
+                if op.to_host:
+                    self.host_kv[op.host_page] = list(self.kv.get(op.device_page, [None] * self.page_size))
+                else:
+                    self.kv[op.device_page] = list(self.host_kv[op.host_page])
+            else:
+                self.kv[op.dst_page] = list(self.kv.get(op.src_page, [None] * self.page_size))
 
     def _write(self, s: Sequence, upto: int):
         B = self.page_size
@@ -200,27 +208,20 @@ class CacheMachine(RuleBasedStateMachine):
         if ops is None:
             return False
         assert hit_ok, "admit accepted a match whose pages hold other KV"
-        assert s.num_computed == m.num_tokens or len(self.raw.memory_tiers) > 1
+        if self.tiered:
+            # a tiered cache may load more of the prefix back from the host inside admit
+            # (whole pages; apc's host tier, as vLLM, may load the whole prompt and recompute
+            # its last token); its TierCopy moves carry the KV
+            assert m.num_tokens <= s.num_computed < n
+            assert s.num_computed % self.page_size == 0 or (self.backend == "apc" and s.num_computed == len(s) - 1)
+        else:
+            assert s.num_computed == m.num_tokens
         self._apply(ops)
-        self._load(s, m)
+        assert self._reads_back(s, s.page_table, s.num_computed), "the loaded-back prefix holds other KV"
         self.live[s.request_id] = s
-        n = max(n, s.num_computed)  # a tiered cache may have loaded past the first chunk
         self._write(s, n)
         self.cache.commit(s, n)
         return True
-
-    def _load(self, s: Sequence, m) -> None:
-        """A tiered cache loaded tokens after the match from the host inside admit
-        (`num_computed` past the match): the shadow copies the KV those host blocks hold
-        (keyed by the prefix's chained hashes, so the prefix's own KV; the fidelity tests
-        check which blocks the host holds and loads)."""
-        if s.num_computed == m.num_tokens:
-            return
-        assert len(self.raw.memory_tiers) > 1 and m.num_tokens < s.num_computed < len(s)
-        B = self.page_size
-        vals = self._prefix_values(s, s.num_computed)
-        for t in range(m.num_tokens, s.num_computed):
-            self.kv.setdefault(s.page_table[t // B], [None] * B)[t % B] = vals[t]
 
     def _release(self, s: Sequence) -> None:
         self.cache.release(s)
@@ -281,7 +282,6 @@ class CacheMachine(RuleBasedStateMachine):
             assert self._reads_back(s, m.pages, m.num_tokens), "match returned pages holding other KV"
             n = len(s) if not chunk else min(len(s), max(m.num_tokens, 1) + chunk)
             if self._admit(s, m, n):
-                n = max(n, s.num_computed)
                 break
             if not self._finish_oldest():
                 return
@@ -497,22 +497,20 @@ class CacheMachine(RuleBasedStateMachine):
         assert st_.pages_pinned == st_.extra.get("prefix_pages", 0), "pages stay pinned after every release"
 
 
-#: apc with a host tier (vLLM's CPU offloading): no `verify_tokens` (it does not cover the
-#: host tier), a host of a few chunks so that it evicts all the time, both policies, and
-#: host blocks of two pages
-TIERED = {
-    "apc+host-lru": {"host_capacity_tokens": 24, "host_eviction": "lru"},
-    "apc+host-arc": {"host_capacity_tokens": 24, "host_eviction": "arc", "host_block_size": 8},
-}
-
-
-def _options(backend: str) -> dict:
-    """Content tracking on, so check_invariants proves index entries hold their tokens."""
-    if backend in TIERED:
-        return TIERED[backend]
+def _options(backend: str, page_size: int, num_pages: int) -> dict:
+    """Content tracking on, so check_invariants proves index entries hold their tokens
+    (radix-hicache: on both tiers); a tiered case also names its write policy and a host
+    as small as the GPU (default: twice it), so host eviction runs all the time."""
     if backend == "apc":
         return {"verify_tokens": True}
+    if backend.startswith("apc:"):  # vLLM's CPU offloading (no verify_tokens: it does not cover the host)
+        if backend == "apc:arc":  # host blocks of two pages, a host of half the GPU
+            return {"host_capacity_tokens": num_pages // 2 * page_size, "host_eviction": "arc", "host_block_size": 2 * page_size}
+        return {"host_capacity_tokens": num_pages * page_size, "host_eviction": "lru"}
     if backend.startswith("radix"):
+        name, _, policy = backend.partition(":")
+        if policy:
+            return {"track_contents": True, "write_policy": policy, "host_capacity_tokens": num_pages * page_size}
         return {"track_contents": True}
     return {}
 
@@ -520,8 +518,12 @@ def _options(backend: str) -> dict:
 #: (page size, pages, prompt scale, examples, steps): small caches evict all the time, the
 #: larger one holds long prompts of several pages and many live sequences
 SHAPES = [(1, 12, 1, 60, 50), (4, 10, 1, 60, 50), (4, 48, 3, 70, 60)]
-CASES = [(b, *shape) for b in available_backends() for shape in SHAPES]
-CASES += [(variant, 4, 10, 1, 60, 50) for variant in TIERED] + [(variant, 4, 48, 3, 40, 60) for variant in TIERED]
+#: the tiered backend once more per other write policy (`radix-hicache:POLICY`), host-bound
+TIERED = ["radix-hicache:write_through_selective", "radix-hicache:write_back"]
+TIERED = [t for t in TIERED if t.partition(":")[0] in available_backends()]
+#: apc with a host tier (vLLM 0.33 CPU offloading), each host eviction policy
+TIERED += ["apc:lru", "apc:arc"]
+CASES = [(b, *shape) for b in [*available_backends(), *TIERED] for shape in SHAPES]
 
 
 def _same_draws_in_every_session(monkeypatch) -> None:
@@ -545,14 +547,14 @@ def test_random_operation_sequences(backend, page_size, num_pages, scale, exampl
     case = f"{backend}-{page_size}-{num_pages}"
     TALLY.pop(case, None)
     machine = type(
-        case.replace("-", "_"),
+        case.replace("-", "_").replace(":", "_"),
         (CacheMachine,),
         {
-            "backend": backend.split("+")[0],
+            "backend": backend.partition(":")[0],
             "page_size": page_size,
             "num_pages": num_pages,
             "scale": scale,
-            "options": _options(backend),
+            "options": _options(backend, page_size, num_pages),
             "case": case,
         },
     )
