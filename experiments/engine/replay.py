@@ -73,7 +73,8 @@ class Replay:
         self.scheduler = Scheduler(client, ReplayExecutor(), config, VirtualClock())
         self.hits: list[int] = []
         #: per request [gpu, host, storage] tokens reused (only for a tiered cache)
-        self.tiers = len(client.cache.memory_tiers) > 1
+        cache = client.cache  # a PrefixCache, or a test's reference model with the same calls
+        self.tiers = isinstance(cache, PrefixCache) and len(cache.memory_tiers) > 1
         self.hits_by_tier: list[list[int]] = []
         self.prompt_tokens = self.hit_tokens = self.unschedulable = self.truncated = 0
 

@@ -221,13 +221,17 @@ class VllmScheduler(Scheduler):
             self.executor.apply_copies(ops)
             waiting.popleft()
             self.running.append(r)
+            # a tiered cache may have loaded part of the hit back inside admit
+            hit = seq.num_computed
+            n -= hit - m.num_tokens
             r.vllm.running = True
-            r.vllm.computed = m.num_tokens
-            self.publish(r, m.num_tokens + n)
+            r.vllm.computed = hit
+            self.publish(r, hit + n)
             if r.first_admit_hit is None:
-                r.first_admit_hit = m.num_tokens
-            r.hit_tokens += m.num_tokens
-            plan.items.append((r, n, m.num_tokens))
+                r.first_admit_hit = hit
+            r.hit_tokens += hit
+            r.host_hit_tokens += hit - m.num_tokens
+            plan.items.append((r, n, hit))
             plan.admitted = True
             budget -= n
         waiting.extendleft(reversed(skipped))  # back in front, in their order

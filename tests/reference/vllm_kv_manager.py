@@ -21,8 +21,6 @@ class VllmModel:
     """Duck-types the `PrefixCache` calls the replay protocol makes, and no more: it shares
     not even the contract's base class (and its checks) with the backend it judges."""
 
-    memory_tiers = ("gpu",)  # GPU blocks only (the replay asks every cache)
-
     name = "vllm-model"
     decode_steps_are_noops = False
 
@@ -134,4 +132,3 @@ class VllmModel:
 
     def check_invariants(self) -> None:
         pass  # a model, not a backend: the fast backend is what gets checked
-
