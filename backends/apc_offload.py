@@ -77,6 +77,12 @@ were on the GPU and those loaded from the host; `tier_traffic()["loaded"]` count
 token copied back, the last token of a prompt loaded whole (then recomputed) included, as
 vLLM's `num_external_tokens` does.
 
+The executor sees each copy as a `TierCopy` (cachelib/types.py): one per block stored
+(GPU block -> host page) or loaded (host page -> new GPU block), host page = chunk slot x
+blocks per chunk + the block's place in its chunk, handed out in decision order with the
+next `admit`, `grow` or `fork` (before that call's own copies), so a GPU block is read
+before anything reuses it.
+
 Transfers are instantaneous (the replay protocol's optimistic timing): a load's
 `prepare_load` and `complete_load` happen inside `admit`, a store's `prepare_store` and
 `complete_store` inside the `commit` that fills its blocks; so no chunk is ever pending
