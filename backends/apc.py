@@ -254,7 +254,9 @@ class APCCache(PrefixCache):
         if given["host_capacity_tokens"] == 0 and given["host_capacity_gb"] == 0:
             if type(given["host_capacity_tokens"]) is not int:
                 raise InvalidRequestError(f"host_capacity_tokens must be an int, got {given['host_capacity_tokens']!r}")
-            stray = [k for k, v in given.items() if v != _NO_HOST[k] or isinstance(v, bool) != isinstance(_NO_HOST[k], bool)]
+            stray = [
+                k for k, v in given.items() if v != _NO_HOST[k] or isinstance(v, bool) != isinstance(_NO_HOST[k], bool)
+            ]
             if stray:
                 raise InvalidRequestError(
                     f"{', '.join(stray)} given without host_capacity_tokens or host_capacity_gb (no host tier)"
@@ -431,7 +433,9 @@ class APCCache(PrefixCache):
         if self.host is not None:  # R4: the load (instantaneous); the loaded blocks are hashed at commit
             size = self.page_size
             loaded = self._host_load(seq, match, num_tokens)
-            offload = self.host.admit(self._block_hashes(seq, len(seq) // size), match.num_tokens, loaded, seq.page_table)
+            offload = self.host.admit(
+                self._block_hashes(seq, len(seq) // size), match.num_tokens, loaded, seq.page_table
+            )
             # R3: every token not recomputed (a load reaching the whole prompt recomputes the last)
             seq.num_computed = min(match.num_tokens + loaded, len(seq) - 1)
             return _Held(seq, blocks, hit.size, offload), self.host.take_moves()

@@ -72,9 +72,13 @@ def test_per_request_hits_by_tier_equal_vllm(name):
     # difference: `per_request_hits_by_tier` = [gpu, hit - gpu, 0])
     want = [(row[0], row[2]) for row in golden["requests"]]
     got = [(t[0], h) for t, h in zip(result["per_request_hits_by_tier"], result["per_request_hits"], strict=True)]
-    assert all(t[0] + t[1] == h for t, h in zip(result["per_request_hits_by_tier"], result["per_request_hits"]))
+    assert all(
+        t[0] + t[1] == h for t, h in zip(result["per_request_hits_by_tier"], result["per_request_hits"], strict=True)
+    )
     diff = [i for i, (a, b) in enumerate(zip(want, got, strict=True)) if a != b]
-    assert not diff, f"{len(diff)} requests differ, first {diff[0]}: vLLM (gpu, hit) {want[diff[0]]}, apc {got[diff[0]]}"
+    assert not diff, (
+        f"{len(diff)} requests differ, first {diff[0]}: vLLM (gpu, hit) {want[diff[0]]}, apc {got[diff[0]]}"
+    )
     host, totals = result["tier_traffic"], golden["totals"]
     assert result["hit_tokens"] == totals["hit_tokens"]
     assert result["hit_tokens_by_tier"]["gpu"] == totals["gpu_hit_tokens"]

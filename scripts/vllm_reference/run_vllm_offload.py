@@ -69,8 +69,14 @@ def make_scheduler(
     capacity_tokens: int, block_size: int, host_tokens: int, host_block: int, policy: str, prompt_only: bool = True
 ):
     import torch
-    from vllm.config import CacheConfig, KVTransferConfig, ObservabilityConfig, ParallelConfig, SchedulerConfig
-    from vllm.config import VllmConfig
+    from vllm.config import (
+        CacheConfig,
+        KVTransferConfig,
+        ObservabilityConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
@@ -187,7 +193,11 @@ def run(reqs, capacity, host_tokens, host_block, policy, block_size=16, progress
     current: dict = {}
 
     # -- observation wrappers (they record; every decision is vLLM's own) --
-    orig_match, orig_alloc, orig_store = cs.get_num_new_matched_tokens, cs.update_state_after_alloc, manager.prepare_store
+    orig_match, orig_alloc, orig_store = (
+        cs.get_num_new_matched_tokens,
+        cs.update_state_after_alloc,
+        manager.prepare_store,
+    )
 
     def get_num_new_matched_tokens(request, num_computed_tokens, max_num_new_tokens=None):
         ext, is_async = orig_match(request, num_computed_tokens, max_num_new_tokens)
@@ -239,7 +249,9 @@ def run(reqs, capacity, host_tokens, host_block, policy, block_size=16, progress
                     sampled.append([])
             kvo = KVConnectorOutput(
                 finished_recving=recv or None,
-                kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs={j: 1 for j in jobs}) if jobs else None,
+                kv_connector_worker_meta=OffloadingWorkerMetadata(completed_jobs={j: 1 for j in jobs})
+                if jobs
+                else None,
             )
             out = ModelRunnerOutput(
                 req_ids=req_ids,
@@ -275,11 +287,15 @@ def main():
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--capacity", type=int, required=True, help="GPU KV capacity in tokens (usable blocks * 16)")
     ap.add_argument("--host", type=int, required=True, help="host tier capacity in tokens")
-    ap.add_argument("--host-block", type=int, default=16, help="offloaded block size in tokens (extra config block_size)")
+    ap.add_argument(
+        "--host-block", type=int, default=16, help="offloaded block size in tokens (extra config block_size)"
+    )
     ap.add_argument("--policy", choices=("lru", "arc"), default="lru")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument(
-        "--all-tokens", action="store_true", help="offload_prompt_only=False: offload decode blocks too (vLLM default: prompt only)"
+        "--all-tokens",
+        action="store_true",
+        help="offload_prompt_only=False: offload decode blocks too (vLLM default: prompt only)",
     )
     ap.add_argument(
         "--source",
