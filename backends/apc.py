@@ -47,16 +47,18 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterator
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
+from backends.apc_offload import HostTierSpec, OffloadTier
 from cachelib.errors import InvalidRequestError
 from cachelib.free_queue import BlockQueue
 from cachelib.hashing import BlockHash, BlockHasher, DictIndex, HashFn, RunIndex
 from cachelib.interface import LiveState, Occupancy, PagePartition, PrefixCache
 from cachelib.kv_events import PageKeys, PagesRemoved, PagesStored
 from cachelib.registry import register_backend
+from cachelib.tiers import H200_HOST_READ_GBPS, H200_HOST_WRITE_GBPS, LLAMA3_8B_KV_BYTES_PER_TOKEN, HostTier
 from cachelib.types import CopyOp, Match, Sequence
 
 # Modelled bytes of index metadata, as a compact native implementation would keep it:
@@ -66,17 +68,30 @@ _ENTRY_BYTES = 20
 
 _NO_BLOCKS = np.empty(0, dtype=np.int64)
 
+#: the host-tier options with their defaults (no host tier): one given without a capacity is an error
+_NO_HOST: dict[str, Any] = dict(
+    host_capacity_tokens=0,
+    host_capacity_gb=0.0,
+    host_eviction="lru",
+    host_block_size=0,
+    offload_prompt_only=True,
+    host_read_gbps=H200_HOST_READ_GBPS,
+    host_write_gbps=H200_HOST_WRITE_GBPS,
+    kv_bytes_per_token=LLAMA3_8B_KV_BYTES_PER_TOKEN,
+)
+
 
 class _Held(LiveState):
-    """An admitted sequence: its block ids (an int64 array, the page table's), and how many
-    leading ones are hashed (published)."""
+    """An admitted sequence: its block ids (an int64 array, the page table's), how many
+    leading ones are hashed (published), and, with a host tier, its offload state."""
 
-    __slots__ = ("blocks", "num_cached")
+    __slots__ = ("blocks", "num_cached", "offload")
 
-    def __init__(self, seq: Sequence, blocks: np.ndarray, num_cached: int) -> None:
+    def __init__(self, seq: Sequence, blocks: np.ndarray, num_cached: int, offload: Any = None) -> None:
         self.seq = seq
         self.blocks = blocks
         self.num_cached = num_cached
+        self.offload = offload
 
 
 class BlockView:
@@ -184,10 +199,32 @@ class APCCache(PrefixCache):
         hash_algorithm: str = "xxh3_128",
         hash_fn: HashFn | None = None,
         verify_tokens: bool = False,
+        host_capacity_tokens: int = 0,
+        host_capacity_gb: float = 0.0,
+        host_eviction: str = "lru",
+        host_block_size: int = 0,
+        offload_prompt_only: bool = True,
+        host_read_gbps: float = H200_HOST_READ_GBPS,
+        host_write_gbps: float = H200_HOST_WRITE_GBPS,
+        kv_bytes_per_token: int = LLAMA3_8B_KV_BYTES_PER_TOKEN,
     ) -> None:
         super().__init__(num_pages, page_size)
         if not isinstance(verify_tokens, bool):
             raise InvalidRequestError(f"verify_tokens must be a bool, got {verify_tokens!r}")
+        given = dict(
+            host_capacity_tokens=host_capacity_tokens,
+            host_capacity_gb=host_capacity_gb,
+            host_eviction=host_eviction,
+            host_block_size=host_block_size,
+            offload_prompt_only=offload_prompt_only,
+            host_read_gbps=host_read_gbps,
+            host_write_gbps=host_write_gbps,
+            kv_bytes_per_token=kv_bytes_per_token,
+        )
+        #: vLLM 0.33's CPU KV offloading below the GPU blocks (backends/apc_offload.py), or None
+        self.host: OffloadTier | None = self._host_tier(page_size, num_pages * page_size, verify_tokens, given)
+        if self.host is not None:
+            self.memory_tiers = ("gpu", "host")  # per instance: the tier is an option of apc
         self.hasher = BlockHasher(page_size, hash_algorithm, hash_fn)
         self._page_keys = PageKeys(page_size, hash_algorithm, hash_fn)  # what events name blocks by
         self.verify_tokens = verify_tokens
@@ -209,6 +246,40 @@ class APCCache(PrefixCache):
             # from its recorded content, even after its parent block was evicted
             self._parent_hash: list[BlockHash | None] = []
             self._generation: list[int] = []
+
+    @staticmethod
+    def _host_tier(page_size: int, gpu_tokens: int, verify_tokens: bool, given: dict[str, Any]) -> OffloadTier | None:
+        """The host tier the options ask for (None without a host capacity); a host option
+        given without a capacity is an error, not silently dropped."""
+        if given["host_capacity_tokens"] == 0 and given["host_capacity_gb"] == 0:
+            if type(given["host_capacity_tokens"]) is not int:
+                raise InvalidRequestError(f"host_capacity_tokens must be an int, got {given['host_capacity_tokens']!r}")
+            stray = [
+                k for k, v in given.items() if v != _NO_HOST[k] or isinstance(v, bool) != isinstance(_NO_HOST[k], bool)
+            ]
+            if stray:
+                raise InvalidRequestError(
+                    f"{', '.join(stray)} given without host_capacity_tokens or host_capacity_gb (no host tier)"
+                )
+            return None
+        if verify_tokens:
+            raise InvalidRequestError(
+                "verify_tokens does not cover the host tier (it keys chunks by block hash, as vLLM does): "
+                "use one or the other"
+            )
+        tier = HostTier.build(
+            page_size,
+            gpu_tokens,
+            capacity_tokens=given["host_capacity_tokens"],
+            capacity_gb=given["host_capacity_gb"],
+            read_gbps=given["host_read_gbps"],
+            write_gbps=given["host_write_gbps"],
+            kv_bytes_per_token=given["kv_bytes_per_token"],
+        )
+        spec = HostTierSpec.from_options(
+            page_size, tier, given["host_eviction"], given["host_block_size"], given["offload_prompt_only"]
+        )
+        return OffloadTier(spec)
 
     @property
     def blocks(self) -> _BlockViews:
@@ -326,6 +397,17 @@ class APCCache(PrefixCache):
         blocks still in it (they are about to leave it: they are not free for us)."""
         return self._fits(self._hit_ids(match), num_tokens)
 
+    def _host_load(self, seq: Sequence, match: Match, num_tokens: int) -> int:
+        """Tokens to load from the host after the GPU hit (rules R2, R3 of apc_offload).
+        Read-only. A first chunk (serving) that ends inside the load recomputes instead,
+        so the table never passes `num_tokens` (vLLM would load the whole hit outside the
+        token budget); the replay admits whole prompts, where this never happens."""
+        size = self.page_size
+        loaded = self.host.lookup_tokens(self._block_hashes(seq, len(seq) // size), match.num_tokens, len(seq))
+        # the whole prompt admitted: a load may reach its end (R3); a first chunk: only a
+        # load that leaves something of the chunk to compute
+        return loaded if match.num_tokens + loaded < num_tokens or num_tokens == len(seq) else 0
+
     def _fits(self, hit: np.ndarray, num_tokens: int) -> bool:
         num_free_hit = int(np.count_nonzero(self._ref[hit] == 0)) if hit.size else 0
         return self.pages_for(num_tokens) - hit.size <= self.free_queue.num_free - num_free_hit
@@ -347,7 +429,17 @@ class APCCache(PrefixCache):
             blocks = self._take_new(num_new)
         seq.page_table = blocks.tolist()
         seq.num_computed = match.num_tokens
-        return _Held(seq, blocks, hit.size), []
+        offload = None
+        if self.host is not None:  # R4: the load (instantaneous); the loaded blocks are hashed at commit
+            size = self.page_size
+            loaded = self._host_load(seq, match, num_tokens)
+            offload = self.host.admit(
+                self._block_hashes(seq, len(seq) // size), match.num_tokens, loaded, seq.page_table
+            )
+            # R3: every token not recomputed (a load reaching the whole prompt recomputes the last)
+            seq.num_computed = min(match.num_tokens + loaded, len(seq) - 1)
+            return _Held(seq, blocks, hit.size, offload), self.host.take_moves()
+        return _Held(seq, blocks, hit.size, offload), []
 
     def _take_new(self, n: int) -> np.ndarray:
         """Pop `n` blocks from the queue head, evicting those that still hold a cached block."""
@@ -388,19 +480,22 @@ class APCCache(PrefixCache):
 
     def _grow(self, seq: Sequence, held: _Held, num_tokens: int) -> list[CopyOp] | None:
         num_new = self.pages_for(num_tokens) - held.blocks.size
-        if num_new <= 0:
-            return []
         if num_new > self.free_queue.num_free:
             return None
-        new = self._take_new(num_new)
-        held.blocks = np.concatenate([held.blocks, new])
-        seq.page_table.extend(new.tolist())
+        if num_new > 0:
+            new = self._take_new(num_new)
+            held.blocks = np.concatenate([held.blocks, new])
+            seq.page_table.extend(new.tolist())
+        if self.host is not None and self.host.moves:  # host stores decided since the last call
+            return self.host.take_moves()
         return []
 
     def _commit(self, seq: Sequence, held: _Held, num_computed: int) -> None:
         seq.num_computed = num_computed
         full = num_computed // self.page_size
         start = held.num_cached
+        if held.offload is not None:
+            self._offer_host(seq, held, num_computed)
         if full <= start:
             return
         ids = held.blocks[start:full]
@@ -416,6 +511,23 @@ class APCCache(PrefixCache):
         held.num_cached = full
         if self._kv_listener is not None:  # vLLM's BlockStored from cache_full_blocks
             self._emit_kv_event(PagesStored(hashes[start:full], hashes[start - 1] if start else None))
+
+    def _offer_host(self, seq: Sequence, held: _Held, num_computed: int, final: bool = False) -> None:
+        """R5: offer the chunks that are computed and allocated to the host tier (at release,
+        `final`: the last offer, then the request's finish). A match is the GPU's alone, so
+        a host eviction leaves earlier matches valid: the load is decided in `admit`."""
+        host = self.host
+        num_chunks = host.storable_chunks(min(num_computed, len(seq)), held.blocks.size, seq.prompt_len)
+        offload = held.offload
+        if num_chunks <= offload.next_stored and not final:
+            return  # nothing new (every decode step of a prompt-only tier ends here)
+        hashes = self._block_hashes(seq, num_chunks * host.spec.blocks_per_chunk)
+        prompt_chunks = host.storable_chunks(seq.prompt_len, held.blocks.size, seq.prompt_len)
+        blocks = seq.page_table
+        if final:
+            host.finish(offload, hashes, num_chunks, prompt_chunks, blocks)
+        else:
+            host.offer(offload, hashes, num_chunks, prompt_chunks, blocks)
 
     def _record_contents(self, seq: Sequence, blocks: np.ndarray, start: int, stop: int) -> None:
         size = self.page_size
@@ -448,9 +560,13 @@ class APCCache(PrefixCache):
         child.num_computed = computed
         if parent.cache_memo is not None and parent.cache_memo[0] is self._memo_key:
             child.cache_memo = (self._memo_key, parent.cache_memo[1][:full])
+        if self.host is not None and self.host.moves:
+            ops = [*self.host.take_moves(), *ops]
         return _Held(child, blocks, full), ops
 
     def _release(self, seq: Sequence, held: _Held) -> None:
+        if held.offload is not None:  # R5, R10: the final offer and the request's finish
+            self._offer_host(seq, held, seq.num_computed, final=True)
         # vLLM frees the table last block first: of the blocks nobody uses any more, hashed
         # ones go to the tail in that order (evicted late), the others to the head (reused
         # first: the first block of the table ends up at the head)
@@ -489,12 +605,25 @@ class APCCache(PrefixCache):
     # -- observation ----------------------------------------------------------------
 
     def _occupancy(self) -> Occupancy:
+        extra: dict[str, Any] = {"table_entries": self._num_hashed}
+        if self.host is not None:
+            extra["host_cached_tokens"] = self.host.num_cached() * self.host.spec.chunk_tokens
         return Occupancy(
             pages_free=self.free_queue.num_free - self._num_cached_free,
             pages_cached=self._num_cached_free,
             metadata_bytes=self.num_pages * _BLOCK_BYTES + self._num_hashed * _ENTRY_BYTES,
-            extra={"table_entries": self._num_hashed},
+            extra=extra,
         )
+
+    # -- tiers ------------------------------------------------------------------------
+
+    def tier_traffic(self) -> dict[str, int]:
+        """Tokens (and bytes) moved between the GPU and the host so far, and what the host
+        holds; empty without a host tier. `loaded` counts every token copied back, including
+        a last prompt token then recomputed (rule R3)."""
+        if self.host is None:
+            return {}
+        return self.host.traffic()
 
     def pages_pinned(self) -> int:
         return self.num_pages - self.free_queue.num_free  # O(1), no stats dict

@@ -79,6 +79,8 @@ def check_apc(cache: APCCache) -> None:
         fail(f"cached-free count {cache._num_cached_free}, actual {cached_free}")
     if cache.verify_tokens:
         _check_recorded_contents(cache, fail)
+    if cache.host is not None:
+        _check_host(cache, fail)
     # index entries point only at pages whose content matches: rehash every live table
     for rid, held in cache._live.items():
         seq = held.seq
@@ -113,3 +115,24 @@ def _check_recorded_contents(cache: APCCache, fail) -> None:
                 fail(f"block {bid}: its parent block {pid} is cached under another hash than recorded")
         if hasher.hash_block(parent_hash, cache._tokens[bid].tobytes(), cache._extra[bid]) != h:
             fail(f"block {bid}: its recorded tokens do not rehash to the hash it is indexed under")
+
+
+def _check_host(cache: APCCache, fail) -> None:
+    """The host tier's own invariants (capacity, pool, index, policy), then each live
+    request's offload state: its chunk keys are its own blocks' hashes, its store progress
+    within them, its GPU and loaded tokens within its prompt."""
+    host = cache.host
+    host.check()
+    bpc = host.spec.blocks_per_chunk
+    for rid, held in cache._live.items():
+        req = held.offload
+        if req is None:
+            continue
+        seq = held.seq
+        fresh = cache.hasher.hash_blocks(seq.tokens, seq.extra, 0, len(req.keys) * bpc, None)
+        if req.keys != fresh[bpc - 1 :: bpc]:
+            fail(f"{rid}: its host chunk keys are not its blocks' hashes")
+        if not 0 <= req.next_stored <= len(req.keys):
+            fail(f"{rid}: next chunk to store {req.next_stored} outside its {len(req.keys)} chunks")
+        if req.gpu_tokens + req.loaded_tokens > len(seq) or req.gpu_tokens > held.num_cached * cache.page_size:
+            fail(f"{rid}: {req.gpu_tokens} GPU + {req.loaded_tokens} loaded tokens do not fit its admission")

@@ -211,8 +211,10 @@ class CacheMachine(RuleBasedStateMachine):
         assert hit_ok, "admit accepted a match whose pages hold other KV"
         if self.tiered:
             # a tiered cache may load more of the prefix back from the host inside admit
-            # (whole pages, never the prompt's last token); its TierCopy moves carry the KV
-            assert m.num_tokens <= s.num_computed < n and s.num_computed % self.page_size == 0
+            # (whole pages; apc's host tier, as vLLM, may load the whole prompt and recompute
+            # its last token); its TierCopy moves carry the KV
+            assert m.num_tokens <= s.num_computed < n
+            assert s.num_computed % self.page_size == 0 or (self.backend == "apc" and s.num_computed == len(s) - 1)
         else:
             assert s.num_computed == m.num_tokens
         self._apply(ops)
@@ -502,6 +504,10 @@ def _options(backend: str, page_size: int, num_pages: int) -> dict:
     as small as the GPU (default: twice it), so host eviction runs all the time."""
     if backend == "apc":
         return {"verify_tokens": True}
+    if backend.startswith("apc:"):  # vLLM's CPU offloading (no verify_tokens: it does not cover the host)
+        if backend == "apc:arc":  # host blocks of two pages, a host of half the GPU
+            return {"host_capacity_tokens": num_pages // 2 * page_size, "host_eviction": "arc", "host_block_size": 2 * page_size}
+        return {"host_capacity_tokens": num_pages * page_size, "host_eviction": "lru"}
     if backend.startswith("radix"):
         name, _, policy = backend.partition(":")
         if policy:
@@ -515,6 +521,9 @@ def _options(backend: str, page_size: int, num_pages: int) -> dict:
 SHAPES = [(1, 12, 1, 60, 50), (4, 10, 1, 60, 50), (4, 48, 3, 70, 60)]
 #: the tiered backend once more per other write policy (`radix-hicache:POLICY`), host-bound
 TIERED = ["radix-hicache:write_through_selective", "radix-hicache:write_back"]
+TIERED = [t for t in TIERED if t.partition(":")[0] in available_backends()]
+#: apc with a host tier (vLLM 0.33 CPU offloading), each host eviction policy
+TIERED += ["apc:lru", "apc:arc"]
 CASES = [(b, *shape) for b in [*available_backends(), *TIERED] for shape in SHAPES]
 
 

@@ -106,3 +106,6 @@ def _print_summary(result: dict[str, Any]) -> None:
         f"{result['evicted_pages']} pages evicted, {result['unschedulable']} unschedulable, "
         f"{result['us_per_request']:.0f} us/request of CPU time in cache calls"
     )
+    if "hit_tokens_by_tier" in result:  # a cache with tiers below its GPU pages
+        by_tier = ", ".join(f"{tier} {tokens}" for tier, tokens in result["hit_tokens_by_tier"].items())
+        print(f"  hit tokens by tier: {by_tier}")
