@@ -95,9 +95,14 @@ def _kv_gb(results: dict[str, Any], cap: int) -> float | None:
     return None if kv is None else kv["gb"]
 
 
+def compact_gb(gb: float) -> str:
+    """`26.2144` -> `26.2`, `1310.72` -> `1,311`: three significant digits, never an exponent."""
+    return f"{gb:,.0f}" if gb >= 100 else f"{gb:.3g}"
+
+
 def _capacity_text(results: dict[str, Any], cap: int, sep: str = " ") -> str:
     gb = _kv_gb(results, cap)
-    return f"{compact_tokens(cap)} tokens" + ("" if gb is None else f"{sep}({gb:.3g} GB)")
+    return f"{compact_tokens(cap)} tokens" + ("" if gb is None else f"{sep}({compact_gb(gb)} GB)")
 
 
 # -- hit rate vs capacity --------------------------------------------------------------------

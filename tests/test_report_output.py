@@ -332,3 +332,9 @@ def test_cache_time_is_the_threads_cpu_time_not_the_wall_clock():
     wall = CacheClient(_Sleepy(), clock=time.perf_counter)  # type: ignore[arg-type]
     wall.match(seq)
     assert wall.seconds >= 0.03 and cpu.seconds < 0.01
+
+
+def test_capacity_gb_never_in_exponent_notation():
+    from experiments.figures import compact_gb
+
+    assert [compact_gb(x) for x in (3.2768, 26.2144, 131.072, 1310.72)] == ["3.28", "26.2", "131", "1,311"]
