@@ -506,7 +506,11 @@ def _options(backend: str, page_size: int, num_pages: int) -> dict:
         return {"verify_tokens": True}
     if backend.startswith("apc:"):  # vLLM's CPU offloading (no verify_tokens: it does not cover the host)
         if backend == "apc:arc":  # host blocks of two pages, a host of half the GPU
-            return {"host_capacity_tokens": num_pages // 2 * page_size, "host_eviction": "arc", "host_block_size": 2 * page_size}
+            return {
+                "host_capacity_tokens": num_pages // 2 * page_size,
+                "host_eviction": "arc",
+                "host_block_size": 2 * page_size,
+            }
         return {"host_capacity_tokens": num_pages * page_size, "host_eviction": "lru"}
     if backend.startswith("radix"):
         name, _, policy = backend.partition(":")
