@@ -49,8 +49,25 @@ class EventLog:
         self.log.append((self.scheduler.result.steps, type(event).__name__, len(event.keys)))
 
 
+#: backends with host tiers, by name: what `create_cache` takes beside the GPU pages (a host
+#: of twice the GPU, in tokens, is added per run)
+TIERED = {
+    "radix-hicache": {"write_policy": "write_through"},
+    "radix-hicache-wb": {"write_policy": "write_back"},
+    "apc-host": {"host_eviction": "lru"},
+}
+
+
+def make_cache(backend: str, num_pages: int, page_size: int):
+    if backend not in TIERED:
+        return create_cache(backend, num_pages=num_pages, page_size=page_size)
+    name = "apc" if backend.startswith("apc") else "radix-hicache"
+    host = 2 * num_pages * page_size
+    return create_cache(name, num_pages=num_pages, page_size=page_size, host_capacity_tokens=host, **TIERED[backend])
+
+
 def run(cls: type[VllmScheduler], backend: str, num_pages: int, page_size: int, requests, executor, config):
-    cache = create_cache(backend, num_pages=num_pages, page_size=page_size)
+    cache = make_cache(backend, num_pages, page_size)
     clock = VirtualClock(requests)
     s = cls(CacheClient(cache), executor, config, clock)
     events = EventLog()
@@ -73,7 +90,7 @@ def run(cls: type[VllmScheduler], backend: str, num_pages: int, page_size: int, 
 
 
 @pytest.mark.parametrize("workload", sorted(WORKLOADS))
-@pytest.mark.parametrize("backend", ["apc", "radix", "none", "paged"])
+@pytest.mark.parametrize("backend", ["apc", "radix", "none", "paged", *TIERED])
 @pytest.mark.parametrize("pages", [40, 400])
 @pytest.mark.parametrize("executor", ["cost", "fixed"])
 def test_rows_decide_as_the_object_loop(workload, backend, pages, executor):
