@@ -66,6 +66,14 @@ ALLOWED_NEEDED = re.compile(r"^(libcudart\.so\.\d+|libstdc\+\+\.so\.6|libgcc_s\.
                             r"libdl\.so\.2|libpthread\.so\.0|librt\.so\.1|ld-linux-x86-64\.so\.2|libtvm_ffi\.so)$")
 
 
+# Undefined on purpose: batch_prefill.cu's DISPATCH_CTA_TILE_Q has a case for a 32-row query
+# tile, but the kernel templates (batch_prefill_*_kernel_inst.jinja) instantiate it only for
+# head_dim_vo >= 512, where FA2DetermineCtaTileQ can pick it; at head dim 128 it picks 16, 64
+# or 128, so these references are never called and stay unbound (lazy binding; FlashInfer's
+# own JIT builds leave the same). Any other undefined symbol fails verify.
+UNREACHABLE_UNDEFINED = re.compile(r"^_ZN10flashinfer\d+BatchPrefillWith(Paged|Ragged)KVCacheDispatchedI(Lb[01]E)?Lj32E")
+
+
 def module_args():
     import torch
 
@@ -275,8 +283,11 @@ def cmd_verify(args) -> int:
             provided |= _dynsyms(lib, undefined=False)
         undefined = _dynsyms(so, undefined=True)
         unresolved = sorted(undefined - provided)
-        from_tvm = sorted(s for s in undefined if s in tvm_syms)
-        print(f"   undefined symbols: {len(undefined)}; from tvm-ffi: {from_tvm}")
+        unreachable = [sym for sym in unresolved if UNREACHABLE_UNDEFINED.match(sym)]
+        unresolved = [sym for sym in unresolved if not UNREACHABLE_UNDEFINED.match(sym)]
+        from_tvm = sorted(sym for sym in undefined if sym in tvm_syms)
+        print(f"   undefined symbols: {len(undefined)}; from tvm-ffi: {from_tvm}; "
+              f"unreachable 32-row-tile kernel instances left unbound by design: {len(unreachable)}")
         if unresolved:
             failures.append(f"{backend}: symbols no allowed library provides: {unresolved[:20]}")
         exported = _dynsyms(so, undefined=False)

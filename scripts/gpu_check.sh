@@ -35,6 +35,9 @@ if [ "${ALLOW_JIT:-0}" = 1 ]; then
 else
   export FLASHINFER_DISABLE_JIT=1  # the prebuilt modules or a clear error, never minutes of nvcc
 fi
+# The modules leave a few unreachable kernel instances unbound (scripts/flashinfer_aot.py,
+# UNREACHABLE_UNDEFINED; FlashInfer's own JIT builds do the same): they load with lazy binding only.
+unset LD_BIND_NOW
 mkdir -p "$DEST"
 LOG="$DEST/gpu_check_${STAMP}_${COMMIT}.log"
 
