@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from attention import paged_attention
+from attention import TorchAttention, paged_attention
 from attention.flashinfer_backend import FA2_MAX_QUERY, expected_backend, resolved_backend
 from cachelib import available_backends, create_cache
 from experiments.bench.gpu_timing import WallClock, time_calls, time_host
@@ -209,3 +209,36 @@ def test_aot_wheels_load_with_jit_disabled():
     )
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert "verify: ok" in r.stdout and "loaded by flashinfer (JIT disabled)" in r.stdout
+
+
+class _ReferenceAsKernel(TorchAttention):
+    """The reference behind the benchmark's attention interface (which wrapper, which backend)."""
+
+    active_kind: str | None = None
+
+    def plan(self, meta, num_qo_heads, num_kv_heads, head_dim, dtype) -> None:
+        super().plan(meta, num_qo_heads, num_kv_heads, head_dim, dtype)
+        self.active_kind = "decode" if meta.is_decode else "prefill"
+
+    def resolved_backend(self) -> str:
+        return "torch-reference"
+
+
+def test_bench_rows_on_cpu(tiny_model):
+    """The benchmark's row building end to end on CPU: small shapes, the reference as kernel."""
+    from experiments.bench.gpu_attention_bench import Bench, bench_decode, bench_prefill
+
+    b = Bench(CPU, WallClock(), cfg=tiny_model.config, sm90a=True)
+    att = _ReferenceAsKernel()
+    d = bench_decode(b, att, 16, batch=2, context=40, warmup=0, repeat=2, inner=2, peak=1e12)
+    assert d["flashinfer_wrapper"] == "decode" and d["expected_backend"] == "fa2"
+    assert d["flashinfer_backend"] == "torch-reference" and d["inner"] == 2 and d["method"] == "perf_counter"
+    assert d["achieved_GBps"] > 0 and d["plan_ms"] >= 0 and d["host_metadata_ms"] > 0
+    assert d["fraction_of_peak_bandwidth"] == pytest.approx(d["achieved_GBps"] * 1e9 / 1e12)
+    p = bench_prefill(b, att, tiny_model, 0.5, prompt=200, page_size=16, warmup=0, repeat=1, inner=1)
+    assert (p["cached_tokens"], p["computed_tokens"]) == (96, 104)
+    assert p["expected_backend"] == "fa3" and p["flashinfer_wrapper"] == "prefill"
+    mf = p["model_forward"]
+    assert mf["host_ms"] == pytest.approx(p["host_metadata_ms"] + p["plan_ms"])
+    assert mf["minus_host_ms"] == pytest.approx(mf["median_ms"] - mf["host_ms"])
+    assert "flashinfer" not in sys.modules

@@ -51,26 +51,38 @@ def is_sm90a() -> bool:
     return torch.cuda.get_device_capability() == (9, 0)
 
 
+class Bench:
+    """What every row is measured with: the device, its clock, the model shapes, and whether the
+    device can run fa3; separate from FlashInfer so CPU tests drive it with the reference."""
+
+    def __init__(self, dev: torch.device, clock, *, cfg=CFG, sm90a: bool) -> None:
+        self.dev = dev
+        self.clock = clock
+        self.cfg = cfg
+        self.sm90a = sm90a
+
+
 def scattered_tables(batch: int, pages_each: int, num_pages: int, gen: torch.Generator) -> list[list[int]]:
     perm = torch.randperm(num_pages, generator=gen)[: batch * pages_each].view(batch, pages_each)
     return perm.tolist()
 
 
-def backend_fields(att: FlashInferAttention, kind: str, max_q: int) -> dict:
+def backend_fields(att, kind: str, max_q: int, *, sm90a: bool) -> dict:
     return {
         "flashinfer_wrapper": att.active_kind,
         "flashinfer_backend": att.resolved_backend(),
-        "expected_backend": expected_backend(kind, max_q, sm90a=is_sm90a()),
+        "expected_backend": expected_backend(kind, max_q, sm90a=sm90a),
     }
 
 
-def bench_decode(page_size: int, *, batch: int, context: int, warmup: int, repeat: int, inner: int, peak: float) -> dict:
-    dev = torch.device("cuda")
-    clock = CudaEventClock()
+def bench_decode(
+    b: Bench, att, page_size: int, *, batch: int, context: int, warmup: int, repeat: int, inner: int, peak: float
+) -> dict:
+    dev, clock, cfg = b.dev, b.clock, b.cfg
     gen = torch.Generator().manual_seed(page_size)
     pages_each = -(-context // page_size)
     num_pages = batch * pages_each
-    kv = PagedKVCache(1, num_pages, page_size, CFG.num_kv_heads, CFG.head_dim, dtype=torch.bfloat16, device=dev)
+    kv = PagedKVCache(1, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16, device=dev)
     kv.layers[0].normal_()
     tables = scattered_tables(batch, pages_each, num_pages, gen)
 
@@ -78,13 +90,12 @@ def bench_decode(page_size: int, *, batch: int, context: int, warmup: int, repea
         return build_batch_meta(tables, [context - 1] * batch, [1] * batch, page_size, num_pages=num_pages, device=dev)
 
     meta = meta_fn()
-    q = torch.randn(batch, CFG.num_heads, CFG.head_dim, device=dev, dtype=torch.bfloat16)
-    att = FlashInferAttention(dev)
-    plan = time_host(lambda: att.plan(meta, CFG.num_heads, CFG.num_kv_heads, CFG.head_dim, torch.bfloat16),
+    q = torch.randn(batch, cfg.num_heads, cfg.head_dim, device=dev, dtype=torch.bfloat16)
+    plan = time_host(lambda: att.plan(meta, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16),
                      repeat=5, sync=clock.synchronize)  # fmt: skip
     host_meta = time_host(meta_fn, repeat=5, sync=clock.synchronize)
     stats = time_calls(lambda: att.run(q, kv.layers[0]), clock, warmup=warmup, repeat=repeat, inner=inner)
-    kv_bytes = batch * context * 2 * CFG.num_kv_heads * CFG.head_dim * 2  # K and V, bf16
+    kv_bytes = batch * context * 2 * cfg.num_kv_heads * cfg.head_dim * 2  # K and V, bf16
     io_bytes = kv_bytes + 2 * q.numel() * 2 + meta.kv_indices.numel() * 4
     gbps = io_bytes / (stats["median_ms"] * 1e-3) / 1e9
     return {
@@ -92,7 +103,7 @@ def bench_decode(page_size: int, *, batch: int, context: int, warmup: int, repea
         "batch": batch,
         "context": context,
         "kernel": "BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)",
-        **backend_fields(att, "decode", 1),
+        **backend_fields(att, "decode", 1, sm90a=b.sm90a),
         **stats,
         "plan_ms": plan["median_ms"],
         "host_metadata_ms": host_meta["median_ms"],
@@ -104,34 +115,33 @@ def bench_decode(page_size: int, *, batch: int, context: int, warmup: int, repea
 
 
 def bench_prefill(
-    model: LlamaModel | None, fraction: float, *, prompt: int, page_size: int, warmup: int, repeat: int, inner: int
-) -> dict:
-    dev = torch.device("cuda")
-    clock = CudaEventClock()
+    b: Bench, att, model: LlamaModel | None, fraction: float, *, prompt: int, page_size: int, warmup: int,
+    repeat: int, inner: int,
+) -> dict:  # fmt: skip
+    dev, clock, cfg = b.dev, b.clock, b.cfg
     cached = int(prompt * fraction) // page_size * page_size  # whole pages, as caches hand them out
     new = prompt - cached
     num_pages = -(-prompt // page_size)
     table = list(range(num_pages))
-    tokens = torch.randint(0, CFG.vocab_size, (prompt,), generator=torch.Generator().manual_seed(0)).numpy()
+    tokens = torch.randint(0, cfg.vocab_size, (prompt,), generator=torch.Generator().manual_seed(0)).numpy()
     row: dict = {"prompt_tokens": prompt, "cached_tokens": cached, "computed_tokens": new, "page_size": page_size}
 
     def meta_fn():
         return build_batch_meta([table], [cached], [new], page_size, num_pages=num_pages, device=dev)
 
     # attention kernel alone, one layer, same batch
-    kv1 = PagedKVCache(1, num_pages, page_size, CFG.num_kv_heads, CFG.head_dim, dtype=torch.bfloat16, device=dev)
+    kv1 = PagedKVCache(1, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16, device=dev)
     kv1.layers[0].normal_()
     meta = meta_fn()
-    q = torch.randn(new, CFG.num_heads, CFG.head_dim, device=dev, dtype=torch.bfloat16)
-    att = FlashInferAttention(dev)
-    plan = time_host(lambda: att.plan(meta, CFG.num_heads, CFG.num_kv_heads, CFG.head_dim, torch.bfloat16),
+    q = torch.randn(new, cfg.num_heads, cfg.head_dim, device=dev, dtype=torch.bfloat16)
+    plan = time_host(lambda: att.plan(meta, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16),
                      repeat=3, sync=clock.synchronize)  # fmt: skip
     host_meta = time_host(meta_fn, repeat=3, sync=clock.synchronize)
     a = time_calls(lambda: att.run(q, kv1.layers[0]), clock, warmup=warmup, repeat=repeat, inner=inner)
     # causal FLOPs: each new query i sees cached + i + 1 keys; QK^T and PV, 2 FLOPs per MAC
     keys_seen = new * cached + new * (new + 1) / 2
-    flops = 4 * CFG.num_heads * CFG.head_dim * keys_seen
-    row.update(backend_fields(att, "prefill", new))
+    flops = 4 * cfg.num_heads * cfg.head_dim * keys_seen
+    row.update(backend_fields(att, "prefill", new, sm90a=b.sm90a))
     row["host_metadata_ms"] = host_meta["median_ms"]
     row["plan_ms"] = plan["median_ms"]
     row["attention_layer"] = {**a, "TFLOPs": flops / (a["median_ms"] * 1e-3) / 1e12}
@@ -233,8 +243,10 @@ def main(argv: list[str] | None = None) -> dict:
         tmp.write_text(json.dumps(report, indent=2) + "\n")
         tmp.replace(args.output)
 
+    bench = Bench(torch.device("cuda"), CudaEventClock(), sm90a=is_sm90a())
+    att = FlashInferAttention(bench.dev)  # one workspace for every row
     for ps in args.page_sizes:
-        row = bench_decode(ps, batch=args.batch, context=args.context, warmup=args.warmup, repeat=args.repeat,
+        row = bench_decode(bench, att, ps, batch=args.batch, context=args.context, warmup=args.warmup, repeat=args.repeat,
                            inner=args.inner, peak=args.peak_bandwidth)  # fmt: skip
         print(
             f"decode page_size={ps} [{row['flashinfer_backend']}]: {row['median_ms']:.3f} ms, "
@@ -251,7 +263,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.cuda.synchronize()
         report["model_init_s"] = time.perf_counter() - t0
     for f in args.fractions:
-        row = bench_prefill(model, f, prompt=args.prompt, page_size=args.prefill_page_size, warmup=2,
+        row = bench_prefill(bench, att, model, f, prompt=args.prompt, page_size=args.prefill_page_size, warmup=2,
                             repeat=max(3, args.repeat // 4), inner=max(1, args.inner // 4))  # fmt: skip
         msg = (
             f"prefill {int(f * 100)}% cached [{row['flashinfer_backend']}]: attention/layer "
