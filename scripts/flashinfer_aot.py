@@ -45,8 +45,16 @@ from pathlib import Path
 # use_logits_soft_cap = (0.0 > 0) = False, use_fp16_qk_reduction = False,
 # use_token_head_sf = False.
 ARG_NAMES = (
-    "dtype_q", "dtype_kv", "dtype_o", "dtype_idx", "head_dim_qk", "head_dim_vo",
-    "pos_encoding_mode", "use_sliding_window", "use_logits_soft_cap", "use_fp16_qk_reduction",
+    "dtype_q",
+    "dtype_kv",
+    "dtype_o",
+    "dtype_idx",
+    "head_dim_qk",
+    "head_dim_vo",
+    "pos_encoding_mode",
+    "use_sliding_window",
+    "use_logits_soft_cap",
+    "use_fp16_qk_reduction",
     "use_token_head_sf",
 )
 HEAD_DIM = 128
@@ -62,8 +70,10 @@ REQUIRED_FUNCTIONS = ("plan", "paged_run", "ragged_run")
 # What a module may need from outside: the CUDA runtime, the C/C++ runtime, and tvm-ffi's C ABI
 # (resolved from libtvm_ffi.so, which `import tvm_ffi` loads). Anything else (the driver's
 # libcuda, libtorch, libpython) would fail on the device or tie us to one interpreter.
-ALLOWED_NEEDED = re.compile(r"^(libcudart\.so\.\d+|libstdc\+\+\.so\.6|libgcc_s\.so\.1|libm\.so\.6|libc\.so\.6|"
-                            r"libdl\.so\.2|libpthread\.so\.0|librt\.so\.1|ld-linux-x86-64\.so\.2|libtvm_ffi\.so)$")
+ALLOWED_NEEDED = re.compile(
+    r"^(libcudart\.so\.\d+|libstdc\+\+\.so\.6|libgcc_s\.so\.1|libm\.so\.6|libc\.so\.6|"
+    r"libdl\.so\.2|libpthread\.so\.0|librt\.so\.1|ld-linux-x86-64\.so\.2|libtvm_ffi\.so)$"
+)
 
 
 # Undefined on purpose: batch_prefill.cu's DISPATCH_CTA_TILE_Q has a case for a 32-row query
@@ -71,14 +81,27 @@ ALLOWED_NEEDED = re.compile(r"^(libcudart\.so\.\d+|libstdc\+\+\.so\.6|libgcc_s\.
 # head_dim_vo >= 512, where FA2DetermineCtaTileQ can pick it; at head dim 128 it picks 16, 64
 # or 128, so these references are never called and stay unbound (lazy binding; FlashInfer's
 # own JIT builds leave the same). Any other undefined symbol fails verify.
-UNREACHABLE_UNDEFINED = re.compile(r"^_ZN10flashinfer\d+BatchPrefillWith(Paged|Ragged)KVCacheDispatchedI(Lb[01]E)?Lj32E")
+UNREACHABLE_UNDEFINED = re.compile(
+    r"^_ZN10flashinfer\d+BatchPrefillWith(Paged|Ragged)KVCacheDispatchedI(Lb[01]E)?Lj32E"
+)
 
 
 def module_args():
     import torch
 
-    return (torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.int32, HEAD_DIM, HEAD_DIM, 0, False, False, False,
-            False)
+    return (
+        torch.bfloat16,
+        torch.bfloat16,
+        torch.bfloat16,
+        torch.int32,
+        HEAD_DIM,
+        HEAD_DIM,
+        0,
+        False,
+        False,
+        False,
+        False,
+    )
 
 
 def specs():
@@ -104,9 +127,8 @@ def cmd_names(_args) -> int:
 
 def cmd_build(args) -> int:
     """Compile each module with flashinfer's own ninja rules; copy the .so files to --out."""
-    import tvm_ffi
-
     import flashinfer
+    import tvm_ffi
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -115,7 +137,7 @@ def cmd_build(args) -> int:
         "apache_tvm_ffi": tvm_ffi.__version__,
         "cuda_arch_list": os.environ.get("FLASHINFER_CUDA_ARCH_LIST"),
         "nvcc": subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1],
-        "args": dict(zip(ARG_NAMES, map(str, module_args()))),
+        "args": dict(zip(ARG_NAMES, map(str, module_args()), strict=True)),
         "modules": {},
     }
     for backend, spec in specs().items():
@@ -237,14 +259,15 @@ def cmd_verify(args) -> int:
     the module exports what the wrappers call, and links nothing but the allowed libraries."""
     if os.environ.get("FLASHINFER_DISABLE_JIT") != "1":
         raise SystemExit("verify runs with FLASHINFER_DISABLE_JIT=1, so a missing module raises instead of compiling")
-    import tvm_ffi
-
     import flashinfer
+    import tvm_ffi
     from flashinfer.jit import env as jit_env
 
     failures: list[str] = []
     site = Path(flashinfer.__file__).resolve().parents[1]
-    print(f"flashinfer {flashinfer.__version__} from {site}; tvm-ffi {tvm_ffi.__version__}; python {sys.version.split()[0]}")
+    print(
+        f"flashinfer {flashinfer.__version__} from {site}; tvm-ffi {tvm_ffi.__version__}; python {sys.version.split()[0]}"
+    )
     if args.expect_site and Path(args.expect_site).resolve() != site:
         failures.append(f"flashinfer imported from {site}, not from the fresh install {args.expect_site}")
     tvm_lib = Path(tvm_ffi.__file__).resolve().parent / "lib" / "libtvm_ffi.so"
@@ -256,7 +279,9 @@ def cmd_verify(args) -> int:
     if args.manifest:
         manifest = json.loads(Path(args.manifest).read_text())
         if manifest["apache_tvm_ffi"] != tvm_ffi.__version__:
-            failures.append(f"modules built against tvm-ffi {manifest['apache_tvm_ffi']}, installed {tvm_ffi.__version__}")
+            failures.append(
+                f"modules built against tvm-ffi {manifest['apache_tvm_ffi']}, installed {tvm_ffi.__version__}"
+            )
     for backend, spec in specs().items():
         artifacts = jit_env.get_aot_artifacts(spec.name)
         where = [str(a.path) for a in artifacts]
@@ -286,20 +311,26 @@ def cmd_verify(args) -> int:
         unreachable = [sym for sym in unresolved if UNREACHABLE_UNDEFINED.match(sym)]
         unresolved = [sym for sym in unresolved if not UNREACHABLE_UNDEFINED.match(sym)]
         from_tvm = sorted(sym for sym in undefined if sym in tvm_syms)
-        print(f"   undefined symbols: {len(undefined)}; from tvm-ffi: {from_tvm}; "
-              f"unreachable 32-row-tile kernel instances left unbound by design: {len(unreachable)}")
+        print(
+            f"   undefined symbols: {len(undefined)}; from tvm-ffi: {from_tvm}; "
+            f"unreachable 32-row-tile kernel instances left unbound by design: {len(unreachable)}"
+        )
         if unresolved:
             failures.append(f"{backend}: symbols no allowed library provides: {unresolved[:20]}")
         exported = _dynsyms(so, undefined=False)
         missing = [f for f in REQUIRED_FUNCTIONS if f"__tvm_ffi_{f}" not in exported]
         if missing:
-            failures.append(f"{backend}: exports no {missing} (has {sorted(s for s in exported if s.startswith('__tvm_ffi_'))})")
+            failures.append(
+                f"{backend}: exports no {missing} (has {sorted(s for s in exported if s.startswith('__tvm_ffi_'))})"
+            )
         # flashinfer's own loader, JIT disabled: a name mismatch raises MissingJITCacheError here
         try:
             module = spec.build_and_load()
             for f in REQUIRED_FUNCTIONS:
                 getattr(module, f)
-            print(f"   loaded by flashinfer (JIT disabled): {type(module).__name__}; {', '.join(REQUIRED_FUNCTIONS)} resolved")
+            print(
+                f"   loaded by flashinfer (JIT disabled): {type(module).__name__}; {', '.join(REQUIRED_FUNCTIONS)} resolved"
+            )
         except Exception as exc:  # noqa: BLE001 - report every module's failure, then fail
             failures.append(f"{backend}: flashinfer could not load it: {type(exc).__name__}: {exc}")
     # the exact entry point plan() uses, for both backends
@@ -327,7 +358,9 @@ def cmd_resolve(_args) -> int:
     failures = []
     for backend, spec in specs().items():
         artifacts = jit_env.get_aot_artifacts(spec.name)
-        source = str(artifacts[0].path) if artifacts else "none prebuilt: JIT (compiles unless FLASHINFER_DISABLE_JIT=1)"
+        source = (
+            str(artifacts[0].path) if artifacts else "none prebuilt: JIT (compiles unless FLASHINFER_DISABLE_JIT=1)"
+        )
         try:
             get_batch_prefill_module(backend, *module_args())
             print(f"{backend}: {spec.name}\n     from {source}: ok")
@@ -349,7 +382,9 @@ def cmd_load(args) -> int:
             mod = tvm_ffi.load_module(str(so))
             for f in REQUIRED_FUNCTIONS:
                 getattr(mod, f)
-            print(f"python {sys.version.split()[0]} tvm-ffi {tvm_ffi.__version__}: loaded {so.name}; {', '.join(REQUIRED_FUNCTIONS)} resolved")
+            print(
+                f"python {sys.version.split()[0]} tvm-ffi {tvm_ffi.__version__}: loaded {so.name}; {', '.join(REQUIRED_FUNCTIONS)} resolved"
+            )
         except Exception as exc:  # noqa: BLE001
             failures.append(f"{so.name}: {type(exc).__name__}: {exc}")
     if len(list(Path(args.site, "flashinfer", "data", "aot").glob("*/*.so"))) != len(MODULES):
@@ -379,8 +414,14 @@ def main(argv=None) -> int:
     ld = sub.add_parser("load", help="tvm_ffi.load_module on each installed module (no torch needed)")
     ld.add_argument("--site", required=True)
     args = p.parse_args(argv)
-    return {"names": cmd_names, "build": cmd_build, "package": cmd_package, "verify": cmd_verify,
-            "resolve": cmd_resolve, "load": cmd_load}[args.cmd](args)
+    return {
+        "names": cmd_names,
+        "build": cmd_build,
+        "package": cmd_package,
+        "verify": cmd_verify,
+        "resolve": cmd_resolve,
+        "load": cmd_load,
+    }[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,9 @@ def prompts(kind: str, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     system = rng.integers(0, 1024, system_len).astype(np.int32)
     lens = np.linspace(lo, hi, 6).astype(int)
-    out = {f"r{i}": np.concatenate([system, rng.integers(0, 1024, int(n))]).astype(np.int32) for i, n in enumerate(lens)}
+    out = {
+        f"r{i}": np.concatenate([system, rng.integers(0, 1024, int(n))]).astype(np.int32) for i, n in enumerate(lens)
+    }
     out["solo"] = rng.integers(0, 1024, int(hi)).astype(np.int32)
     return out
 
@@ -70,7 +72,9 @@ class KernelCase:
         return max(self.prefill_meta.q_lens)
 
 
-def build_case(backend: str, page_size: int, kind: str, dev: torch.device, dtype: torch.dtype = torch.bfloat16) -> KernelCase:
+def build_case(
+    backend: str, page_size: int, kind: str, dev: torch.device, dtype: torch.dtype = torch.bfloat16
+) -> KernelCase:
     """Admit the prompts into `backend` one by one (later ones hit what earlier ones committed),
     write random K/V for the tokens each had to compute; then the queries: each request's
     computed suffix as one ragged prefill batch over its cached prefix, and one decode query
@@ -107,7 +111,9 @@ def build_case(backend: str, page_size: int, kind: str, dev: torch.device, dtype
     return KernelCase(kv, pmeta, q, dmeta, dq)
 
 
-def contract_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: BatchMeta, *, causal: bool = True) -> torch.Tensor:
+def contract_attention(
+    q: torch.Tensor, kv_layer: torch.Tensor, meta: BatchMeta, *, causal: bool = True
+) -> torch.Tensor:
     """The reference with a flash kernel's precision contract: bf16 (q's dtype) inputs, scores and
     softmax in fp32, probabilities rounded to q's dtype before P @ V (fp32 accumulation),
     output in q's dtype. Its distance to the fp32 reference is what that contract costs."""
@@ -176,7 +182,12 @@ def measure_lse_errors(lse: torch.Tensor, q: torch.Tensor, kv_layer: torch.Tenso
         start += q_len
     err = (lse.float() - exact).abs().max().item()
     bound = ERROR_FACTOR * shift
-    return {"lse_max_abs_err": err, "lse_rounded_scores_shift": shift, "lse_bound": bound, "lse_within_bound": err <= bound}
+    return {
+        "lse_max_abs_err": err,
+        "lse_rounded_scores_shift": shift,
+        "lse_bound": bound,
+        "lse_within_bound": err <= bound,
+    }
 
 
 def greedy_agreement(cached: dict, alone: dict) -> dict[str, Any]:
@@ -196,7 +207,9 @@ def greedy_agreement(cached: dict, alone: dict) -> dict[str, Any]:
             margin = (top2[0] - top2[1]).item()
             max_diff, min_margin, steps = max(max_diff, diff), min(min_margin, margin), steps + 1
             if tg != tw:
-                mismatches.append({"request": rid, "step": step, "margin": margin, "logit_diff": diff, "tie": margin <= diff})
+                mismatches.append(
+                    {"request": rid, "step": step, "margin": margin, "logit_diff": diff, "tie": margin <= diff}
+                )
                 break  # past a different token the two runs see different contexts
     return {
         "steps_compared": steps,
@@ -224,7 +237,9 @@ class MeasurementLog:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps({"error_factor": ERROR_FACTOR, "records": self.records}, indent=1, default=str) + "\n")
+        tmp.write_text(
+            json.dumps({"error_factor": ERROR_FACTOR, "records": self.records}, indent=1, default=str) + "\n"
+        )
         tmp.replace(self.path)
 
 

@@ -65,7 +65,10 @@ def test_kernels_match_reference_on_backend_tables(backend, page_size, kind):
     att.plan(case.prefill_meta, HQ, HKV, D, torch.bfloat16)
     got_p, want_p = att.resolved_backend(), expected_backend("prefill", case.max_query, sm90a=_sm90a())
     out, lse = att.run(case.q, layer, return_lse=True)
-    pre = {**measure_errors(out, case.q, layer, case.prefill_meta), **measure_lse_errors(lse, case.q, layer, case.prefill_meta)}
+    pre = {
+        **measure_errors(out, case.q, layer, case.prefill_meta),
+        **measure_lse_errors(lse, case.q, layer, case.prefill_meta),
+    }
     LOG.record(f"kernel/{backend}/page{page_size}/{kind}/prefill", flashinfer_backend=got_p, expected=want_p,
                max_query=case.max_query, **pre)  # fmt: skip
     # decode: one query per sequence over its whole context

@@ -183,7 +183,11 @@ def test_bench_targets_from_rows():
         "decode": [{"page_size": 16, "fraction_of_peak_bandwidth": 0.83}],
         "prefill": [
             {"cached_tokens": 0, "prompt_tokens": 8192, "model_forward": {"median_ms": 700.0, "minus_host_ms": 690.0}},
-            {"cached_tokens": 7360, "prompt_tokens": 8192, "model_forward": {"median_ms": 100.0, "minus_host_ms": 90.0}},
+            {
+                "cached_tokens": 7360,
+                "prompt_tokens": 8192,
+                "model_forward": {"median_ms": 100.0, "minus_host_ms": 90.0},
+            },
         ],
     }
     t = targets(report, peak=4.8e12)
@@ -199,7 +203,8 @@ def test_bench_targets_from_rows():
 
 @pytest.mark.slow
 @pytest.mark.skipif(
-    not list((ROOT / ".whl").glob("flashinfer_python-*.whl")) or not (ROOT / "build" / "flashinfer-aot" / "dl").is_dir(),
+    not list((ROOT / ".whl").glob("flashinfer_python-*.whl"))
+    or not (ROOT / "build" / "flashinfer-aot" / "dl").is_dir(),
     reason="no wheels built here (scripts/build_flashinfer_aot.sh)",
 )
 def test_aot_wheels_load_with_jit_disabled():

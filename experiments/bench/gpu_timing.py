@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+
 class WallClock:
     """Host clock: for CPU runs (and the tests of this module); nothing to synchronize."""
 
