@@ -60,6 +60,12 @@ elif ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('
   [ "${DRY_RUN:-0}" = 1 ] || exit 2
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# tvm-ffi passes torch tensors through torch's DLPack C exchange API; a torch without it makes
+# tvm-ffi compile an addon against torch at import (time not planned for): plain DLPack instead.
+if [ "${DRY_RUN:-0}" != 1 ] && ! "$PY" -c "import sys, torch; sys.exit(not hasattr(torch.Tensor, '__dlpack_c_exchange_api__'))" 2>/dev/null; then
+  export TVM_FFI_DISABLE_TORCH_C_DLPACK=1
+  step "this torch has no DLPack C exchange API: TVM_FFI_DISABLE_TORCH_C_DLPACK=1 (no addon compile)"
+fi
 run "$PY" -c "import torch, flashinfer, tvm_ffi; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'flashinfer', flashinfer.__version__, 'tvm-ffi', tvm_ffi.__version__, torch.cuda.get_device_name())"
 
 status=0
