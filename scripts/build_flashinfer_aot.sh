@@ -60,7 +60,7 @@ mkdir -p "$DEST"
 DEST=$(cd "$DEST" && pwd)
 
 if [ "$MODE" = dry ]; then
-  echo "would download: flashinfer-python==$FLASHINFER_VERSION, apache-tvm-ffi==$TVM_FFI_VERSION (cp312 for the device and the build interpreter's), nvidia-curand==$CURAND_VERSION (headers), einops tabulate nvidia-ml-py (build-time import)"
+  echo "would download: flashinfer-python==$FLASHINFER_VERSION, apache-tvm-ffi==$TVM_FFI_VERSION (cp312 for the device and the build interpreter's), nvidia-curand==$CURAND_VERSION (headers), einops tabulate nvidia-ml-py typing-extensions (import here)"
   echo "would trim with scripts/prepare_gpu_wheels.sh, build fa2 and fa3 for sm_$ARCH with nvcc (nice -n $NICE, MAX_JOBS=$MAX_JOBS),"
   echo "put them into flashinfer/data/aot/<name>/<name>.so in the wheel, and write $DEST/"
   exit 0
@@ -93,7 +93,10 @@ if [ "$MODE" = build ]; then
   done
   compgen -G "$B/dl/nvidia_curand-$CURAND_VERSION-*.whl" >/dev/null \
     || pip_dl -d "$B/dl" "${PIP_PLATFORM[@]}" "nvidia-curand==$CURAND_VERSION"
-  compgen -G "$B/dl/builddeps/*.whl" >/dev/null || pip_dl -d "$B/dl/builddeps" --only-binary=:all: einops tabulate nvidia-ml-py
+  # pure-Python packages `import flashinfer` / `import tvm_ffi` need here (the GPU image has them)
+  for dep in einops tabulate nvidia_ml_py typing_extensions; do
+    compgen -G "$B/dl/builddeps/$dep-*.whl" >/dev/null || pip_dl -d "$B/dl/builddeps" --only-binary=:all: "${dep//_/-}"
+  done
 
   echo "== trim (scripts/prepare_gpu_wheels.sh)"
   PY=$PY TVM_FFI_SPEC="apache-tvm-ffi==$TVM_FFI_VERSION" scripts/prepare_gpu_wheels.sh --from "$B/dl" --dest "$B/trim" >/dev/null
@@ -160,7 +163,8 @@ if [ "$VERIFY" = 1 ]; then
     "$PY" "$ROOT/scripts/flashinfer_aot.py" verify --manifest "$DEST/flashinfer_aot_manifest.json" --expect-site "$V/site")
   if [ -n "$PY312" ] && [ -x "$PY312" ]; then
     echo "== verify: the device's wheels as they are ($($PY312 --version), no torch): tvm_ffi.load_module"
-    "$PY312" -m pip install -q --no-deps --no-compile --target "$V/site312" "$DEST"/*.whl 2>&1 | grep -v "is ignored" || true
+    "$PY312" -m pip install -q --no-deps --no-compile --target "$V/site312" "$DEST"/*.whl "$B"/dl/builddeps/typing_extensions-*.whl 2>&1 \
+      | grep -v -e "is ignored" -e "Running pip as the 'root' user" || true
     (cd /tmp && env -u PYTHONPATH LD_LIBRARY_PATH="$CUDA_HOME/lib64" PYTHONPATH="$V/site312" \
       "$PY312" "$ROOT/scripts/flashinfer_aot.py" load --site "$V/site312")
   else
