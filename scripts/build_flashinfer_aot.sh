@@ -25,7 +25,7 @@
 #   --verify-only  only the load test, on the wheels already in .whl/ (seconds)
 #   --dry-run      print the plan, do nothing
 # Env: PY (build interpreter, one with torch: default .venv/bin/python, else python3), PY312 (CPython 3.12 for the
-# device-ABI load check; default: pyenv's 3.12 if present, else skipped with a note),
+# device-ABI load check; default: python3.12 on PATH or pyenv's, else skipped with a note),
 # CUDA_HOME (default: nvcc's), MAX_JOBS (default 2), NICE (default 15).
 # The fa3 module takes ~10 minutes on 2 cores; fa2 a few. Rebuilds are incremental (ninja).
 set -euo pipefail
@@ -37,7 +37,7 @@ TVM_FFI_VERSION=0.1.15.post2   # pinned: the modules link tvm-ffi's C ABI of thi
 CURAND_VERSION=10.4.0.35       # CUDA 13.0's curand, headers only
 ARCH=9.0a
 PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
-PY312=${PY312:-$(ls /root/.pyenv/versions/3.12*/bin/python3 2>/dev/null | tail -1 || true)}
+PY312=${PY312:-$(command -v python3.12 || ls "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3 2>/dev/null | tail -1 || true)}
 NICE=${NICE:-15}
 export MAX_JOBS=${MAX_JOBS:-2}
 LIMIT_MB=${LIMIT_MB:-60}
