@@ -247,3 +247,16 @@ def test_bench_rows_on_cpu(tiny_model):
     assert mf["host_ms"] == pytest.approx(p["host_metadata_ms"] + p["plan_ms"])
     assert mf["minus_host_ms"] == pytest.approx(mf["median_ms"] - mf["host_ms"])
     assert "flashinfer" not in sys.modules
+
+
+def test_bench_rows_feed_the_cost_model_calibration(tiny_model, tmp_path):
+    """`--device-calibration` reads the rows the benchmark writes (decode GB/s)."""
+    from experiments.bench.gpu_attention_bench import Bench, bench_decode
+    from experiments.engine.executors import DEVICE_PROFILES
+
+    b = Bench(CPU, WallClock(), cfg=tiny_model.config, sm90a=False)
+    d = bench_decode(b, _ReferenceAsKernel(), 16, batch=2, context=40, warmup=0, repeat=1, inner=1, peak=1e12)
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"decode": [d], "prefill": []}))
+    cal = DEVICE_PROFILES["h200"].calibrated(path)
+    assert cal.bandwidth_efficiency == pytest.approx(min(1.0, d["achieved_GBps"] * 1e9 / 4.8e12))
