@@ -190,7 +190,7 @@ def cmd_package(args) -> int:
     with zipfile.ZipFile(src) as zin, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as zout:
         for info in zin.infolist():
             if info.filename.endswith(".dist-info/RECORD"):
-                record_name = info.filename
+                record_name, record_info = info.filename, info  # rewritten below, same timestamp
                 continue
             if info.filename.startswith("flashinfer/data/aot/"):
                 continue  # a previous packaging's modules: replaced below
@@ -209,7 +209,7 @@ def cmd_package(args) -> int:
         if record_name is None:
             raise SystemExit(f"{src} has no RECORD")
         record.append(f"{record_name},,")
-        zout.writestr(record_name, "\n".join(record) + "\n")
+        zout.writestr(record_info, "\n".join(record) + "\n", compress_type=zipfile.ZIP_DEFLATED, compresslevel=9)
     tmp.replace(out)
     shutil.copy2(aot / "manifest.json", dest / "flashinfer_aot_manifest.json")
     print(f"{out}: {out.stat().st_size / 1e6:.1f} MB with {len(manifest['modules'])} AOT modules")

@@ -88,7 +88,7 @@ with zipfile.ZipFile(src) as zin, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED
     for info in zin.infolist():
         name = info.filename
         if name.endswith(".dist-info/RECORD"):
-            record_name = name
+            record_name, record_info = name, info  # rewritten below, with the original's timestamp
             continue
         if DROP.match(name) and not name.endswith(".py"):
             dropped += info.file_size
@@ -99,7 +99,9 @@ with zipfile.ZipFile(src) as zin, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED
         record.append(f"{name},sha256={digest},{len(data)}")
         kept += info.file_size
     record.append(f"{record_name},,")
-    zout.writestr(record_name, "\n".join(record) + "\n")
+    # the original entry's date: the same input gives the same bytes (build_flashinfer_aot.sh
+    # reinstalls its build site, and so recompiles, only when the trimmed wheel changed)
+    zout.writestr(record_info, "\n".join(record) + "\n", compress_type=zipfile.ZIP_DEFLATED, compresslevel=9)
 # the sources of the fa2 and fa3 batch-prefill modules (the JIT fallback), and the wrappers
 for needed in ("flashinfer/data/csrc/batch_prefill.cu", "flashinfer/data/csrc/batch_prefill_jit_binding.cu",
                "flashinfer/data/csrc/batch_prefill_sm90.cu", "flashinfer/data/csrc/batch_prefill_sm90_jit_binding.cu",
