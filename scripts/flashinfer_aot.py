@@ -161,9 +161,13 @@ def cmd_build(args) -> int:
         }
         print(f"   {backend}: {dest.stat().st_size / 1e6:.1f} MB in {seconds:.0f} s", flush=True)
     old = out / "manifest.json"
-    if old.exists() and args.only:  # a partial rebuild keeps the other module's record
+    if old.exists():
         kept = json.loads(old.read_text())["modules"]
-        manifest["modules"] = {**kept, **manifest["modules"]}
+        for backend, mod in manifest["modules"].items():  # ninja had nothing to do: keep the real build time
+            if kept.get(backend, {}).get("sha256") == mod["sha256"]:
+                mod["build_seconds"] = kept[backend]["build_seconds"]
+        if args.only:  # a partial rebuild keeps the other module's record
+            manifest["modules"] = {**kept, **manifest["modules"]}
     tmp = out / "manifest.json.tmp"
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")
     tmp.replace(old)
