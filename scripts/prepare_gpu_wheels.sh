@@ -1,24 +1,30 @@
 #!/usr/bin/env bash
 # Prepare what travels to the GPU machine: flashinfer-python (trimmed) and apache-tvm-ffi as
-# wheels for CPython 3.12 manylinux x86_64, in .whl/ (gitignored). scripts/gpu_check.sh
-# installs them there with `pip install --no-index --no-deps --target /tmp/site`.
+# wheels for CPython 3.12 manylinux x86_64, in .whl/ (gitignored). Normally called by
+# scripts/build_flashinfer_aot.sh, which then adds the prebuilt kernel modules to the trimmed
+# wheel; scripts/gpu_check.sh installs the result there with
+# `pip install --no-index --no-deps --target /tmp/site`.
 #
 # Why trim: flashinfer-python 0.7.x is ~100 MB, over the 64 MiB that may travel. It is a JIT
-# package: the two wrappers we use compile batch_prefill*/batch_decode* from the top-level
-# files of flashinfer/data/csrc plus data/include, data/cutlass, data/cccl, data/spdlog.
-# We drop the per-feature source trees (flashinfer/data/csrc/<dir>/, */csrc/, */kernel_src/
-# of other kernel families: MoE, FP4/FP8 GEMM, Mamba, ...): ~100 MB -> ~34 MB. Every Python
-# file stays, so `import flashinfer` works unchanged.
+# package. The two wrappers we use (attention/flashinfer_backend.py) both load *batch prefill*
+# modules: the prefill wrapper picks fa3 (batch_prefill_sm90*.cu) on sm90a when the batch's
+# longest query exceeds 64 tokens and fa2 (batch_prefill*.cu) otherwise; the decode wrapper
+# with use_tensor_cores=True runs the fa2 prefill module with one query row, so batch_decode.cu
+# is never compiled. Those are compiled from top-level files of flashinfer/data/csrc plus
+# data/include, data/cutlass, data/cccl, data/spdlog. We drop the per-feature source trees
+# (flashinfer/data/csrc/<dir>/, */csrc/, */kernel_src/ of other kernel families: MoE, FP4/FP8
+# GEMM, Mamba, ...): ~100 MB -> ~39 MB. Every Python file stays, so `import flashinfer` works
+# unchanged, and the kept sources let the device fall back to JIT (ALLOW_JIT=1 in gpu_check.sh)
+# if a prebuilt module were missing.
 #
 # Needs at import time (checked: `import flashinfer` with only these on a CPU box): torch,
 # numpy, tvm_ffi (carried), requests, einops, click, tqdm, tabulate, packaging, ninja,
-# nvidia-ml-py (all in the GPU image, see /work/.library/device/KINDS.md). cuda-python,
+# nvidia-ml-py (all in the GPU image, see the device tool's KINDS.md). cuda-python,
 # cuda-tile, nvidia-cutlass-dsl, nvidia-cudnn-frontend, nccl4py serve other kernel
 # families and are not carried.
 #
-# The alternative, AOT: compile the two kernel families here with nvcc for sm_90a
-# (`FLASHINFER_CUDA_ARCH_LIST=9.0a python -m flashinfer.aot ...`) and carry the .so files;
-# not done: on 2 CPU cores it takes far longer than the device's JIT on 16 (~1-3 min).
+# tvm-ffi is pinned (TVM_FFI_SPEC): the prebuilt modules link its C ABI, so the wheel that
+# travels must be the version they were built against (build_flashinfer_aot.sh passes its pin).
 #
 # Usage: scripts/prepare_gpu_wheels.sh [--dry-run] [--from DIR] [--dest DIR]
 #   --dry-run  print what would be downloaded and kept; download nothing
@@ -28,7 +34,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 FLASHINFER_VERSION=${FLASHINFER_VERSION:-0.7.4}
-TVM_FFI_SPEC=${TVM_FFI_SPEC:-apache-tvm-ffi>=0.1.11,<0.2}
+TVM_FFI_SPEC=${TVM_FFI_SPEC:-apache-tvm-ffi==0.1.15.post2}
 PY=${PY:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 LIMIT_MB=${LIMIT_MB:-60}
 DRY=0; FROM=""; DEST=.whl
@@ -82,7 +88,7 @@ with zipfile.ZipFile(src) as zin, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED
     for info in zin.infolist():
         name = info.filename
         if name.endswith(".dist-info/RECORD"):
-            record_name = name
+            record_name, record_info = name, info  # rewritten below, with the original's timestamp
             continue
         if DROP.match(name) and not name.endswith(".py"):
             dropped += info.file_size
@@ -93,8 +99,13 @@ with zipfile.ZipFile(src) as zin, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED
         record.append(f"{name},sha256={digest},{len(data)}")
         kept += info.file_size
     record.append(f"{record_name},,")
-    zout.writestr(record_name, "\n".join(record) + "\n")
-for needed in ("flashinfer/data/csrc/batch_prefill.cu", "flashinfer/data/csrc/batch_decode.cu", "flashinfer/prefill.py"):
+    # the original entry's date: the same input gives the same bytes (build_flashinfer_aot.sh
+    # reinstalls its build site, and so recompiles, only when the trimmed wheel changed)
+    zout.writestr(record_info, "\n".join(record) + "\n", compress_type=zipfile.ZIP_DEFLATED, compresslevel=9)
+# the sources of the fa2 and fa3 batch-prefill modules (the JIT fallback), and the wrappers
+for needed in ("flashinfer/data/csrc/batch_prefill.cu", "flashinfer/data/csrc/batch_prefill_jit_binding.cu",
+               "flashinfer/data/csrc/batch_prefill_sm90.cu", "flashinfer/data/csrc/batch_prefill_sm90_jit_binding.cu",
+               "flashinfer/prefill.py", "flashinfer/decode.py"):
     if needed not in {r.split(",")[0] for r in record}:
         raise SystemExit(f"trimmed wheel lacks {needed}: the wheel layout changed, check the trim rule")
 print(f"{out.name}: kept {kept / 1e6:.0f} MB uncompressed, dropped {dropped / 1e6:.0f} MB; wheel {out.stat().st_size / 1e6:.1f} MB")

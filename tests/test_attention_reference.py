@@ -288,9 +288,15 @@ def test_gpu_scripts_dry_run(tmp_path):
     dry = subprocess.run(
         ["bash", "scripts/prepare_gpu_wheels.sh", "--dry-run"], cwd=root, capture_output=True, text=True, check=True
     )
-    assert "flashinfer-python==" in dry.stdout and "apache-tvm-ffi" in dry.stdout
+    assert "flashinfer-python==" in dry.stdout and "apache-tvm-ffi==" in dry.stdout  # tvm-ffi pinned
+    aot = subprocess.run(
+        ["bash", "scripts/build_flashinfer_aot.sh", "--dry-run", "--dest", str(tmp_path / "whl")],
+        cwd=root, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert "flashinfer/data/aot/<name>/<name>.so" in aot.stdout and "apache-tvm-ffi==" in aot.stdout
     env = {**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path)}
     chk = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=root, env=env, capture_output=True, text=True)
     assert chk.returncode == 0, chk.stdout + chk.stderr
     assert "pytest -m gpu" in chk.stdout and "gpu_attention_bench.py" in chk.stdout
+    assert "flashinfer_aot.py resolve" in chk.stdout and "FLASHINFER_DISABLE_JIT=1" in chk.stdout
     assert any(p.name.startswith("gpu_check_") for p in tmp_path.iterdir())
