@@ -15,8 +15,9 @@ import experiments.bench as bench_pkg
 from experiments.bench import RESULTS
 
 ROOT = Path(__file__).resolve().parents[1]
-#: experiments/bench/gpu_attention_bench.py has its own command line (GPU only), checked by its owner's tests
-SKIP = {"gpu_attention_bench"}
+#: experiments/bench/gpu_attention_bench.py has its own command line (GPU only), checked by its owner's tests;
+#: gpu_timing.py is its timing library, not a script
+SKIP = {"gpu_attention_bench", "gpu_timing"}
 MODULES = sorted(m.name for m in pkgutil.iter_modules(bench_pkg.__path__) if m.name not in SKIP)
 
 #: the flags a script must have, where the setting applies to it
