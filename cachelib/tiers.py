@@ -1,4 +1,4 @@
-"""Memory tiers below a backend's GPU pages (DESIGN §7): what each tier holds and how fast
+"""Memory tiers below a backend's GPU pages (docs/design.md §7): what each tier holds and how fast
 it moves KV.
 
 L1 is the backend's own GPU pages (`num_pages` x `page_size`, unchanged). Below it:
