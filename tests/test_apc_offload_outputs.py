@@ -1,6 +1,6 @@
 """apc's host tier never changes the output: KV stored to the host and loaded back (the
 `TierCopy` moves the executor applies) gives the tiny model's logits and greedy tokens of
-each request run alone (DESIGN §5; tolerance as tests/test_output_equivalence.py)."""
+each request run alone (docs/design.md §5; tolerance as tests/test_output_equivalence.py)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ unmodified, on CPU. It does NOT import this project's backends or engine (only
 the trace exactly as the project does). Its output is what tests/test_apc_offload_fidelity.py
 compares apc's host tier with, per request.
 
-The replay protocol (DESIGN §6) in vLLM terms
+The replay protocol (docs/design.md §6) in vLLM terms
 ----------------------------------------------
 One request at a time, in trace order: `Scheduler.add_request`, then engine steps
 (`schedule` -> fake model runner -> `update_from_output`, as `EngineCore.step`) until
