@@ -48,6 +48,7 @@ BACKEND_STYLES: dict[str, Style] = {
     "radix": Style("#E69F00", "--", "^"),
     "paged": Style("#CC79A7", (0, (1, 1)), "s", hollow=True),
     "radix-aged": Style("#009E73", "-.", "D"),
+    "radix-hicache": Style("#882255", (0, (5, 1, 1, 1)), "v"),  # radix with SGLang's host tier (Tol's wine)
 }
 #: the bounds drawn beside the backends
 BOUND_STYLES: dict[str, Style] = {
