@@ -29,7 +29,7 @@ cache's counters.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
@@ -109,13 +109,6 @@ class RowPlan:
     admitted: bool = False
     index: int | None = None
     end: float = 0.0
-    #: the admissions, as `VllmScheduler.admit_waiting` lists them
-    admissions: list[tuple[Request, int, int]] = field(default_factory=list)
-
-    @property
-    def items(self) -> np.ndarray:
-        """Scheduled rows (what `VllmScheduler.stuck` and the drive loop test for)."""
-        return np.flatnonzero(self.n)
 
 
 class VllmRowScheduler(VllmScheduler):
@@ -261,7 +254,6 @@ class VllmRowScheduler(VllmScheduler):
         if not step.items:
             return
         plan.admitted = True
-        plan.admissions = step.items
         page = self.cache.page_size
         n, start = [], []
         for r, k, s in step.items:
