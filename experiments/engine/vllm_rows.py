@@ -110,6 +110,11 @@ class RowPlan:
     index: int | None = None
     end: float = 0.0
 
+    @property
+    def empty(self) -> bool:
+        """No row scheduled: the step takes no time."""
+        return not self.n.any()
+
 
 class VllmRowScheduler(VllmScheduler):
     """`VllmScheduler`'s synchronous decisions over `RunningRows` (module docstring)."""
@@ -180,22 +185,6 @@ class VllmRowScheduler(VllmScheduler):
         return Loads(outstanding, prefill, pages)
 
     # -- the step -------------------------------------------------------------------
-
-    def step(self) -> float | None:
-        plan = self.schedule()
-        if not plan.n.any():
-            if self.stuck(plan):
-                self.give_up_on_head()
-            return self.clock.now
-        k = self.window_steps(plan)
-        if k > 1:
-            return self.run_decode_window(plan, k)
-        self.execute(plan)
-        self.process(plan)
-        return plan.end
-
-    def stuck(self, plan: RowPlan) -> bool:  # type: ignore[override]
-        return not plan.n.any() and not plan.preempted and not self.running and bool(self.waiting)
 
     def schedule(self) -> RowPlan:  # type: ignore[override]
         """Rules 1-3 over rows: the budget split in running order as one cumulative sum, then

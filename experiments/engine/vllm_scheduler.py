@@ -80,6 +80,11 @@ class StepPlan:
     end: float = 0.0
     tokens: list[int | None] = field(default_factory=list)  # per item: the token it sampled, if any
 
+    @property
+    def empty(self) -> bool:
+        """Nothing scheduled: the step takes no time."""
+        return not self.items
+
 
 class VllmScheduler(Scheduler):
     """One replica scheduling as vLLM 0.33's V1 `Scheduler` (FCFS)."""
@@ -124,7 +129,7 @@ class VllmScheduler(Scheduler):
         """An empty step with nothing running: only a waiting head that cannot fit even the
         empty cache leaves it so (a step that preempted the last running request admits
         nothing by rule 3; the next one takes the request back)."""
-        return not plan.items and not plan.preempted and not self.running and bool(self.waiting)
+        return plan.empty and not plan.preempted and not self.running and bool(self.waiting)
 
     def give_up_on_head(self) -> None:
         """Nothing runs or is in flight and the head cannot fit even the empty cache: it
@@ -137,7 +142,7 @@ class VllmScheduler(Scheduler):
         """`EngineCore.step`: schedule, execute, process; returns when the step ends (`now`
         for an empty one, after aborting a head that can never fit: `stuck`)."""
         plan = self.schedule()
-        if not plan.items:
+        if plan.empty:
             if self.stuck(plan):
                 self.give_up_on_head()
             return self.clock.now
