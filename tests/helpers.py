@@ -38,3 +38,24 @@ def unchanged(cache: PrefixCache):
     yield
     cache.check_invariants()
     assert snapshot(cache) == before
+
+
+def assert_refused_before_work(argv, code, message, capsys, monkeypatch):
+    """`python -m experiments ARGV` fails with exit `code` (2: argparse) and `message` on
+    stderr, before it builds a workload (a stub that fails the test stands in for it)."""
+    import pytest
+
+    import experiments.cli.compare as cli_compare
+    from experiments.__main__ import main
+
+    def started(*args, **kwargs):
+        pytest.fail("work started before the settings were checked")
+
+    monkeypatch.setattr(cli_compare, "build_workload", started)
+    if code == 2:  # argparse refuses it
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2
+    else:
+        assert main(argv) == code
+    assert message in capsys.readouterr().err

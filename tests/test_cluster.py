@@ -22,6 +22,7 @@ from experiments.routers import ROUTERS, Router, RouterError, make_router
 from experiments.runner import PER_REQUEST, CellConfig, run_cell
 from experiments.workloads.registry import make_workload
 from experiments.workloads.spec import RequestSpec
+from tests.helpers import assert_refused_before_work
 
 WORKLOADS = {
     "shared_doc_qa": dict(num_documents=6, num_requests=60, rate=40.0, doc_len=400),
@@ -347,20 +348,9 @@ def test_sweep_runs_cluster_sizes_and_routers(tmp_path):
     ],
 )
 def test_bad_cluster_input_is_refused_before_any_work(tmp_path, capsys, monkeypatch, extra, code, message):
-    import experiments.cli.compare as cli_compare
-
-    def started(*args, **kwargs):
-        pytest.fail("work started before the settings were checked")
-
-    monkeypatch.setattr(cli_compare, "build_workload", started)
-    argv = ["compare", *TINY, *extra, "--output-dir", str(tmp_path / "o")]
-    if code == 2:  # argparse refuses it
-        with pytest.raises(SystemExit) as exc:
-            main(argv)
-        assert exc.value.code == 2
-    else:
-        assert main(argv) == code
-    assert message in capsys.readouterr().err
+    assert_refused_before_work(
+        ["compare", *TINY, *extra, "--output-dir", str(tmp_path / "o")], code, message, capsys, monkeypatch
+    )
 
 
 def test_a_cluster_sweep_on_local_ray_matches_local_processes(tmp_path, capsys):

@@ -30,6 +30,7 @@ from experiments.runner import PER_REQUEST, CellConfig, bounds, build_workload, 
 from experiments.sizing import CapacityGiven, KvSizing, SizingError
 from experiments.workloads.registry import make_workload
 from experiments.workloads.spec import RequestSpec
+from tests.helpers import assert_refused_before_work
 
 # -- capacity from the device and model -------------------------------------------------------
 
@@ -347,20 +348,9 @@ def test_sweep_sizes_each_page_size_on_its_own(tmp_path):
     ],
 )
 def test_bad_sizing_and_timing_are_refused_before_any_work(tmp_path, capsys, monkeypatch, extra, code, message):
-    import experiments.cli.compare as cli_compare
-
-    def started(*args, **kwargs):
-        pytest.fail("work started before the settings were checked")
-
-    monkeypatch.setattr(cli_compare, "build_workload", started)
-    argv = ["compare", *TINY, *extra, "--output-dir", str(tmp_path / "o")]
-    if code == 2:  # argparse refuses it
-        with pytest.raises(SystemExit) as exc:
-            main(argv)
-        assert exc.value.code == 2
-    else:
-        assert main(argv) == code
-    assert message in capsys.readouterr().err
+    assert_refused_before_work(
+        ["compare", *TINY, *extra, "--output-dir", str(tmp_path / "o")], code, message, capsys, monkeypatch
+    )
     assert not (tmp_path / "o").exists()
 
 
