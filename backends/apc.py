@@ -625,6 +625,10 @@ class APCCache(PrefixCache):
             return {}
         return self.host.traffic()
 
+    def tier_capacities(self) -> dict[str, int]:
+        gpu = {"gpu": self.num_pages * self.page_size}
+        return gpu if self.host is None else gpu | {"host": self.host.capacity_tokens()}
+
     def pages_pinned(self) -> int:
         return self.num_pages - self.free_queue.num_free  # O(1), no stats dict
 

@@ -671,6 +671,10 @@ class OffloadTier:
     def num_cached(self) -> int:
         return self._num_allocated - len(self._free)
 
+    def capacity_tokens(self) -> int:
+        """Tokens the host holds at most: whole host blocks of the tier's capacity."""
+        return self.spec.num_chunks * self.spec.chunk_tokens
+
     def traffic(self) -> dict[str, int]:
         """What moved and what the host holds (tokens; bytes from the tier's bytes per
         token), in the names radix-hicache's `tier_traffic` uses where they mean the same."""
@@ -684,7 +688,7 @@ class OffloadTier:
             "gpu_to_host_bytes": tier.bytes_of(backed_up),
             "host_to_gpu_bytes": tier.bytes_of(c["loaded_tokens"]),
             "host_tokens": self.num_cached() * tpc,
-            "host_capacity_tokens": spec.num_chunks * tpc,
+            "host_capacity_tokens": self.capacity_tokens(),
             **{k: v for k, v in c.items() if k != "loaded_tokens"},
         }
 

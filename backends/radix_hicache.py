@@ -281,6 +281,9 @@ class HiRadixCache(RadixCache):
         out["host_capacity_tokens"] = tier.capacity_tokens
         return out
 
+    def tier_capacities(self) -> dict[str, int]:
+        return {"gpu": self.num_pages * self.page_size, "host": self.host_tier.capacity_tokens}
+
     def _occupancy(self) -> Occupancy:
         occ = super()._occupancy()
         tree = self.tree

@@ -268,6 +268,12 @@ class PrefixCache(ABC):
         """Tokens (and bytes) moved between memory tiers so far; empty with one tier."""
         return {}
 
+    def tier_capacities(self) -> dict[str, int]:
+        """The most tokens of KV each of `memory_tiers` holds, GPU first. Their sum is the
+        capacity the tiered Belady bound is taken at (experiments/runner.py `tiered_bounds`):
+        no policy moving KV between these tiers reuses more than one cache of that size."""
+        return {"gpu": self.num_pages * self.page_size}
+
     def pages_pinned(self) -> int:
         """Pages held by live sequences (or pinned registrations): `stats().pages_pinned`.
         Engines ask this every step; a backend whose `_occupancy()` is not O(1) overrides it."""

@@ -49,11 +49,11 @@ def cell_label(cfg: CellConfig) -> str:
 
 
 def bounds_of(
-    cfg: CellConfig, page_size: int, capacities: list[int], pooled: Sequence[CellConfig] = ()
+    cfg: CellConfig, page_size: int, capacities: list[int], cells: Sequence[CellConfig] = ()
 ) -> dict[str, Any]:
-    """The bounds of `cfg`'s workload, the pooled caches of the cluster cells among
-    `pooled` included (a picklable task for `run_cells`'s `side`)."""
-    return bounds(build_workload(cfg), page_size, capacities, pooled)
+    """The bounds of `cfg`'s workload, with the pooled caches of the cluster cells and the
+    tiered bound of the tiered cells among `cells` (a picklable task for `run_cells`'s `side`)."""
+    return bounds(build_workload(cfg), page_size, capacities, cells)
 
 
 def run_cells(

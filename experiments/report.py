@@ -108,6 +108,16 @@ CSV_FIELDS = [
 BOUNDS_CSV = ("bounds.infinite.hit_rate", "bounds.belady.hit_rate")
 #: a cluster cell's pooled cache (`bounds.pooled`): its backend's replay hit rate and Belady's
 POOLED_CSV = ("bounds.pooled.replay.hit_rate", "bounds.pooled.belady.hit_rate")
+#: what a document with a tiered cell (`replay.memory_tiers` beyond the GPU) adds: replay
+#: tokens reused per tier, the tokens of all its tiers and Belady at that total
+#: (`bounds.tiered`); empty for a cell with the GPU only
+TIERED_CSV = (
+    "replay.hit_tokens_by_tier.gpu",
+    "replay.hit_tokens_by_tier.host",
+    "replay.hit_tokens_by_tier.storage",
+    "bounds.tiered.capacity_tokens",
+    "bounds.tiered.belady.hit_rate",
+)
 #: the metric columns a document with a cluster cell adds (its `cluster` section)
 CLUSTER_CSV = [("cluster", ["hit_rate", "load_imbalance", "preemptions", "router_decisions", "router_us_per_decision"])]
 #: latencies (`serving.latency`, metrics.latency_section) and their statistics
@@ -208,12 +218,14 @@ def write_csv(results: dict[str, Any], path: Path) -> None:
     knobs = list(dict.fromkeys(k for cell in results["cells"] for k in cell.get("workload_config") or {}))
     fields = CSV_FIELDS + (CLUSTER_CSV if clusters else [])
     bounds = list(BOUNDS_CSV) + (list(POOLED_CSV) if clusters else []) if results.get("bounds") else []
+    tiered = list(TIERED_CSV) if any(_tiers(cell) for cell in results["cells"]) else []
     header = (
         config
         + [f"workload.{k}" for k in knobs]
         + [f"{section}.{k}" for section, keys in fields for k in keys]
         + added
         + bounds
+        + tiered
     )
     with path.open("w", newline="") as fh:
         w = csv.writer(fh)
@@ -234,7 +246,37 @@ def write_csv(results: dict[str, Any], path: Path) -> None:
             if "serving" in cell and "output_throughput" not in cell["serving"]:  # before vLLM's names
                 row[header.index("serving.output_throughput")] = _output_throughput(cell)
             row += [_path(cell, k) for k in added]
-            w.writerow(row + [_bound(results["bounds"], cell, k) for k in bounds])
+            row += [_bound(results["bounds"], cell, k) for k in bounds]
+            w.writerow(row + [_tiered(results, cell, k) for k in tiered])
+
+
+def _tiers(cell: dict[str, Any]) -> bool:
+    """Whether `cell`'s cache keeps KV on more than the GPU (its replay says which tiers)."""
+    return len(cell.get("replay", {}).get("memory_tiers", ())) > 1
+
+
+def tiered_bound(results: dict[str, Any], cell: dict[str, Any]) -> dict[str, Any] | None:
+    """The `bounds.tiered` entry of `cell` (Belady at its tiers' total capacity): the one
+    listing the cell's label with its GPU capacity; None without one."""
+    tiered = (results.get("bounds") or {}).get("tiered") or {}
+    name, gpu = label(cell), cell.get("num_pages", 0) * cell["config"]["page_size"]
+    for entry in tiered.values():
+        caps = entry["cells"].get(name)
+        if caps is not None and caps["gpu"] == gpu:
+            return entry
+    return None
+
+
+def _tiered(results: dict[str, Any], cell: dict[str, Any], column: str) -> Any:
+    """A `TIERED_CSV` column for `cell` (None for a cell with the GPU only)."""
+    if not _tiers(cell):
+        return None
+    if column.startswith("replay."):
+        return _path(cell, column)
+    entry = tiered_bound(results, cell)
+    if entry is None:
+        return None
+    return entry["capacity_tokens"] if column == "bounds.tiered.capacity_tokens" else entry["belady"]["hit_rate"]
 
 
 def _csv_value(value: Any) -> Any:
@@ -310,6 +352,7 @@ def markdown(results: dict[str, Any], figures: list[str]) -> str:
             "",
         ]
     lines += cluster_markdown(results)
+    lines += tier_markdown(results)
     lines += latency_markdown(results)
     for fig in figures:
         caption = CAPTIONS.get(fig, "")
@@ -427,6 +470,46 @@ def _cluster_bounds(cells: list[dict[str, Any]], bounds: dict[str, Any], cap: in
     if bounds.get("infinite"):
         rows.append(f"| *infinite capacity (replay)* | {bounds['infinite']['hit_rate']:.2%} | {dash} |")
     return rows
+
+
+def tier_markdown(results: dict[str, Any]) -> list[str]:
+    """Per capacity, a table of the tiered cells (none: no lines), under the replay
+    protocol: each tier's size, the prompt tokens reused from each tier (host and storage:
+    tokens loaded back), what moved, and Belady at the tiers' total capacity beside the
+    cell's own hit rate."""
+    lines: list[str] = []
+    for cap in results["capacities"]:
+        cells = [c for c in results["cells"] if c["config"]["capacity_tokens"] == cap and _tiers(c)]
+        if not cells:
+            continue
+        lines += [
+            f"## Memory tiers at {cap:,} GPU tokens (replay)",
+            "",
+            "| cell | tiers (tokens) | hit rate | reused from GPU | from host | from storage "
+            "| GPU→host GB | host→GPU GB | Belady at all tiers |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for c in cells:
+            r = c["replay"]
+            by_tier = r["hit_tokens_by_tier"]
+            moved = r.get("tier_traffic") or {}
+            entry = tiered_bound(results, c)
+            caps = " + ".join(f"{n} {v:,}" for n, v in entry["cells"][label(c)].items()) if entry else "—"
+            bound = f"{entry['belady']['hit_rate']:.2%}" if entry else "—"
+            lines.append(
+                f"| {label(c)} | {caps} | {r['hit_rate']:.2%} | {by_tier['gpu']:,} | {by_tier['host']:,} "
+                f"| {by_tier['storage']:,} | {moved.get('gpu_to_host_bytes', 0) / 1e9:,.1f} "
+                f"| {moved.get('host_to_gpu_bytes', 0) / 1e9:,.1f} | {bound} |"
+            )
+        lines.append("")
+    if lines:
+        lines += [
+            "Reuse by tier counts prompt tokens not recomputed: from the GPU pages, or loaded back from the host",
+            "or from storage. *Belady at all tiers* is one cache of the tiers' total size run by Belady (replay",
+            "protocol): no policy that moves KV between the tiers reuses more.",
+            "",
+        ]
+    return lines
 
 
 def latency_markdown(results: dict[str, Any]) -> list[str]:

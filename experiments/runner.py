@@ -506,10 +506,11 @@ def _serve_cluster(cfg: CellConfig, workload: Workload, num_pages: int, progress
 
 
 def bounds(
-    workload: Workload, page_size: int, capacities: list[int], pooled: Sequence[CellConfig] = ()
+    workload: Workload, page_size: int, capacities: list[int], cells: Sequence[CellConfig] = ()
 ) -> dict[str, Any]:
-    """Infinite-capacity and Belady hit rates (replay protocol) for each capacity, and with
-    cluster cells among `pooled` their pooled caches (`pooled_bounds`)."""
+    """Infinite-capacity and Belady hit rates (replay protocol) for each capacity; with
+    cluster cells among `cells` their pooled caches (`pooled_bounds`), and with tiered
+    cells among them Belady at their tiers' total capacity (`tiered_bounds`)."""
     from experiments.oracle import belady_hits, infinite_hits, page_keys
 
     keys = page_keys(workload.requests, page_size)
@@ -522,9 +523,44 @@ def bounds(
     for cap in capacities:
         b = belady_hits(workload.requests, page_size, cap // page_size, keys=keys)
         out["belady"][str(cap)] = {"hit_rate": b["hit_rate"], "hit_tokens": b["hit_tokens"]}
-    clusters = [c for c in pooled if c.replicas > 1]
+    clusters = [c for c in cells if c.replicas > 1]
     if clusters:
         out["pooled"] = pooled_bounds(workload, page_size, clusters, keys)
+    tiered = tiered_bounds(workload, page_size, cells, keys)
+    if tiered:
+        out["tiered"] = tiered
+    return out
+
+
+def tier_capacities(cfg: CellConfig) -> dict[str, int]:
+    """The tokens each memory tier of `cfg`'s cache holds (`PrefixCache.tier_capacities`),
+    read off the cache the cell builds, so options such as the host tier's default size
+    (twice the GPU) resolve exactly as they do in the run."""
+    cache = create_cache(
+        cfg.backend, num_pages=cfg.capacity_tokens // cfg.page_size, page_size=cfg.page_size, **cfg.backend_options
+    )
+    return cache.tier_capacities()
+
+
+def tiered_bounds(workload: Workload, page_size: int, cells: Sequence[CellConfig], keys: Any) -> dict[str, Any]:
+    """Belady at the total capacity of all tiers of each tiered cell (per replica) among
+    `cells`: a policy that moves KV between GPU, host and storage keeps at most that many
+    tokens and, under the replay protocol, reuses no more than one cache of that size run
+    by Belady. Keyed by the total in tokens (str), whole pages, with the cells' labels and
+    their tiers' capacities."""
+    from experiments.oracle import belady_hits
+
+    out: dict[str, Any] = {}
+    for cfg in cells:
+        caps = tier_capacities(cfg)
+        if len(caps) < 2:
+            continue
+        total = sum(caps.values()) // page_size * page_size
+        entry = out.setdefault(str(total), {"capacity_tokens": total, "cells": {}})
+        entry["cells"].setdefault(cfg.backend_label, caps)
+    for entry in out.values():
+        b = belady_hits(workload.requests, page_size, entry["capacity_tokens"] // page_size, keys=keys)
+        entry["belady"] = {"hit_rate": b["hit_rate"], "hit_tokens": b["hit_tokens"]}
     return out
 
 

@@ -118,7 +118,7 @@ def _sweep_locked(plan: SweepPlan, out_dir: Path) -> int:
     for wname, page, caps, cells in grid:
         labels = list(dict.fromkeys(c.label for c in cells))
         wl = build_workload(cells[0])
-        found = bounds(wl, page, caps, pooled=cells) if plan.with_bounds else None
+        found = bounds(wl, page, caps, cells) if plan.with_bounds else None
         results = [store.load(c) for c in cells]
         doc = document(plan.argv, wl, cells, results, labels, caps, found)
         if plan.settings is not None:

@@ -275,7 +275,7 @@ def test_the_pooled_bound_is_one_cache_replayed_at_the_clusters_capacity():
     knobs = {"num_documents": 30, "num_requests": 200, "doc_len": 400}
     cluster = CellConfig("apc", "shared_doc_qa", 4000, knobs=knobs, protocol="serving", replicas=3, router="random")
     wl = build_workload(cluster)
-    got = bounds(wl, 16, [4000], pooled=[cluster, dataclasses.replace(cluster, router="round_robin")])
+    got = bounds(wl, 16, [4000], [cluster, dataclasses.replace(cluster, router="round_robin")])
     pooled = got["pooled"]["12000"]
     alone = replay(create_cache("apc", num_pages=750, page_size=16), wl.requests)
     assert pooled["replay"] == {"apc": {"hit_rate": alone["hit_rate"], "hit_tokens": alone["hit_tokens"]}}
@@ -283,7 +283,7 @@ def test_the_pooled_bound_is_one_cache_replayed_at_the_clusters_capacity():
     assert pooled["belady"] == {"hit_rate": belady["hit_rate"], "hit_tokens": belady["hit_tokens"]}
     assert pooled["shapes"] == [[3, 4000]] and pooled["capacity_tokens"] == 12000
     assert got["belady"]["4000"]["hit_rate"] < belady["hit_rate"] <= got["infinite"]["hit_rate"]
-    assert "pooled" not in bounds(wl, 16, [4000], pooled=[dataclasses.replace(cluster, replicas=1, router=None)])
+    assert "pooled" not in bounds(wl, 16, [4000], [dataclasses.replace(cluster, replicas=1, router=None)])
 
 
 # -- the command line ------------------------------------------------------------------------------
