@@ -10,10 +10,12 @@ Reference: LMCache v1 of the 0.3.x line (`lmcache/v1/`: `cache_engine.py`, `toke
 `ChunkedTokenDatabase`, `storage_backend/storage_manager.py`, `local_cpu_backend.py`,
 `local_disk_backend.py`, `cache_policy/lru.py`) with its vLLM v1 adapter
 (`vllm_v1_adapter.py`, as vendored in vLLM's `kv_connector/v1/lmcache_integration/`). LMCache
-is not installed here: the rules below were read from public copies of those files (the
-adapter's and the cache engine's 0.3.x text; the storage backends from a later main, whose
-rules quoted here were checked against what the 0.3.x engine calls), and where a copy could
-not settle a point the choice is said. Each rule names its source.
+is not installed here: the rules below were read from public copies of those files: the
+cache engine as of 0.3.11, the adapter as vendored in vLLM, and the storage manager and the
+host and disk backends from later snapshots of LMCache's main (no 0.3.x copy of them was at
+hand; their rules used here are the ones the 0.3.x engine's calls rely on, but a detail may
+differ in a given 0.3.x release). Where a copy could not settle a point the choice is said.
+Each rule names its source.
 
 L1  Chunks and keys (`ChunkedTokenDatabase.process_tokens`, `_chunk_tokens`): a prefix is cut
     into chunks of `chunk_size` tokens, each keyed by the chained hash of every token up to
@@ -43,8 +45,8 @@ L5  A chunk read from disk (`StorageManager.batched_get` for `LocalDiskBackend`)
     pinned nor in use) and then written back to the host store (`batched_submit_put_task`,
     MRU end) if every one of the batch could be read: a promotion. The disk keeps its copy.
     A buffer that cannot be had (the host full of this request's pinned chunks) ends the
-    load there (the reference busy-waits; vLLM then recomputes the blocks not loaded) and
-    nothing is promoted.
+    load there and nothing is promoted (a choice: the reference's read then waits for room
+    or fails, by version; after a failed load vLLM recomputes the blocks not loaded).
 L6  Store (`from_request_tracker`, `wait_for_save`): after each step, with `num_saved`
     starting at the lookup's hit (even when nothing was loaded) and `tokens` the computed
     tokens: no store if `num_saved > 0` and `tokens < cdiv(num_saved + 1, chunk) * chunk`,
