@@ -209,6 +209,21 @@ def test_one_request_can_reuse_from_the_host_and_from_disk():
     assert list(cache.lmc.host.entries) == chunk_keys(cache, A17, 2)
 
 
+def test_the_disk_evicts_its_least_recently_used_chunks_independently_of_the_host():
+    cache = lmc(host=16, disk=32)
+    a, b = chunk_keys(cache, A17, 2), chunk_keys(cache, B[:17], 2)
+    x = chunk_keys(cache, list(range(500, 509)), 1)
+    run(cache, "a", A17)
+    run(cache, "b", B[:17])
+    run(cache, "x", list(range(500, 509)))
+    # each store goes to both; each tier evicts its own LRU end for room
+    assert list(cache.lmc.host.entries) == [b[1], *x] and list(cache.lmc.disk.entries) == [a[1], *b, *x]
+    assert cache.tier_traffic()["storage_evicted"] == 8
+    cache.evict(100)
+    # a's chunk 1 alone is useless: the lookup stops at the missing chunk 0
+    assert run(cache, "a2", A17)[:3] == (0, 0, 0)
+
+
 def spec(rid: str, tokens: list[int], out: int = 2) -> RequestSpec:
     return RequestSpec(rid, np.array(tokens, dtype=np.int32), out)
 
