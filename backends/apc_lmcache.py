@@ -480,9 +480,7 @@ class LMCacheTier:
         size, ppc = self.spec.page_size, self.spec.pages_per_chunk
         first = start // size
         n = -(-(stop - start) // size)
-        self.moves.append(
-            TierCopy(True, tuple(table[first : first + n]), tuple(range(oid * ppc, oid * ppc + n)))
-        )
+        self.moves.append(TierCopy(True, tuple(table[first : first + n]), tuple(range(oid * ppc, oid * ppc + n))))
 
     # -- observation ---------------------------------------------------------------------
 
@@ -595,9 +593,7 @@ class APCLMCacheCache(APCCache):
             return None
         held, ops = admitted
         prompt = min(seq.prompt_len, len(seq))
-        tracker = self.lmc.admit(
-            self.chunk_keys(seq, prompt), len(seq), match.num_tokens, num_tokens, seq.page_table
-        )
+        tracker = self.lmc.admit(self.chunk_keys(seq, prompt), len(seq), match.num_tokens, num_tokens, seq.page_table)
         seq.num_computed = match.num_tokens + tracker.host_tokens + tracker.storage_tokens
         self._trackers[seq.request_id] = tracker
         return held, [*self.lmc.take_moves(), *ops]
