@@ -274,6 +274,12 @@ class PrefixCache(ABC):
         no policy moving KV between these tiers reuses more than one cache of that size."""
         return {"gpu": self.num_pages * self.page_size}
 
+    def storage_hit_tokens(self, seq: Sequence) -> int:
+        """Of the tokens the admission of the live `seq` loaded back from a lower tier (its
+        `num_computed` after `admit` less its match), those that came from storage (L3); the
+        rest came from host memory. 0 for a cache without a storage tier."""
+        return 0
+
     def pages_pinned(self) -> int:
         """Pages held by live sequences (or pinned registrations): `stats().pages_pinned`.
         Engines ask this every step; a backend whose `_occupancy()` is not O(1) overrides it."""

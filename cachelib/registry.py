@@ -23,6 +23,7 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "paged": "backends.paged",
     "radix-aged": "backends.radix_aged",
     "radix-hicache": "backends.radix_hicache",
+    "apc-lmcache": "backends.apc_lmcache",
 }
 
 _registry: dict[str, type[PrefixCache]] = {}

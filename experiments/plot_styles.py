@@ -49,6 +49,7 @@ BACKEND_STYLES: dict[str, Style] = {
     "paged": Style("#CC79A7", (0, (1, 1)), "s", hollow=True),
     "radix-aged": Style("#009E73", "-.", "D"),
     "radix-hicache": Style("#882255", (0, (5, 1, 1, 1)), "v"),  # radix with SGLang's host tier (Tol's wine)
+    "apc-lmcache": Style("#44AA99", (0, (3, 1, 1, 1, 1, 1)), "P"),  # apc with LMCache's host and disk (Tol's teal)
 }
 #: the bounds drawn beside the backends
 BOUND_STYLES: dict[str, Style] = {

@@ -214,7 +214,9 @@ class CacheMachine(RuleBasedStateMachine):
             # (whole pages; apc's host tier, as vLLM, may load the whole prompt and recompute
             # its last token); its TierCopy moves carry the KV
             assert m.num_tokens <= s.num_computed < n
-            assert s.num_computed % self.page_size == 0 or (self.backend == "apc" and s.num_computed == len(s) - 1)
+            assert s.num_computed % self.page_size == 0 or (
+                self.backend in ("apc", "apc-lmcache") and s.num_computed == len(s) - 1
+            )
         else:
             assert s.num_computed == m.num_tokens
         self._apply(ops)
@@ -504,6 +506,19 @@ def _options(backend: str, page_size: int, num_pages: int) -> dict:
     as small as the GPU (default: twice it), so host eviction runs all the time."""
     if backend == "apc":
         return {"verify_tokens": True}
+    if backend.startswith("apc-lmcache"):  # LMCache below apc: chunks of two pages, host and disk small
+        if backend == "apc-lmcache:host-only":  # full chunks only, a host twice the GPU, decode saved
+            return {
+                "lmcache_chunk_size": 2 * page_size,
+                "host_capacity_tokens": 2 * num_pages * page_size,
+                "save_decode_cache": True,
+            }
+        return {
+            "lmcache_chunk_size": 2 * page_size,
+            "host_capacity_tokens": num_pages // 2 * page_size,
+            "disk_capacity_tokens": 2 * num_pages * page_size,
+            "save_unfull_chunk": True,
+        }
     if backend.startswith("apc:"):  # vLLM's CPU offloading (no verify_tokens: it does not cover the host)
         if backend == "apc:arc":  # host blocks of two pages, a host of half the GPU
             return {
@@ -528,6 +543,8 @@ TIERED = ["radix-hicache:write_through_selective", "radix-hicache:write_back"]
 TIERED = [t for t in TIERED if t.partition(":")[0] in available_backends()]
 #: apc with a host tier (vLLM 0.33 CPU offloading), each host eviction policy
 TIERED += ["apc:lru", "apc:arc"]
+#: apc with LMCache's host store only (apc-lmcache's own case has a disk too)
+TIERED += ["apc-lmcache:host-only"]
 CASES = [(b, *shape) for b in [*available_backends(), *TIERED] for shape in SHAPES]
 
 

@@ -110,7 +110,8 @@ class Replay:
         hit = r.hit_tokens
         self.hits.append(hit)
         if self.tiers:
-            self.hits_by_tier.append([hit - r.host_hit_tokens, r.host_hit_tokens, 0])
+            storage = self.client.cache.storage_hit_tokens(r.seq)  # of those loaded back, from L3
+            self.hits_by_tier.append([hit - r.host_hit_tokens, r.host_hit_tokens - storage, storage])
         self.prompt_tokens += len(r.seq)
         self.hit_tokens += hit
         scheduler.run_to_completion(r)
@@ -143,8 +144,8 @@ class Replay:
         } | (self.tier_result(cache) if self.tiers else {})
 
     def tier_result(self, cache: PrefixCache) -> dict[str, Any]:
-        """What a tiered cache adds: hits per tier (GPU, host, storage: L3 is not built, so
-        0) per request and in total, and what moved between the tiers."""
+        """What a tiered cache adds: hits per tier (GPU, host, storage: 0 without an L3) per
+        request and in total, and what moved between the tiers."""
         totals = [sum(h[i] for h in self.hits_by_tier if h[0] >= 0) for i in range(3)]
         return {
             "memory_tiers": list(cache.memory_tiers),
