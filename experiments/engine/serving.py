@@ -67,7 +67,9 @@ def serve(
     refuse_beams(requests)
     client = cache if isinstance(cache, CacheClient) else CacheClient(cache)
     clock = VirtualClock(requests)
-    scheduler = scheduler_class(config, executor, client.cache)(client, executor, config, clock, keep_outputs=keep_outputs)
+    scheduler = scheduler_class(config, executor, client.cache)(
+        client, executor, config, clock, keep_outputs=keep_outputs
+    )
     bar = progress_bar(len(requests), f"serve {client.cache.name}") if progress else None
     index_of = {s.request_id: i for i, s in enumerate(requests)}
     if config.async_scheduling:

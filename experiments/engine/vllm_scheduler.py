@@ -459,7 +459,6 @@ class VllmScheduler(Scheduler):
         self.record_pages(end)
         return end
 
-
     # -- tier transfers on the serving clock (experiments/engine/transfers.py) ------------
 
     def poll_transfers(self) -> None:
