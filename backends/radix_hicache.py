@@ -22,13 +22,19 @@ sources). Per request, under the replay protocol:
 - A host hit the request recomputed goes back on the device at its insert with the
   request's own pages.
 
-Transfers complete at once (the GPU-optimistic timing of the replay protocol): backups
+Under the replay protocol transfers complete at once (the GPU-optimistic timing): backups
 inside the call that issues them, load-backs at the next `commit` or `release` (where
-SGLang's scheduler would poll them). The bytes move in the executor: each node demoted
+SGLang's scheduler would poll them). Under serving (`time_transfers`, called by the `vllm`
+scheduler) each backup and load-back is a `TierTransfer` the engine prices
+(experiments/engine/transfers.py): a write-through backup keeps its node locked
+(`ongoing_write_through` + `inc_lock_ref`) and a load-back stays unacknowledged
+(`ongoing_load_back`; under write_back not yet a reclaimable duplicate) until the engine's
+poll after the copy completes names its ticket (`finish_transfers`); a write_back backup at
+eviction is waited for (`writing_check(write_back=True)`), and the step's load-backs
+overlap its forward layer by layer. The bytes move in the executor: each node demoted
 (its host copy written when its GPU pages are freed) or loaded is a `TierCopy` handed out,
 in decision order, with the next `admit`, `grow` or `fork`'s copies
-(attention/kv_cache.py keeps the host pages). What is not built: transfer time on the serving
-clock (bandwidths are recorded, not charged), KV events for the host tier (this backend
+(attention/kv_cache.py keeps the host pages). What is not built: KV events for the host tier (this backend
 publishes none), L3 storage and its prefetch, and SGLang's Rust TreeCore (this follows the
 Python TreeCore, which the goldens run). Golden runs of the real code:
 `tests/test_radix_hicache_sglang.py`.
@@ -36,8 +42,8 @@ Python TreeCore, which the goldens run). Golden runs of the real code:
 Where it differs from SGLang 0.5.23, on purpose: whether a prompt fits is the engine's
 protocol (every page past the GPU prefix, in free + evictable pages), not `PrefillAdder`'s
 budget; a serving chunk that ends inside the host hit recomputes it (a load covers whole
-nodes and `admit` must not pass the chunk); a node in flight is never locked (transfers
-are instantaneous); any eviction makes older matches stale (a demoted node stays in the
+nodes and `admit` must not pass the chunk); under replay a node is never in flight
+(transfers are instantaneous); any eviction makes older matches stale (a demoted node stays in the
 tree, so a match is not proven by its nodes alone); the executor copies a node's KV to the
 host when it is demoted rather than when it is backed up (only then can its GPU pages be
 reused), while `tier_traffic` counts bytes when SGLang moves them.

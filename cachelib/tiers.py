@@ -19,7 +19,10 @@ bidirectional (nvidia.com, "NVIDIA H200 Tensor Core GPU" datasheet, interconnect
 "PCIe Gen5: 128GB/s"), i.e. 64 GB/s each way; that ceiling is the default in both
 directions (what a copy engine reaches in practice is lower: pass a measured figure). Under
 the replay protocol transfers are instantaneous (the GPU-optimistic timing) and the
-bandwidths are not read; the serving clock (not built yet) is where they will cost time.
+bandwidths are not read. On the serving clock they cost time: a tiered cache reports each
+transfer (`TierTransfer`) and the engine prices it at these bandwidths
+(experiments/engine/transfers.py), overlapping a load with the forward as its reference
+does (`LOAD_TIMINGS`, `pipelined_step_seconds`).
 """
 
 from __future__ import annotations

@@ -132,10 +132,12 @@ def drive_async(clock: VirtualClock, scheduler: VllmScheduler, index_of: dict[st
 
 
 def finish_transfers(scheduler: Scheduler, res: ServingResult) -> None:
-    """After the run: what finished requests held for their stores is released, and the
-    timed transfers' totals go to the result (`ServingResult.transfers`)."""
+    """After the run: what finished requests held for their stores is released, the
+    transfers still in flight complete, and the timed transfers' totals go to the result
+    (`ServingResult.transfers`)."""
     if scheduler.transfers is not None:
         scheduler.release_held()
+        scheduler.transfers.drain()
         res.transfers = scheduler.transfers.summary()
 
 

@@ -101,6 +101,15 @@ class TransferClock:
         if done:
             self.cache.finish_transfers(done)
 
+    def drain(self) -> None:
+        """The run is over: every transfer decided or in flight completes (what it held is
+        released)."""
+        self.issue_all(max([0.0, *self.link_free.values()]))
+        if self._in_flight:
+            tickets = [entry[2] for entry in sorted(self._in_flight)]
+            self._in_flight = []
+            self.cache.finish_transfers(tickets)
+
     def next_completion(self) -> float | None:
         """When the earliest ticket in flight completes (None: nothing in flight)."""
         return self._in_flight[0][0] if self._in_flight else None

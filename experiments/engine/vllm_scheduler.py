@@ -594,10 +594,14 @@ class VllmScheduler(Scheduler):
         super().finish(r, at, aborted=aborted, admitted=admitted)
 
     def release_held(self) -> None:
-        """The run is over: release what finished requests still held for their stores."""
+        """The run is over: release what finished requests still held for their stores, and
+        start the transfers decided in a schedule that ran no step."""
         for _, seq in self.held:
             self.client.release(seq)
         self.held = []
+        for t in self._step_transfers:
+            self.transfers.issue(t, self.clock.now)
+        self._step_transfers = []
 
 
 #: longest decode window taken in one go (bounds the per-step time vector)
