@@ -195,7 +195,9 @@ def test_vllm_finished_request_keeps_blocks_until_its_stores_end():
 # -- invariants and what does not change -----------------------------------------------
 
 
-@pytest.mark.parametrize("backend,opts", [("radix-hicache", {}), ("radix-hicache", {"write_policy": "write_back"}), ("apc", {})])
+@pytest.mark.parametrize(
+    "backend,opts", [("radix-hicache", {}), ("radix-hicache", {"write_policy": "write_back"}), ("apc", {})]
+)
 def test_timed_serving_keeps_the_cache_sound(backend, opts):
     """A busy workload under memory pressure: every request finishes, the cache's
     invariants hold, the tier metrics add up (GPU + host hit = every admission's hit)."""
