@@ -251,3 +251,38 @@ def test_time_transfers_refused_once_the_cache_holds_kv():
 def test_transfer_record_directions():
     t = TierTransfer("host", "gpu", 16, "r")
     assert t.to_gpu and not TierTransfer("gpu", "host", 16).to_gpu
+
+
+@pytest.mark.parametrize("backend", ["radix-hicache", "apc"])
+def test_cluster_replicas_time_their_transfers(backend):
+    """Each replica of a cluster prices its own cache's transfers; at the end nothing stays
+    in flight or held (no page pinned)."""
+    from experiments.engine.cluster import serve_cluster
+    from experiments.routers.registry import make_router
+    from experiments.workloads.registry import make_workload
+
+    requests = make_workload(
+        "multi_turn_chat", seed=5, num_conversations=6, turns=3, user_turn_len=60, answer_len=20,
+        answer_dist="exponential", think_time=0.2, rate=30.0, vocab_size=5000,
+    ).requests  # fmt: skip
+    caches = [create_cache(backend, num_pages=30, page_size=16, host_capacity_tokens=960) for _ in range(2)]
+    res = serve_cluster(caches, requests, [CostModelExecutor(), CostModelExecutor()], make_router("round_robin", 2))
+    assert len(res.requests) == len(requests)
+    for cache, r in zip(caches, res.replicas, strict=True):
+        cache.check_invariants()
+        assert cache.stats().pages_pinned == 0
+        assert r.transfers is not None and r.transfers["gpu_to_host_tokens"] > 0
+
+
+def test_drain_completes_what_is_decided_or_in_flight():
+    cache = create_cache("radix-hicache", num_pages=8, page_size=16, host_capacity_tokens=256, **TIER)
+    clock = TransferClock(cache, 32)
+    seq = Sequence("x", np.arange(100, 165, dtype=np.int32))
+    m = cache.match(seq)
+    cache.admit(seq, m, 65)
+    cache.commit(seq, 65)
+    cache.release(seq)
+    assert cache.evict(4) == 0
+    clock.drain()
+    assert cache.evict(4) == 4 and clock.next_completion() is None
+    cache.check_invariants()
