@@ -286,3 +286,36 @@ def test_drain_completes_what_is_decided_or_in_flight():
     clock.drain()
     assert cache.evict(4) == 4 and clock.next_completion() is None
     cache.check_invariants()
+
+
+def test_compare_writes_tier_metrics_everywhere(tmp_path):
+    """`compare` with a tiered and a one-tier backend: results.json's tiered cell has
+    `serving.tiers`, results.csv its columns, and every per_request.jsonl row the tier keys
+    (None in the one-tier cell's rows), after the documented ones."""
+    import csv
+    import json
+
+    from experiments.cli.main import main
+    from experiments.engine.request import TIER_RECORD_KEYS
+    from experiments.results import PER_REQUEST_FILE
+    from tests.test_cli_scheduler import FIXED, PER_REQUEST_FIELDS, TINY
+
+    out = tmp_path / "out"
+    argv = ["compare", *TINY, "--backend", "radix,radix-hicache", "--capacity-tokens", "256", *FIXED]
+    assert main([*argv, "--output-dir", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    radix, tiered = results["cells"]
+    assert "tiers" not in radix["serving"]
+    tiers = tiered["serving"]["tiers"]
+    assert tiers["timed_transfers"] is True and tiers["gpu_to_host_bytes"] > 0
+    rows = [json.loads(line) for line in (out / PER_REQUEST_FILE).read_text().splitlines()]
+    keys = PER_REQUEST_FIELDS[:-1] + list(TIER_RECORD_KEYS) + ["replica"]
+    assert all(list(r) == keys for r in rows)
+    assert all(r["host_hit_tokens"] is None for r in rows if r["backend"] == "radix")
+    mine = [r for r in rows if r["backend"] == "radix-hicache"]
+    assert sum(r["gpu_hit_tokens"] for r in mine) == tiers["gpu_hit_tokens"]
+    assert sum(r["host_hit_tokens"] for r in mine) == tiers["host_hit_tokens"]
+    with (out / "results.csv").open() as fh:
+        table = list(csv.DictReader(fh))
+    assert table[1]["serving.tiers.gpu_to_host_bytes"] == str(tiers["gpu_to_host_bytes"])
+    assert table[0]["serving.tiers.gpu_to_host_bytes"] == ""
