@@ -32,6 +32,7 @@ from typing import ClassVar, NamedTuple
 
 import numpy as np
 
+from cachelib.interface import PrefixCache
 from cachelib.types import Sequence
 from experiments.engine.cache_client import CacheClient
 from experiments.engine.clock import VirtualClock
@@ -89,7 +90,8 @@ class Scheduler:
         self.lazy = self.cache.decode_steps_are_noops and executor.supports_decode_windows
         self._gone: set[int] = set()  # ids of requests preempted during the current step
         self._lagging: set[int] = set()  # ids of requests whose step this time needs no cache call
-        self.tiered = len(self.cache.memory_tiers) > 1  # records carry reuse by tier
+        # records carry reuse by tier (a reference model duck-typing the contract has none)
+        self.tiered = isinstance(self.cache, PrefixCache) and len(self.cache.memory_tiers) > 1
 
     @property
     def has_work(self) -> bool:

@@ -37,7 +37,7 @@ def scheduler_class(config: ServingConfig, executor: Executor, cache: PrefixCach
     combination on request objects."""
     policy = SCHEDULER_POLICIES[config.scheduler]
     if policy is VllmScheduler and not config.async_scheduling and executor.supports_decode_windows:
-        if not (config.time_transfers and cache is not None and cache.load_timing is not None):
+        if not (config.time_transfers and isinstance(cache, PrefixCache) and cache.load_timing is not None):
             return VllmRowScheduler
     return policy
 

@@ -126,7 +126,7 @@ class VllmRowScheduler(VllmScheduler):
         super().__init__(*args, **kwargs)
         if self.async_scheduling or not self.executor.supports_decode_windows:
             raise ValueError("the row scheduler runs the synchronous loop of an executor that prices steps")
-        if self.config.time_transfers and self.cache.load_timing is not None:
+        if self.config.time_transfers and self.tiered and self.cache.load_timing is not None:
             raise ValueError(
                 "the row scheduler does not price tier transfers: a tiered cache with time_transfers runs on "
                 "VllmScheduler (serving.scheduler_class)"

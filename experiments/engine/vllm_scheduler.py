@@ -111,7 +111,7 @@ class VllmScheduler(Scheduler):
         self.loading: deque[Request] = deque()  # vLLM's kv_holding_waiting: admitted, loading
         self.held: list[tuple[float, Sequence]] = []  # finished, blocks kept until stores end
         self._step_transfers: list = []  # decided while scheduling this step, not yet issued
-        if self.prices_transfers and self.config.time_transfers and self.cache.load_timing is not None:
+        if self.prices_transfers and self.config.time_transfers and self.tiered and self.cache.load_timing is not None:
             self.transfers = TransferClock(self.cache, self.executor.num_layers)
 
     @property
