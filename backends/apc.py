@@ -58,7 +58,13 @@ from cachelib.hashing import BlockHash, BlockHasher, DictIndex, HashFn, RunIndex
 from cachelib.interface import LiveState, Occupancy, PagePartition, PrefixCache
 from cachelib.kv_events import PageKeys, PagesRemoved, PagesStored
 from cachelib.registry import register_backend
-from cachelib.tiers import H200_HOST_READ_GBPS, H200_HOST_WRITE_GBPS, LLAMA3_8B_KV_BYTES_PER_TOKEN, HostTier
+from cachelib.tiers import (
+    H200_HOST_READ_GBPS,
+    H200_HOST_WRITE_GBPS,
+    LLAMA3_8B_KV_BYTES_PER_TOKEN,
+    HostTier,
+    TierTransfer,
+)
 from cachelib.types import CopyOp, Match, Sequence
 
 # Modelled bytes of index metadata, as a compact native implementation would keep it:
@@ -225,6 +231,9 @@ class APCCache(PrefixCache):
         self.host: OffloadTier | None = self._host_tier(page_size, num_pages * page_size, verify_tokens, given)
         if self.host is not None:
             self.memory_tiers = ("gpu", "host")  # per instance: the tier is an option of apc
+            self.load_timing = "async"  # vLLM: a request waits for its load (cachelib/tiers.py)
+        #: serving's transfer clock (`time_transfers`): the loads and stores not yet taken
+        self._transfers: list[TierTransfer] | None = None
         self.hasher = BlockHasher(page_size, hash_algorithm, hash_fn)
         self._page_keys = PageKeys(page_size, hash_algorithm, hash_fn)  # what events name blocks by
         self.verify_tokens = verify_tokens
@@ -438,6 +447,8 @@ class APCCache(PrefixCache):
             )
             # R3: every token not recomputed (a load reaching the whole prompt recomputes the last)
             seq.num_computed = min(match.num_tokens + loaded, len(seq) - 1)
+            if loaded and self._transfers is not None:
+                self._transfers.append(TierTransfer("host", "gpu", loaded, seq.request_id))
             return _Held(seq, blocks, hit.size, offload), self.host.take_moves()
         return _Held(seq, blocks, hit.size, offload), []
 
@@ -524,10 +535,15 @@ class APCCache(PrefixCache):
         hashes = self._block_hashes(seq, num_chunks * host.spec.blocks_per_chunk)
         prompt_chunks = host.storable_chunks(seq.prompt_len, held.blocks.size, seq.prompt_len)
         blocks = seq.page_table
+        stored = host.counters["stored_chunks"]
         if final:
             host.finish(offload, hashes, num_chunks, prompt_chunks, blocks)
         else:
             host.offer(offload, hashes, num_chunks, prompt_chunks, blocks)
+        stored = host.counters["stored_chunks"] - stored
+        if stored and self._transfers is not None:
+            tokens = stored * host.spec.chunk_tokens
+            self._transfers.append(TierTransfer("gpu", "host", tokens, seq.request_id))
 
     def _record_contents(self, seq: Sequence, blocks: np.ndarray, start: int, stop: int) -> None:
         size = self.page_size
@@ -616,6 +632,35 @@ class APCCache(PrefixCache):
         )
 
     # -- tiers ------------------------------------------------------------------------
+
+    # -- transfer timing (serving) ------------------------------------------------------
+
+    def time_transfers(self) -> None:
+        """Record loads and stores for the serving clock (`TierTransfer`s with the request's
+        id: vLLM's scheduler waits for a request's load, and keeps a finished request's blocks
+        until its stores complete). The host side stays instantaneous: a chunk is ready as
+        soon as its store is decided (vLLM's pending chunks, HIT_PENDING, are not modelled)."""
+        if self.host is None:
+            super().time_transfers()
+        if self._live:
+            raise InvalidRequestError("time_transfers: call it before the first request")
+        self._transfers = []
+
+    def take_transfers(self) -> list[TierTransfer]:
+        if not self._transfers:
+            return []
+        out, self._transfers = self._transfers, []
+        return out
+
+    def tier_link_seconds(self, src: str, dst: str, tokens: int) -> float:
+        if self.host is not None and (src, dst) in (("host", "gpu"), ("gpu", "host")):
+            return self.host.spec.tier.transfer_seconds(tokens, to_host=dst == "host")
+        return super().tier_link_seconds(src, dst, tokens)
+
+    def tier_bytes(self, tokens: int) -> int:
+        if self.host is None:
+            return super().tier_bytes(tokens)
+        return self.host.spec.tier.bytes_of(tokens)
 
     def tier_traffic(self) -> dict[str, int]:
         """Tokens (and bytes) moved between the GPU and the host so far, and what the host

@@ -83,7 +83,10 @@ blocks per chunk + the block's place in its chunk, handed out in decision order 
 next `admit`, `grow` or `fork` (before that call's own copies), so a GPU block is read
 before anything reuses it.
 
-Transfers are instantaneous (the replay protocol's optimistic timing): a load's
+Transfers are instantaneous on the host side (the replay protocol's optimistic timing; under
+serving `APCCache.time_transfers` reports each load and store to the engine, which makes the
+request wait for its load and a finished request keep its blocks until its stores end,
+experiments/engine/transfers.py): a load's
 `prepare_load` and `complete_load` happen inside `admit`, a store's `prepare_store` and
 `complete_store` inside the `commit` that fills its blocks; so no chunk is ever pending
 between calls, and vLLM's "delay while in flight" paths (HIT_PENDING, `_chunks_being_loaded`)

@@ -22,13 +22,19 @@ sources). Per request, under the replay protocol:
 - A host hit the request recomputed goes back on the device at its insert with the
   request's own pages.
 
-Transfers complete at once (the GPU-optimistic timing of the replay protocol): backups
+Under the replay protocol transfers complete at once (the GPU-optimistic timing): backups
 inside the call that issues them, load-backs at the next `commit` or `release` (where
-SGLang's scheduler would poll them). The bytes move in the executor: each node demoted
+SGLang's scheduler would poll them). Under serving (`time_transfers`, called by the `vllm`
+scheduler) each backup and load-back is a `TierTransfer` the engine prices
+(experiments/engine/transfers.py): a write-through backup keeps its node locked
+(`ongoing_write_through` + `inc_lock_ref`) and a load-back stays unacknowledged
+(`ongoing_load_back`; under write_back not yet a reclaimable duplicate) until the engine's
+poll after the copy completes names its ticket (`finish_transfers`); a write_back backup at
+eviction is waited for (`writing_check(write_back=True)`), and the step's load-backs
+overlap its forward layer by layer. The bytes move in the executor: each node demoted
 (its host copy written when its GPU pages are freed) or loaded is a `TierCopy` handed out,
 in decision order, with the next `admit`, `grow` or `fork`'s copies
-(attention/kv_cache.py keeps the host pages). What is not built: transfer time on the serving
-clock (bandwidths are recorded, not charged), KV events for the host tier (this backend
+(attention/kv_cache.py keeps the host pages). What is not built: KV events for the host tier (this backend
 publishes none), L3 storage and its prefetch, and SGLang's Rust TreeCore (this follows the
 Python TreeCore, which the goldens run). Golden runs of the real code:
 `tests/test_radix_hicache_sglang.py`.
@@ -36,8 +42,8 @@ Python TreeCore, which the goldens run). Golden runs of the real code:
 Where it differs from SGLang 0.5.23, on purpose: whether a prompt fits is the engine's
 protocol (every page past the GPU prefix, in free + evictable pages), not `PrefillAdder`'s
 budget; a serving chunk that ends inside the host hit recomputes it (a load covers whole
-nodes and `admit` must not pass the chunk); a node in flight is never locked (transfers
-are instantaneous); any eviction makes older matches stale (a demoted node stays in the
+nodes and `admit` must not pass the chunk); under replay a node is never in flight
+(transfers are instantaneous); any eviction makes older matches stale (a demoted node stays in the
 tree, so a match is not proven by its nodes alone); the executor copies a node's KV to the
 host when it is demoted rather than when it is backed up (only then can its GPU pages be
 reused), while `tier_traffic` counts bytes when SGLang moves them.
@@ -66,7 +72,13 @@ from cachelib.errors import InvalidRequestError
 from cachelib.interface import Occupancy, PagePartition
 from cachelib.kv_events import PageKeys
 from cachelib.registry import register_backend
-from cachelib.tiers import H200_HOST_READ_GBPS, H200_HOST_WRITE_GBPS, LLAMA3_8B_KV_BYTES_PER_TOKEN, HostTier
+from cachelib.tiers import (
+    H200_HOST_READ_GBPS,
+    H200_HOST_WRITE_GBPS,
+    LLAMA3_8B_KV_BYTES_PER_TOKEN,
+    HostTier,
+    TierTransfer,
+)
 from cachelib.types import CopyOp, Match, Sequence, TierCopy
 
 
@@ -77,6 +89,7 @@ class HiRadixCache(RadixCache):
     memory_tiers: ClassVar[tuple[str, ...]] = ("gpu", "host")
     compared_by_default = False  # it holds KV beyond the GPU capacity the others get: name it
     emits_kv_events = False  # SGLang publishes per-medium events; not built here
+    load_timing = "layerwise"  # load-backs overlap the prefill layer by layer (cachelib/tiers.py)
 
     def __init__(
         self,
@@ -118,6 +131,12 @@ class HiRadixCache(RadixCache):
         self.host_hit_tokens = 0  # loaded back at admission, over every admission
         #: `TierCopy`s decided but not handed out yet (they go with the next admit, grow, fork)
         self._moves: list[TierCopy] = []
+        #: serving's transfer clock (`time_transfers`): transfers not yet taken, and what each
+        #: ticket holds until `finish_transfers` (a backup's locked node, a load's anchor)
+        self._timed = False
+        self._transfers: list[TierTransfer] = []
+        self._tickets: dict[int, tuple[bool, TieredNode]] = {}  # ticket -> (is a load, node)
+        self._next_ticket = 0
 
     # -- the mover the tree calls (transfers complete at once) ------------------------
 
@@ -146,6 +165,71 @@ class HiRadixCache(RadixCache):
         `cache_blocks` at scheduling): a node is demoted only once unlocked, i.e. after its
         KV was written."""
         self._moves.append(TierCopy(True, tuple(device_pages), tuple(host_pages)))
+
+    def backup_issued(self, node: TieredNode | None, tokens: int, *, blocking: bool) -> None:
+        ticket = None
+        if node is not None:
+            ticket = self._ticket(False, node)
+        self._transfers.append(TierTransfer("gpu", "host", tokens, None, ticket, blocking))
+
+    def _ticket(self, load: bool, node: TieredNode) -> int:
+        ticket = self._next_ticket
+        self._next_ticket += 1
+        self._tickets[ticket] = (load, node)
+        return ticket
+
+    # -- transfer timing (serving) ------------------------------------------------------
+
+    def time_transfers(self) -> None:
+        """Record transfers for the serving clock; a write-through backup keeps its node
+        locked and a load-back stays unacknowledged (write_back: not yet a reclaimable
+        duplicate) until `finish_transfers` names its ticket, as SGLang's
+        `ongoing_write_through` / `ongoing_load_back` until `writing_check` /
+        `loading_check` see the copy done. Call it before the first request."""
+        if self._live or self.tree.evictable_tokens or self.tree.protected_tokens or self.tree.host_used_tokens:
+            raise InvalidRequestError("time_transfers: call it on an empty cache, before the first request")
+        self._timed = True
+        self.tree.hold_backups = True
+
+    def take_transfers(self) -> list[TierTransfer]:
+        out, self._transfers = self._transfers, []
+        return out
+
+    def finish_transfers(self, tickets: list[int]) -> None:
+        unknown = [t for t in tickets if t not in self._tickets]
+        if unknown:
+            raise InvalidRequestError(f"finish_transfers: no transfer in flight has ticket(s) {unknown[:8]}")
+        tree = self.tree
+        for t in tickets:
+            load, node = self._tickets.pop(t)
+            if load:
+                tree.finish_load(node)
+            else:
+                tree.unlock(node)  # `_finish_write_through_ack` -> `dec_lock_ref`
+
+    def tier_link_seconds(self, src: str, dst: str, tokens: int) -> float:
+        if (src, dst) == ("host", "gpu"):
+            return self.host_tier.transfer_seconds(tokens, to_host=False)
+        if (src, dst) == ("gpu", "host"):
+            return self.host_tier.transfer_seconds(tokens, to_host=True)
+        return super().tier_link_seconds(src, dst, tokens)
+
+    def tier_bytes(self, tokens: int) -> int:
+        return self.host_tier.bytes_of(tokens)
+
+    def _registered_pages(self) -> list[int]:
+        """Device pages a backup in flight holds (its node's locked path)."""
+        tree = self.tree
+        pages: set[int] = set()
+        for load, node in self._tickets.values():
+            if not load:
+                for x in tree.path(node):
+                    pages.update(tree.pages_of(x))
+        return sorted(pages)
+
+    def backup_locked_nodes(self) -> list[TieredNode]:
+        """The nodes whose backup is in flight (each holds a lock on its path)."""
+        return [node for load, node in self._tickets.values() if not load]
 
     def _take_moves(self, ops: list[CopyOp] | None) -> list | None:
         """The tier moves decided since the last hand-out, then `ops` (None stays None:
@@ -193,6 +277,9 @@ class HiRadixCache(RadixCache):
                 hit += host_len
                 node = host[-1]
                 self.host_hit_tokens += host_len
+                if self._timed:
+                    ticket = self._ticket(True, node)
+                    self._transfers.append(TierTransfer("host", "gpu", host_len, seq.request_id, ticket))
         need = self.pages_for(num_tokens) - hit // ps
         self._evict_for_extend(num_tokens - hit, need)
         table += self._take(need)
@@ -248,11 +335,13 @@ class HiRadixCache(RadixCache):
 
     def _commit(self, seq: Sequence, held: _Held, num_computed: int) -> None:
         super()._commit(seq, held, num_computed)
-        self.tree.finish_loads()  # the scheduler's next poll: the load-backs completed
+        if not self._timed:
+            self.tree.finish_loads()  # the scheduler's next poll: the load-backs completed
 
     def _release(self, seq: Sequence, held: _Held) -> None:
         super()._release(seq, held)
-        self.tree.finish_loads()
+        if not self._timed:
+            self.tree.finish_loads()
 
     def _evict_tokens(self, num_tokens: int) -> int:
         freed = self.tree.evict(num_tokens, self.give) // self.page_size

@@ -95,6 +95,10 @@ class TierMover(Protocol):
     def copied_to_device(self, host_pages: list[int], device_pages: list[int]) -> None:
         """A load-back wrote `host_pages` into `device_pages`."""
 
+    def backup_issued(self, node: TieredNode | None, tokens: int, *, blocking: bool) -> None:
+        """A timed backup of `tokens` tokens started (`hold_backups`): `node` (None for a
+        blocking one) stays locked until the cache is told the copy completed."""
+
 
 class TierTraffic:
     """What moved between the tiers, in tokens (the cache turns them into bytes)."""
@@ -134,6 +138,9 @@ class HiCacheTree(RadixTree):
         self.pending_loads: list[TieredNode] = []  # anchors of unacknowledged load-backs
         self.traffic = TierTraffic()
         self.mover: TierMover | None = None  # set by the cache
+        #: a serving clock times the transfers: a write-through backup keeps its node locked
+        #: until the cache is told it completed (`time_transfers`); else it completes at once
+        self.hold_backups = False
 
     # -- status ------------------------------------------------------------------------
 
@@ -392,8 +399,14 @@ class HiCacheTree(RadixTree):
             chain.append(a)
             a = a.parent
         for y in reversed(chain):
-            if y.host_pages is None and not self._backup(y):
-                return
+            if y.host_pages is None:
+                if not self._backup(y):
+                    return
+                if self.hold_backups:
+                    # `_execute_and_commit_kv_backup`: a write-through backup locks its node
+                    # (`inc_lock_ref`) until `writing_check` sees its copy done
+                    self.lock(y)
+                    self.mover.backup_issued(y, len(y.key), blocking=False)
 
     def _backup(self, y: TieredNode) -> bool:
         """Copy device node `y` to the host, evicting host copies for the shortfall
@@ -428,6 +441,10 @@ class HiCacheTree(RadixTree):
                 self._demote(x, give)
             elif self.write_back:
                 if self._backup(x):
+                    if self.hold_backups:
+                        # write_back's backup at eviction is waited for at once
+                        # (`writing_check(write_back=True)` blocks): nothing stays locked
+                        self.mover.backup_issued(None, n, blocking=True)
                     self._demote(x, give)
                 else:
                     self._drop_subtree(x, give)
@@ -563,10 +580,18 @@ class HiCacheTree(RadixTree):
         """Acknowledge every load-back (`loading_check` -> `finish_load_back`): under
         write_back the loaded nodes, deepest first, become tracked duplicates."""
         for anchor in self.pending_loads:
-            x = anchor
-            while x is not None and x.parent is not None:
-                if x.load_pending:
-                    x.load_pending = False
-                    self._track_dup(x)
-                x = x.parent
+            self._finish_load(anchor)
         self.pending_loads.clear()
+
+    def finish_load(self, anchor: TieredNode) -> None:
+        """Acknowledge the one load-back ending at `anchor` (a timed transfer completed)."""
+        self.pending_loads.remove(anchor)
+        self._finish_load(anchor)
+
+    def _finish_load(self, anchor: TieredNode) -> None:
+        x = anchor
+        while x is not None and x.parent is not None:
+            if x.load_pending:
+                x.load_pending = False
+                self._track_dup(x)
+            x = x.parent

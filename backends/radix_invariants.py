@@ -92,11 +92,15 @@ def _check_queue(queue, candidates: set[int]) -> None:
         _fail("candidate list differs from the unlocked leaves")
 
 
-def _check_sequences(cache: RadixCache) -> None:
-    """Each live sequence's lock path, table and protected length; lock refs = holders."""
+def _check_sequences(cache: RadixCache, held_nodes: list | tuple = ()) -> None:
+    """Each live sequence's lock path, table and protected length; lock refs = holders
+    (`held_nodes`: nodes whose path something else locks, a backup in flight)."""
     tree = cache.tree
     ps = cache.page_size
     expected_locks: dict[int, int] = {}
+    for node in held_nodes:
+        for x in tree.path(node):
+            expected_locks[x.node_id] = expected_locks.get(x.node_id, 0) + 1
     lent: set[int] = set()  # nodes borrowing from the table of a live sequence whose path they are on
     for rid, held in cache._live.items():
         seq = held.seq

@@ -104,6 +104,9 @@ class PrefixCache(ABC):
     #: `admit`: `seq.num_computed` after `admit` is then the match plus what was loaded
     #: (every token not recomputed), and `tier_traffic` reports what moved
     memory_tiers: ClassVar[tuple[str, ...]] = ("gpu",)
+    #: with tiers: how its loads meet the forward pass (`cachelib.tiers.LOAD_TIMINGS`), read
+    #: by a serving engine that charges transfer time (`take_transfers`); None: no tiers
+    load_timing: ClassVar[str | None] = None
     #: run by a comparison that names no backend (`cachelib.registry.default_backends`)
     compared_by_default: ClassVar[bool] = True
 
@@ -279,6 +282,36 @@ class PrefixCache(ABC):
         `num_computed` after `admit` less its match), those that came from storage (L3); the
         rest came from host memory. 0 for a cache without a storage tier."""
         return 0
+
+    # -- transfer timing (serving): the cache says what moved, the engine prices it -------
+
+    def time_transfers(self) -> None:
+        """From now on, record every transfer between tiers for `take_transfers`, and hold
+        what a transfer in flight holds in the reference (a node being backed up stays
+        locked) until `finish_transfers` names its ticket: a serving engine that charges
+        transfer time calls this before the first request. Without it (the replay protocol)
+        transfers complete inside the call that issues them. A one-tier cache refuses."""
+        raise InvalidRequestError(f"a {self.name} cache has no memory tiers below the GPU: no transfers to time")
+
+    def take_transfers(self) -> list:
+        """The `cachelib.tiers.TierTransfer`s decided since the last call, in decision order
+        (empty unless `time_transfers` was called)."""
+        return []
+
+    def finish_transfers(self, tickets: list[int]) -> None:
+        """The transfers with these tickets completed: release what they held."""
+        if tickets:
+            raise InvalidRequestError(f"a {self.name} cache issued no transfer tickets, got {tickets!r}")
+
+    def tier_bytes(self, tokens: int) -> int:
+        """Bytes of KV in `tokens` tokens, as the tiers count them (`HostTier.bytes_of`)."""
+        raise InvalidRequestError(f"a {self.name} cache has no memory tiers below the GPU")
+
+    def tier_link_seconds(self, src: str, dst: str, tokens: int) -> float:
+        """Seconds to move `tokens` tokens of KV from tier `src` to tier `dst` at this cache's
+        tier bandwidths (what a serving engine charges; the tier objects of
+        `cachelib/tiers.py` hold the figures)."""
+        raise InvalidRequestError(f"a {self.name} cache has no tier link {src} -> {dst}")
 
     def pages_pinned(self) -> int:
         """Pages held by live sequences (or pinned registrations): `stats().pages_pinned`.

@@ -19,7 +19,10 @@ bidirectional (nvidia.com, "NVIDIA H200 Tensor Core GPU" datasheet, interconnect
 "PCIe Gen5: 128GB/s"), i.e. 64 GB/s each way; that ceiling is the default in both
 directions (what a copy engine reaches in practice is lower: pass a measured figure). Under
 the replay protocol transfers are instantaneous (the GPU-optimistic timing) and the
-bandwidths are not read; the serving clock (not built yet) is where they will cost time.
+bandwidths are not read. On the serving clock they cost time: a tiered cache reports each
+transfer (`TierTransfer`) and the engine prices it at these bandwidths
+(experiments/engine/transfers.py), overlapping a load with the forward as its reference
+does (`LOAD_TIMINGS`, `pipelined_step_seconds`).
 """
 
 from __future__ import annotations
@@ -120,3 +123,54 @@ class HostTier:
         serving clock will charge; the replay protocol charges nothing)."""
         gbps = self.write_gbps if to_host else self.read_gbps
         return self.bytes_of(tokens) / (gbps * 1e9)
+
+
+#: the way a tier's loads meet the forward pass (a backend's `PrefixCache.load_timing`):
+#: `layerwise` -- SGLang 0.5.23 HiCache: the step's load-backs are copied layer by layer on
+#: their own stream while the prefill runs, each layer's attention waiting for its layer
+#: (`pipelined_step_seconds`); `async` -- vLLM 0.33's offloading connector: a request whose
+#: hit needs a load waits (WAITING_FOR_REMOTE_KVS) until the load completes, then is scheduled
+LOAD_TIMINGS = ("layerwise", "async")
+
+
+@dataclass(frozen=True, slots=True)
+class TierTransfer:
+    """KV a cache moved between two tiers, as the serving engine prices it (the contract
+    stays free of time: the cache says what moved, the engine charges the tier's bandwidth).
+
+    `src` -> `dst` are names of `TIER_NAMES` (`host` -> `gpu` a load, `gpu` -> `host` a
+    backup or store; a storage tier adds its own pairs). `request_id`: the request whose
+    admission needed it (a load), else None. `ticket`: set when the cache holds what this
+    moves (a node locked, blocks not freed) until the engine says it completed
+    (`PrefixCache.finish_transfers`); None when nothing waits on it. `blocking`: the
+    reference waits for it before it goes on scheduling (SGLang's write_back backup of an
+    evicted node, `writing_check(write_back=True)`)."""
+
+    src: str
+    dst: str
+    tokens: int
+    request_id: str | None = None
+    ticket: int | None = None
+    blocking: bool = False
+
+    @property
+    def to_gpu(self) -> bool:
+        return self.dst == "gpu"
+
+
+def pipelined_step_seconds(compute: float, load: float, layers: int) -> float:
+    """A step whose forward takes `compute` seconds while `load` seconds of KV are copied in
+    on a stream of their own, layer by layer, each layer's attention waiting for its layer
+    (SGLang 0.5.23: `HiCacheController.start_loading` submits the batch's merged load, one
+    layer after another, recording `LayerDoneCounter` events; the attention of layer i calls
+    `layer_transfer_counter.wait_until(i)` in `MHATokenToKVPool.get_key_buffer`).
+
+    With c = compute / L per layer and t = load / L per layer (both spread evenly), layer i
+    is loaded at (i + 1) t and its compute ends at e_i = max(e_{i-1}, (i + 1) t) + c, so
+    e_{L-1} = max over k of ((k + 1) t + (L - k) c), linear in k, largest at an end:
+    k = 0 (the first layer's load, then all compute) or k = L - 1 (every load, then the
+    last layer's compute). Hence `max(compute + load / L, load + compute / L)`; no load is
+    `compute` itself."""
+    if load <= 0.0:
+        return compute
+    return max(compute + load / layers, load + compute / layers)

@@ -141,4 +141,26 @@ def serving_metrics(res: ServingResult, stats: CacheStats, *, setup_seconds: flo
         "steps": res.steps,
         "ttft_quantiles": np.quantile(ttft, np.linspace(0, 1, min(SERIES_POINTS, len(ttft)))).tolist() if ttft else [],
         "pages_timeline": _downsample(res.timeline, SERIES_POINTS),
+        **({"tiers": tier_section(res)} if any("host_hit_tokens" in r for r in res.requests) else {}),
+    }
+
+
+def tier_section(res: ServingResult) -> dict[str, Any]:
+    """A tiered cache's serving run: prompt tokens reused per tier over every admission of
+    the requests that finished (GPU, loaded from the host, storage: no tier built yet), and
+    the timed transfers (`ServingResult.transfers`: tokens and bytes per direction, the
+    steps' stall on layer-by-layer loads, requests' waits for async loads, scheduling held
+    up by blocking backups; all 0 when transfers were instant)."""
+    rows = [r for r in res.requests if not r["aborted"]]
+    moved = res.transfers or {}
+    return {
+        "gpu_hit_tokens": sum(r["gpu_hit_tokens"] for r in rows),
+        "host_hit_tokens": sum(r["host_hit_tokens"] for r in rows),
+        "storage_hit_tokens": 0,
+        "timed_transfers": res.transfers is not None,
+        "host_to_gpu_bytes": moved.get("host_to_gpu_bytes", 0),
+        "gpu_to_host_bytes": moved.get("gpu_to_host_bytes", 0),
+        "load_stall_s": moved.get("load_stall_s", 0.0),
+        "load_wait_s": sum(r["load_wait_s"] for r in rows),
+        "backup_blocked_s": moved.get("backup_blocked_s", 0.0),
     }

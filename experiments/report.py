@@ -132,6 +132,14 @@ ADDED_CSV = (
     + [f"serving.latency.{m}.{s}" for m in LATENCIES for s in STATS]
     + ["serving.latency.goodput.good_requests", "serving.latency.goodput.requests_per_s"]
 )
+#: the columns a document with a tiered serving cell adds (`metrics.tier_section`)
+TIER_CSV = tuple(
+    f"serving.tiers.{k}"
+    for k in (
+        "gpu_hit_tokens", "host_hit_tokens", "storage_hit_tokens", "host_to_gpu_bytes", "gpu_to_host_bytes",
+        "load_stall_s", "load_wait_s", "backup_blocked_s",
+    )
+)  # fmt: skip
 #: the latency table (`latency_markdown`): one row per cell and latency, the four statistics
 LATENCY_ROWS = (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms"))
 #: the throughput table (`latency_markdown`): (column, key of `serving`, format), as `vllm
@@ -210,10 +218,13 @@ def write_csv(results: dict[str, Any], path: Path) -> None:
     """One row per cell: its configuration (backend options and every workload knob
     included, `workload.<knob>`), every scalar metric, and the bounds at its capacity
     (`BOUNDS_CSV`). The cluster columns (`CLUSTER_CSV`) are there only when a cell is a
-    cluster; the `ADDED_CSV` ones when the cells have those sections."""
+    cluster; the `ADDED_CSV` ones when the cells have those sections, the `TIER_CSV` ones when
+    a serving cell had memory tiers."""
     clusters = any("cluster" in cell for cell in results["cells"])
     extended = any("kv_capacity" in cell for cell in results["cells"])
     added = list(ADDED_CSV) if extended else []
+    if any("tiers" in cell.get("serving", {}) for cell in results["cells"]):
+        added += TIER_CSV
     config = list(CSV_CONFIG) + (list(CLUSTER_CONFIG) if clusters else []) + (list(ADDED_CONFIG) if extended else [])
     knobs = list(dict.fromkeys(k for cell in results["cells"] for k in cell.get("workload_config") or {}))
     fields = CSV_FIELDS + (CLUSTER_CSV if clusters else [])

@@ -9,6 +9,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from experiments.engine.request import TIER_RECORD_KEYS
 from experiments.provenance import DISTRIBUTION, code_version, git_commit, package_version
 from experiments.report import render
 from experiments.runner import PER_REQUEST, CellConfig
@@ -109,6 +110,9 @@ def per_request_rows(cells: list[CellConfig], results: list[dict[str, Any]]) -> 
     `replicas`, `router`: null for one replica), then every key of the engine's per-request
     record, times renamed with their unit (`TIME_KEYS`) and `e2e_s` (arrival to last token)
     after `finished_at_s`, and last the `replica` that served it (0 for one replica)."""
+    # a cell with memory tiers adds keys to its records (`request.TIER_RECORD_KEYS`): every
+    # row carries them then, None in the other cells' rows
+    tiered = any(TIER_RECORD_KEYS[0] in rec for res in results for rec in res.get(PER_REQUEST) or ())
     for cfg, res in zip(cells, results, strict=True):
         records = res.get(PER_REQUEST)
         if records is None:
@@ -128,6 +132,9 @@ def per_request_rows(cells: list[CellConfig], results: list[dict[str, Any]]) -> 
                 row[TIME_KEYS.get(k, k)] = v
                 if k == "finished_at":
                     row["e2e_s"] = None if v is None else v - rec["arrival"]
+            if tiered:
+                for k in TIER_RECORD_KEYS:
+                    row.setdefault(k, None)
             row["replica"] = rec.get("replica", 0)
             yield row
 

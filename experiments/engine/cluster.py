@@ -52,7 +52,7 @@ from experiments.engine.clock import VirtualClock
 from experiments.engine.executors import Executor
 from experiments.engine.request import ServingConfig, ServingResult
 from experiments.engine.scheduler import Loads, Scheduler
-from experiments.engine.serving import DEFAULT_CONFIG, progress_bar, refuse_beams, scheduler_class
+from experiments.engine.serving import DEFAULT_CONFIG, finish_transfers, progress_bar, refuse_beams, scheduler_class
 from experiments.routers.base import Router, RouterError
 from experiments.workloads.spec import RequestSpec
 
@@ -320,7 +320,7 @@ def serve_cluster(
     refuse_beams(requests)
     relays = subscribe_router(router, [c.cache for c in clients])
     clock = ClusterClock(requests)
-    policy = scheduler_class(config, executors[0])
+    policy = scheduler_class(config, executors[0], clients[0].cache)
     replicas = [policy(c, e, config, clock, keep_outputs=keep_outputs) for c, e in zip(clients, executors, strict=True)]
     cluster = Cluster(replicas, clock, router, requests)
     bar = progress_bar(len(requests), f"serve {n} x {clients[0].cache.name} ({router.name})") if progress else None
@@ -330,6 +330,7 @@ def serve_cluster(
     events_seconds = [r.seconds for r in relays] or [0.0] * n
     for i, (s, c) in enumerate(zip(replicas, clients, strict=True)):
         s.result.makespan = cluster.last[i]
+        finish_transfers(s, s.result)
         s.result.cache_seconds = c.seconds - events_seconds[i]
         for rec in s.result.requests:
             rec["replica"] = i

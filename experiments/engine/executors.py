@@ -44,6 +44,10 @@ class Executor(Protocol):
     #: True: a forked sample's first token is `fresh_tokens(1)`; False: it is the parent's
     samples_fresh_tokens: ClassVar[bool]
 
+    #: the model's layers: a layer-by-layer load overlaps a step's compute over this many
+    #: (experiments/engine/transfers.py)
+    num_layers: int
+
     def apply_copies(self, ops: list[CopyOp]) -> None:
         """Copy pages before anything is written into them (copy-on-write)."""
 
@@ -177,6 +181,7 @@ class CostModelExecutor:
         self.shape = shape or llama3_8b_shape()
         self.device = DEVICE_PROFILES[device] if isinstance(device, str) else device
         self.tokens = FreshTokens()
+        self.num_layers = self.shape.num_layers
 
     def apply_copies(self, ops: list[CopyOp]) -> None:
         pass  # a page copy is a few µs of bandwidth; counted by the cache's copied_pages
@@ -241,6 +246,8 @@ class FixedStepExecutor:
     kind: ClassVar[str] = "fixed"
     supports_decode_windows: ClassVar[bool] = True
     samples_fresh_tokens: ClassVar[bool] = True
+    #: no model behind the constant step: Llama-3-8B's 32 layers, the project's default model
+    num_layers: ClassVar[int] = 32
 
     def __init__(self, step_seconds: float) -> None:
         if not step_seconds > 0:  # also refuses NaN
@@ -273,6 +280,7 @@ class ReplayExecutor:
     kind: ClassVar[str] = "replay"
     supports_decode_windows: ClassVar[bool] = False  # replay takes no steps to window
     samples_fresh_tokens: ClassVar[bool] = True
+    num_layers: ClassVar[int] = 1  # no steps, no overlap
 
     def __init__(self) -> None:
         self.tokens = FreshTokens()
@@ -301,6 +309,7 @@ class ModelExecutor:
     def __init__(self, model: Any, num_pages: int, page_size: int) -> None:
         self.model = model
         self.kv = model.make_kv_cache(num_pages, page_size)
+        self.num_layers = model.config.num_layers
         self.logits: dict[str, list[Any]] = {}  # request id -> logits before each sampled token
 
     def apply_copies(self, ops: list[CopyOp]) -> None:

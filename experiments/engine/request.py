@@ -23,13 +23,17 @@ class ServingConfig:
     """Scheduler knobs. `token_budget`: tokens computed per step (decodes + prefill chunks);
     `max_running`: requests in the batch at most; `ordering`: fcfs | lpf (longest prefix
     first, `legacy` only); `scheduler`: the policy (`SCHEDULERS`); `async_scheduling`: vLLM's
-    two batches in flight (`vllm` only)."""
+    two batches in flight (`vllm` only); `time_transfers`: a tiered cache's transfers cost
+    time on the serving clock (`vllm` only; False: instant, as under replay)."""
 
     token_budget: int = 8192
     max_running: int = 256
     ordering: str = "fcfs"
     scheduler: str = "vllm"
     async_scheduling: bool = False
+    #: tier transfers cost time on the serving clock (`vllm` scheduler, a cache with memory
+    #: tiers: experiments/engine/transfers.py); False: they complete at once, as under replay
+    time_transfers: bool = True
 
     def __post_init__(self) -> None:
         if self.token_budget < 1 or self.max_running < 1:
@@ -57,6 +61,11 @@ class Request:
     hit_tokens: int = 0  # over every admission, re-admissions after preemption included
     #: of `hit_tokens`, those loaded back from a lower memory tier (the rest were on the GPU)
     host_hit_tokens: int = 0
+    #: serving with timed tier transfers: seconds its steps took beyond their compute waiting
+    #: on load-backs (`layerwise`), and seconds it waited for its load out of the running
+    #: list (`async`); experiments/engine/transfers.py
+    load_stall_s: float = 0.0
+    load_wait_s: float = 0.0
     computed_tokens: int = 0
     first_token_at: float | None = None
     finished_at: float | None = None
@@ -96,6 +105,9 @@ class ServingResult:
     peak_pages: int = 0
     outputs: dict[str, list[int]] = field(default_factory=dict)  # with keep_outputs=True
     itl: TokenGaps = field(default_factory=TokenGaps)  # every inter-token gap of its requests (not samples)
+    #: timed tier transfers (`TransferClock.summary`): tokens and bytes per direction, stall;
+    #: None when the cache has no tiers or transfers were instant
+    transfers: dict[str, Any] | None = None
 
 
 #: a step's batch: each request and the tokens it computes this step
@@ -128,4 +140,19 @@ def request_record(r: Request, aborted: bool) -> dict[str, Any]:
         "preemptions": r.preempted,
         "aborted": aborted,
         "sample_of": r.sample_of,
+    }
+
+
+#: what a request record adds when its cache has memory tiers below the GPU
+TIER_RECORD_KEYS = ("gpu_hit_tokens", "host_hit_tokens", "load_stall_s", "load_wait_s")
+
+
+def tier_record(r: Request) -> dict[str, Any]:
+    """A request's reuse by tier over its admissions (GPU hit, loaded from the host) and the
+    time it lost to loads (`Request.load_stall_s`, `load_wait_s`)."""
+    return {
+        "gpu_hit_tokens": r.hit_tokens - r.host_hit_tokens,
+        "host_hit_tokens": r.host_hit_tokens,
+        "load_stall_s": r.load_stall_s,
+        "load_wait_s": r.load_wait_s,
     }

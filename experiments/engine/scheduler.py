@@ -32,11 +32,12 @@ from typing import ClassVar, NamedTuple
 
 import numpy as np
 
+from cachelib.interface import PrefixCache
 from cachelib.types import Sequence
 from experiments.engine.cache_client import CacheClient
 from experiments.engine.clock import VirtualClock
 from experiments.engine.executors import Executor
-from experiments.engine.request import Batch, Request, ServingConfig, ServingResult, request_record
+from experiments.engine.request import Batch, Request, ServingConfig, ServingResult, request_record, tier_record
 from experiments.workloads.spec import RequestSpec
 
 #: longest decode window simulated in one go (bounds the per-step time vector)
@@ -61,6 +62,9 @@ class Scheduler:
     fit test, publishes pages after the step, and aborts a request that cannot grow alone."""
 
     policy: ClassVar[str] = "legacy"
+    #: tier transfers on the serving clock (`VllmScheduler` sets one); the legacy policy
+    #: leaves a tiered cache's transfers instant
+    transfers = None
 
     def __init__(
         self,
@@ -86,6 +90,8 @@ class Scheduler:
         self.lazy = self.cache.decode_steps_are_noops and executor.supports_decode_windows
         self._gone: set[int] = set()  # ids of requests preempted during the current step
         self._lagging: set[int] = set()  # ids of requests whose step this time needs no cache call
+        # records carry reuse by tier (a reference model duck-typing the contract has none)
+        self.tiered = isinstance(self.cache, PrefixCache) and len(self.cache.memory_tiers) > 1
 
     @property
     def has_work(self) -> bool:
@@ -291,7 +297,10 @@ class Scheduler:
             self.result.outputs[r.spec.request_id] = r.output
         self.clock.finished(r.spec.request_id, at)
         self.result.aborted += aborted
-        self.result.requests.append(request_record(r, aborted))
+        rec = request_record(r, aborted)
+        if self.tiered:
+            rec.update(tier_record(r))
+        self.result.requests.append(rec)
 
     def spawn_samples(self, r: Request, tok: int, now: float) -> None:
         """Fork samples 1..n-1 of `r` from its computed prompt; each samples its first token.
@@ -336,6 +345,9 @@ class Scheduler:
         if r.lag:
             self.client.commit(r.seq, r.seq.num_computed + r.lag)
             r.lag = 0
+
+    def release_held(self) -> None:
+        """The run is over: release what finished requests still hold (none here)."""
 
     def record_pages(self, at: float) -> None:
         pinned = self.cache.pages_pinned()

@@ -29,13 +29,16 @@ ASYNC_BATCHES = 2
 SCHEDULER_POLICIES: dict[str, type[Scheduler]] = {"vllm": VllmScheduler, "legacy": Scheduler}
 
 
-def scheduler_class(config: ServingConfig, executor: Executor) -> type[Scheduler]:
+def scheduler_class(config: ServingConfig, executor: Executor, cache: PrefixCache | None = None) -> type[Scheduler]:
     """The class that runs `config.scheduler` with `executor`: the `vllm` policy's
     synchronous loop over an executor that prices steps runs on rows (`VllmRowScheduler`:
-    the same decisions, vectorised); every other combination on request objects."""
+    the same decisions, vectorised), except for a `cache` with memory tiers whose transfers
+    are timed (`config.time_transfers`: the row loop does not price them); every other
+    combination on request objects."""
     policy = SCHEDULER_POLICIES[config.scheduler]
     if policy is VllmScheduler and not config.async_scheduling and executor.supports_decode_windows:
-        return VllmRowScheduler
+        if not (config.time_transfers and isinstance(cache, PrefixCache) and cache.load_timing is not None):
+            return VllmRowScheduler
     return policy
 
 
@@ -64,7 +67,9 @@ def serve(
     refuse_beams(requests)
     client = cache if isinstance(cache, CacheClient) else CacheClient(cache)
     clock = VirtualClock(requests)
-    scheduler = scheduler_class(config, executor)(client, executor, config, clock, keep_outputs=keep_outputs)
+    scheduler = scheduler_class(config, executor, client.cache)(
+        client, executor, config, clock, keep_outputs=keep_outputs
+    )
     bar = progress_bar(len(requests), f"serve {client.cache.name}") if progress else None
     index_of = {s.request_id: i for i, s in enumerate(requests)}
     if config.async_scheduling:
@@ -75,6 +80,7 @@ def serve(
         bar.close()
     res = scheduler.result
     res.makespan = clock.now
+    finish_transfers(scheduler, res)
     res.cache_seconds = client.seconds
     return res
 
@@ -123,6 +129,16 @@ def drive_async(clock: VirtualClock, scheduler: VllmScheduler, index_of: dict[st
         scheduler.process(plan)
         if bar is not None and len(scheduler.result.requests) > bar.n:
             bar.update(len(scheduler.result.requests) - bar.n)
+
+
+def finish_transfers(scheduler: Scheduler, res: ServingResult) -> None:
+    """After the run: what finished requests held for their stores is released, the
+    transfers still in flight complete, and the timed transfers' totals go to the result
+    (`ServingResult.transfers`)."""
+    if scheduler.transfers is not None:
+        scheduler.release_held()
+        scheduler.transfers.drain()
+        res.transfers = scheduler.transfers.summary()
 
 
 def refuse_beams(requests: Seq[RequestSpec]) -> None:

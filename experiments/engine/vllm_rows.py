@@ -20,8 +20,9 @@ and every fresh id is new. Step times are the executor's `batch_seconds`, which 
 batch's terms in batch order (the same floats as `step_seconds`).
 
 Used for the synchronous loop with an executor that prices steps without running a model
-(`supports_decode_windows`: cost model, fixed); async scheduling and the model executor
-keep `VllmScheduler`'s object loop. tests/test_vllm_rows.py runs both on the same
+(`supports_decode_windows`: cost model, fixed); async scheduling, the model executor and a
+cache with memory tiers whose transfers cost time (`ServingConfig.time_transfers`,
+experiments/engine/transfers.py) keep `VllmScheduler`'s object loop. tests/test_vllm_rows.py runs both on the same
 workloads and compares every request record, the ITL pairs, the page timeline and the
 cache's counters.
 """
@@ -119,10 +120,17 @@ class RowPlan:
 class VllmRowScheduler(VllmScheduler):
     """`VllmScheduler`'s synchronous decisions over `RunningRows` (module docstring)."""
 
+    prices_transfers: ClassVar[bool] = False  # tiered caches with timed transfers: the object loop
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         if self.async_scheduling or not self.executor.supports_decode_windows:
             raise ValueError("the row scheduler runs the synchronous loop of an executor that prices steps")
+        if self.config.time_transfers and self.tiered and self.cache.load_timing is not None:
+            raise ValueError(
+                "the row scheduler does not price tier transfers: a tiered cache with time_transfers runs on "
+                "VllmScheduler (serving.scheduler_class)"
+            )
         self.rows = RunningRows()
 
     # -- the object view ------------------------------------------------------------

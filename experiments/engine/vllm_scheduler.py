@@ -44,6 +44,7 @@ tokens are published.
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -52,6 +53,7 @@ import numpy as np
 from cachelib.types import Sequence
 from experiments.engine.request import Request
 from experiments.engine.scheduler import Scheduler, _new_pages, _pages_limit
+from experiments.engine.transfers import TransferClock
 from experiments.workloads.spec import RequestSpec
 
 
@@ -90,6 +92,8 @@ class VllmScheduler(Scheduler):
     """One replica scheduling as vLLM 0.33's V1 `Scheduler` (FCFS)."""
 
     policy: ClassVar[str] = "vllm"
+    #: it prices a tiered cache's transfers on the serving clock (`config.time_transfers`)
+    prices_transfers: ClassVar[bool] = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -101,11 +105,23 @@ class VllmScheduler(Scheduler):
         self.gpu_free = 0.0  # when the last non-empty step ends
         self.finished_pending = False  # vLLM's finished_req_ids: one more schedule() after a finish
         self.async_scheduling = self.config.async_scheduling
+        #: tier transfers priced on the serving clock (experiments/engine/transfers.py), or
+        #: None: the cache has no tiers, or `config.time_transfers` is off (they are instant)
+        self.transfers: TransferClock | None = None
+        self.loading: deque[Request] = deque()  # vLLM's kv_holding_waiting: admitted, loading
+        self.held: list[tuple[float, Sequence]] = []  # finished, blocks kept until stores end
+        self._step_transfers: list = []  # decided while scheduling this step, not yet issued
+        if self.prices_transfers and self.config.time_transfers and self.tiered and self.cache.load_timing is not None:
+            self.transfers = TransferClock(self.cache, self.executor.num_layers)
 
     @property
     def has_requests(self) -> bool:
         """vLLM's `has_requests()`: unfinished requests, or finished ones not yet reported."""
-        return bool(self.waiting or self.running) or self.finished_pending
+        return bool(self.waiting or self.running or self.loading) or self.finished_pending
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.loading)
 
     def add(self, spec: RequestSpec, arrival: float, index: int = -1) -> None:
         """A request arrives at the back of the waiting queue. One with `n` parallel samples
@@ -129,7 +145,13 @@ class VllmScheduler(Scheduler):
         """An empty step with nothing running: only a waiting head that cannot fit even the
         empty cache leaves it so (a step that preempted the last running request admits
         nothing by rule 3; the next one takes the request back)."""
-        return plan.empty and not plan.preempted and not self.running and bool(self.waiting)
+        return (
+            plan.empty
+            and not plan.preempted
+            and not self.running
+            and bool(self.waiting)
+            and (self.transfers is None or self.next_transfer_event() is None)
+        )
 
     def give_up_on_head(self) -> None:
         """Nothing runs or is in flight and the head cannot fit even the empty cache: it
@@ -145,6 +167,8 @@ class VllmScheduler(Scheduler):
         if plan.empty:
             if self.stuck(plan):
                 self.give_up_on_head()
+            elif self.transfers is not None:
+                return self.wake_time(self.clock.now)
             return self.clock.now
         k = self.window_steps(plan)
         if k > 1:
@@ -158,6 +182,8 @@ class VllmScheduler(Scheduler):
     def schedule(self) -> StepPlan:
         """`Scheduler.schedule()`: the running pass, then (unless it preempted) admissions."""
         plan = StepPlan()
+        if self.transfers is not None:
+            self.poll_transfers()
         budget = self.schedule_running_pass(plan)
         if not plan.preempted:
             self.admit_waiting(plan, budget)
@@ -216,6 +242,10 @@ class VllmScheduler(Scheduler):
         """Rule 3: FCFS admissions while budget and the running limit allow; the first
         request whose whole sequence does not fit stops the pass."""
         waiting, client = self.waiting, self.client
+        if self.loading:
+            budget = self.admit_loaded(plan, budget)
+            if budget < 0:
+                return  # a loaded request did not fit: vLLM's waiting pass stops there
         skipped: list[Request] = []
         while waiting and budget > 0 and len(self.running) < self.config.max_running:
             r = waiting[0]
@@ -232,9 +262,11 @@ class VllmScheduler(Scheduler):
                 raise RuntimeError(f"{self.cache.name}: admit refused what can_admit accepted")
             self.executor.apply_copies(ops)
             waiting.popleft()
-            self.running.append(r)
             # a tiered cache may have loaded part of the hit back inside admit
             hit = seq.num_computed
+            if self.transfers is not None and self.loads_async(r, hit - m.num_tokens):
+                continue  # WAITING_FOR_REMOTE_KVS: scheduled once its load completes
+            self.running.append(r)
             n -= hit - m.num_tokens
             r.vllm.running = True
             r.vllm.computed = hit
@@ -286,10 +318,14 @@ class VllmScheduler(Scheduler):
         """The model runs the step from `max(now, gpu_free)`; an empty step takes no time.
         Sampled tokens join their sequences at once (the next step computes their KV)."""
         start = max(self.clock.now, self.gpu_free)
+        if self.transfers is not None:
+            start = self.after_blocking_transfers(start)
         if not plan.items:
-            plan.end = start
+            plan.end = start if self.transfers is None else self.wake_time(start)
             return
         seconds, tokens = self.executor.step([(r.seq, n, s) for r, n, s in plan.items])
+        if self.transfers is not None:
+            seconds = self.price_transfers(plan, start, seconds)
         plan.end = self.gpu_free = start + seconds
         plan.index = self.result.steps
         self.result.steps += 1
@@ -375,6 +411,8 @@ class VllmScheduler(Scheduler):
             return 1  # even the second step would preempt
         k = 1 + _pages_limit(covered, pages, self.cache.page_size, spare, k - 1)
         arrival = self.clock.next_arrival()
+        if self.transfers is not None:
+            arrival = self.next_transfer_event(arrival)  # a window must not pass a poll that matters
         if arrival is not None and k > 1:
             starts = self.step_starts(np.array([s for _, _, s in items], dtype=np.int64), k)
             k = int(np.searchsorted(starts, arrival, side="left"))  # steps starting before it
@@ -420,6 +458,150 @@ class VllmScheduler(Scheduler):
                 self.stop(r, end, first + k - 1)
         self.record_pages(end)
         return end
+
+    # -- tier transfers on the serving clock (experiments/engine/transfers.py) ------------
+
+    def poll_transfers(self) -> None:
+        """The scheduler's poll before it schedules: transfers decided since the last step
+        (backups of released requests) start now; completed tickets are acknowledged (a
+        backed-up node unlocks); finished requests whose stores are done release their
+        blocks."""
+        tc, now = self.transfers, self.clock.now
+        for t in self._step_transfers:  # decided in a schedule that ran no step
+            tc.issue(t, now)
+        self._step_transfers = []
+        tc.issue_all(now)
+        tc.poll(now)
+        if self.held:
+            keep = []
+            for done, seq in self.held:
+                if done <= now:
+                    self.client.release(seq)
+                else:
+                    keep.append((done, seq))
+            self.held = keep
+
+    def loads_async(self, r: Request, loaded: int) -> bool:
+        """Right after `r`'s admission: under `async` load timing, a request whose hit needed
+        a load waits for it out of the running list (True); the load starts with the step."""
+        tc = self.transfers
+        if not loaded or tc.layerwise:
+            return False
+        start = max(self.clock.now, self.gpu_free)
+        for t in tc.cache.take_transfers():
+            if t.to_gpu:
+                tc.issue(t, start)
+            else:
+                self._step_transfers.append(t)
+        v = r.vllm
+        v.computed = r.seq.num_computed
+        if r.first_admit_hit is None:
+            r.first_admit_hit = v.computed
+        r.hit_tokens += v.computed
+        r.host_hit_tokens += loaded
+        r.load_wait_s -= start  # + the time it is scheduled (`admit_loaded`)
+        self.loading.append(r)
+        return True
+
+    def admit_loaded(self, plan: StepPlan, budget: int) -> int:
+        """vLLM's pass over `kv_holding_waiting`, before the waiting queue: a request whose
+        load completed by now is scheduled (its loaded blocks published, the rest of its
+        prompt from its computed count); one still loading is skipped. Returns the budget
+        left, or -1 when an allocation failed (the waiting pass stops)."""
+        tc, now = self.transfers, self.clock.now
+        kept: list[Request] = []
+        out = budget
+        while self.loading and out > 0 and len(self.running) < self.config.max_running:
+            r = self.loading.popleft()
+            if tc.load_ready[r.spec.request_id] > now:
+                kept.append(r)  # still WAITING_FOR_REMOTE_KVS
+                continue
+            v = r.vllm
+            n = min(len(r.seq) - v.computed, out)
+            ops = self.client.grow(r.seq, v.computed + n)
+            if ops is None:
+                kept.append(r)
+                out = -1
+                break
+            self.executor.apply_copies(ops)
+            del tc.load_ready[r.spec.request_id]
+            self.publish(r, v.computed + n)
+            self.running.append(r)
+            v.running = True
+            r.load_wait_s += now
+            plan.items.append((r, n, v.computed))
+            plan.admitted = True
+            out -= n
+        self.loading.extendleft(reversed(kept))
+        return out
+
+    def after_blocking_transfers(self, start: float) -> float:
+        """A step starts once the transfers the scheduler waits for are done (SGLang's
+        write_back backups of evicted nodes)."""
+        tc = self.transfers
+        self._step_transfers.extend(tc.cache.take_transfers())
+        for t in self._step_transfers:
+            if t.blocking:
+                tc.issue(t, self.clock.now)
+        self._step_transfers = [t for t in self._step_transfers if not t.blocking]
+        if tc.blocked_until > start:
+            tc.blocked_seconds += tc.blocked_until - start
+            start = tc.blocked_until
+        return start
+
+    def price_transfers(self, plan: StepPlan, start: float, compute: float) -> float:
+        """The step's seconds with its load-backs overlapped layer by layer (`layerwise`);
+        backups and stores decided in this step start when its KV is written (its end)."""
+        tc = self.transfers
+        decided, self._step_transfers = self._step_transfers, []
+        loads = [t for t in decided if t.to_gpu]
+        seconds, stall = tc.step_seconds(compute, loads, start)
+        if stall:
+            loaders = {t.request_id for t in loads}
+            for r, _, _ in plan.items:
+                if r.spec.request_id in loaders:
+                    r.load_stall_s += stall
+        end = start + seconds
+        for t in decided:
+            if not t.to_gpu and not t.blocking:
+                tc.issue(t, end)
+        return seconds
+
+    def next_transfer_event(self, arrival: float | None = None) -> float | None:
+        """The earliest of `arrival` and what a poll would act on: a load that completes, a
+        ticket, a held request's stores."""
+        tc = self.transfers
+        times = [t for t in (arrival, tc.next_completion()) if t is not None]
+        times += [tc.load_ready[r.spec.request_id] for r in self.loading]
+        times += [done for done, _ in self.held]
+        return min(times) if times else None
+
+    def wake_time(self, now: float) -> float:
+        """When an empty step should look again: the next transfer event or arrival, not
+        before `now` (`now` itself when nothing is pending)."""
+        t = self.next_transfer_event(self.clock.next_arrival())
+        return now if t is None else max(now, t)
+
+    def finish(self, r: Request, at: float, *, aborted: bool = False, admitted: bool = True) -> None:
+        """`Scheduler.finish`; a finished request whose stores are still in flight keeps its
+        blocks until they complete (vLLM's `request_finished` -> `delay_free_blocks`)."""
+        if admitted and self.transfers is not None:
+            done = self.transfers.store_done.pop(r.spec.request_id, 0.0)
+            if done > at and r.group is None:
+                self.flush(r)
+                self.held.append((done, r.seq))
+                admitted = False
+        super().finish(r, at, aborted=aborted, admitted=admitted)
+
+    def release_held(self) -> None:
+        """The run is over: release what finished requests still held for their stores, and
+        start the transfers decided in a schedule that ran no step."""
+        for _, seq in self.held:
+            self.client.release(seq)
+        self.held = []
+        for t in self._step_transfers:
+            self.transfers.issue(t, self.clock.now)
+        self._step_transfers = []
 
 
 #: longest decode window taken in one go (bounds the per-step time vector)
