@@ -121,6 +121,7 @@ class Sequence:
         "cache_memo",
         "_buf",
         "_len",
+        "_view",
     )
 
     def __init__(
@@ -149,12 +150,20 @@ class Sequence:
         self.cache_memo: Any = None
         self._buf = tokens.copy() if tokens is prompt else tokens
         self._len = int(tokens.size)
+        self._view: np.ndarray | None = None  # `tokens`, made once per length
 
     @property
     def tokens(self) -> np.ndarray:
-        """All token ids so far (prompt, then generated), a read-only view."""
-        view = self._buf[: self._len]
-        view.flags.writeable = False
+        """All token ids so far (prompt, then generated), a read-only view.
+
+        Made once per length and kept until the next append: a cache reads it several
+        times per call, and making a read-only view costs more than the rest of a lookup's
+        bookkeeping."""
+        view = self._view
+        if view is None:
+            view = self._buf[: self._len]
+            view.flags.writeable = False
+            self._view = view
         return view
 
     def __len__(self) -> int:
@@ -170,6 +179,7 @@ class Sequence:
             self._buf = grown
         self._buf[self._len : need] = new
         self._len = need
+        self._view = None
 
     def extend_ids(self, ids: list[int]) -> None:
         """Append generated token ids given as a short list of Python ints (an engine bringing
@@ -192,6 +202,7 @@ class Sequence:
             self._buf = grown
         self._buf[self._len : need] = ids
         self._len = need
+        self._view = None
 
     def append_token(self, token: int) -> None:
         """Append one generated token id (the decode hot path: no array round trip)."""
@@ -209,6 +220,7 @@ class Sequence:
             self._buf = grown
         self._buf[self._len] = token
         self._len += 1
+        self._view = None
 
     def fork(self, request_id: str) -> Sequence:
         """A new sequence with the same tokens and extra keys and an empty page table."""
