@@ -246,7 +246,8 @@ class RadixCache(PrefixCache):
             table += self._take(n)
 
     def _give(self, pages: np.ndarray | list[int]) -> None:
-        """Return pages to the pool (copied: the caller's array or list is left as it is)."""
+        """Return pages to the pool, which keeps a long array as it is: the caller hands it
+        over and never writes it again (`PagePool.give`)."""
         self._num_free += len(pages)
         self._pool.give(pages)
 
@@ -308,7 +309,10 @@ class RadixCache(PrefixCache):
             node = tree.root(self._namespace(seq), create=True)
         tree.lock(node)
         self._evict_for_extend(num_tokens - match.num_tokens, need)
-        table = PageTable(self.pages_for(len(seq)) + 1)  # room for the prompt and a decode page
+        # room for the prompt and, for most requests, their decode pages: outgrowing a long
+        # table costs a copy of it into a buffer twice its size
+        n = self.pages_for(len(seq))
+        table = PageTable(n + n // 8 + 16)
         for pages in tree.path_pages(node):  # the hit's pages: the tree's, proven equal to match.pages
             table.extend(pages)
         self._extend_table(table, need)
@@ -404,7 +408,7 @@ class RadixCache(PrefixCache):
             # the tree already held [start, matched): our pages there are duplicates, freed
             # before their slots take the tree's pages (for an array they are a view of them)
             lo, hi = start // ps, matched // ps
-            self._give(pages[lo:hi])
+            self._give(pages[lo:hi].copy() if pages is not table else pages[lo:hi])
             table[lo:hi] = _joined(runs)[: hi - lo]
         held.node = new  # the insert moved our lock down to it
         held.protected = end

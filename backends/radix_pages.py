@@ -15,23 +15,31 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 
-class PagePool:
-    """The free page ids: recycled ids on a stack (last freed, first taken), then the
-    never-used ids `fresh .. num_pages - 1`, created only when first handed out, so an
-    unlimited pool costs nothing up front (the stack grows by doubling as pages come back).
-    It does not check what it is given: the cache hands back only pages it handed out."""
+#: an array given back shorter than this is copied onto the pool's stack instead of
+#: standing as a run of its own (a request's partial last page, a short decode leaf): a few
+#: ids copy faster than the turn of `take_into`'s loop that their own run would cost
+_SHORT_RUN = 64
 
-    __slots__ = ("num_pages", "_stack", "_top", "_fresh")
+
+class PagePool:
+    """The free page ids: whole runs given back (an evicted node's page array, kept as it
+    is: no copy), a stack of short ones, then the never-used ids `fresh .. num_pages - 1`,
+    created only when first handed out, so an unlimited pool costs nothing up front. Taking
+    copies each id once, into the table that takes it. It does not check what it is
+    given: the cache hands back only pages it handed out."""
+
+    __slots__ = ("num_pages", "_runs", "_stack", "_top", "_fresh")
 
     def __init__(self, num_pages: int) -> None:
         self.num_pages = num_pages
+        self._runs: list[np.ndarray] = []  # arrays given back whole, none empty
         self._stack = np.empty(min(num_pages, 1024), dtype=np.int32)
-        self._top = 0  # recycled ids are `_stack[:_top]`
+        self._top = 0  # short ones given back: `_stack[:_top]`
         self._fresh = 0  # the next never-used id
 
     @property
     def num_free(self) -> int:
-        return self._top + self.num_pages - self._fresh
+        return sum(r.size for r in self._runs) + self._top + self.num_pages - self._fresh
 
     def take(self, n: int) -> np.ndarray:
         """`n` free ids as a new array (the caller checked there are that many)."""
@@ -40,22 +48,44 @@ class PagePool:
         return out
 
     def take_into(self, out: np.ndarray) -> None:
-        """Fill `out` with free ids, as many as it holds (the caller checked there are)."""
+        """Fill `out` with free ids, as many as it holds (the caller checked there are):
+        the last runs given back first, then the stack, then never-used ids."""
         n = out.size
-        k = min(n, self._top)
-        if k:
+        got = 0
+        runs = self._runs
+        while got < n and runs:
+            run = runs[-1]
+            k = run.size
+            if k <= n - got:  # the whole run
+                out[got : got + k] = run
+                runs.pop()
+            else:  # its tail; the rest stays, a view unless short beside its buffer
+                k = n - got
+                out[got:n] = run[run.size - k :]
+                rest = run[: run.size - k]
+                base = rest.base
+                runs[-1] = rest.copy() if base is not None and 2 * rest.size < base.size else rest
+            got += k
+        if got < n and self._top:
+            k = min(n - got, self._top)
             top = self._top
-            out[:k] = self._stack[top - k : top]
+            out[got : got + k] = self._stack[top - k : top]
             self._top = top - k
-        if k < n:
+            got += k
+        if got < n:
             fresh = self._fresh
-            out[k:] = np.arange(fresh, fresh + n - k, dtype=np.int32)
-            self._fresh = fresh + n - k
+            out[got:] = np.arange(fresh, fresh + n - got, dtype=np.int32)
+            self._fresh = fresh + n - got
 
     def give(self, pages: np.ndarray | list[int]) -> None:
-        """Take `pages` back (copied: the caller keeps its array or list)."""
+        """Take `pages` back. A long int32 array is kept as it is: the caller hands it over
+        and never writes it again (an evicted node's pages, a finished table's tail); a
+        list (a subclass's) or a short array is copied."""
         n = len(pages)
         if not n:
+            return
+        if n >= _SHORT_RUN:
+            self._runs.append(pages if pages.__class__ is np.ndarray else np.array(pages, dtype=np.int32))
             return
         top = self._top
         if top + n > self._stack.size:
@@ -67,7 +97,8 @@ class PagePool:
 
     def free_ids(self) -> list[int]:
         """Every free id (for invariants and tests)."""
-        out = self._stack[: self._top].tolist()
+        out = [p for r in self._runs for p in r.tolist()]
+        out += self._stack[: self._top].tolist()
         out += range(self._fresh, self.num_pages)
         return out
 

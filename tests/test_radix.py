@@ -489,20 +489,20 @@ def _views_of(cache: RadixCache, s: Sequence) -> list:
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_a_prefill_insert_views_the_table_and_the_ids_outlive_its_growth(page_size):
     cache = radix(page_size=page_size)
-    a = seq("a", range(100, 120))
+    a = seq("a", range(100, 100 + 40 * page_size))  # 40 pages: a leaf of 40 pages, a view
     run_prompt(cache, a)
     (leaf,) = _views_of(cache, a)
     assert leaf.lender is None and isinstance(a.page_table, PageTable)
     ids = list(a.page_table)
-    assert leaf.pages.tolist() == ids[: 20 // page_size]
-    for t in range(40 * page_size):  # decode: the buffer is outgrown and copied, twice
+    assert leaf.pages.tolist() == ids[:40]
+    for t in range(40 * page_size):  # decode 40 pages: the buffer is outgrown and copied
         a.append_token(t % 7)
         assert cache.grow(a, len(a)) is not None
     cache.check_invariants()
-    assert not _views_of(cache, a) and leaf.pages.tolist() == ids[: 20 // page_size]
+    assert not _views_of(cache, a) and leaf.pages.tolist() == ids[:40]
     assert a.page_table[: len(ids)] == ids
     finish(cache, a)  # check_invariants: contents, partition, owners
-    assert a.page_table == [] and leaf.pages.tolist() == ids[: 20 // page_size]
+    assert a.page_table == [] and leaf.pages.tolist() == ids[:40]
 
 
 def test_a_short_node_copies_its_ids_instead_of_pinning_a_long_table():
