@@ -283,7 +283,8 @@ class RadixCache(PrefixCache):
         node, hit, runs = self.tree.match(self._namespace(seq), seq.tokens, limit)
         if not runs:
             return 0, (), node
-        pages = tuple(_joined(runs).tolist())
+        ids = _joined(runs)
+        pages = tuple(ids.tolist() if ids.__class__ is np.ndarray else ids)
         # what `_verify_match` needs to recognise this very match (see there)
         seq.cache_memo = (self.match_token, id(seq), seq.extra, node, hit, pages)
         return hit, pages, node
