@@ -47,16 +47,18 @@ def test_the_pool_keeps_a_long_array_given_back_and_copies_a_short_one():
     assert pool.num_free == 1000 - 300 + 110 - 150
 
 
-def test_a_run_partly_taken_leaves_its_head_and_copies_a_short_rest():
+def test_a_run_partly_taken_leaves_its_head_a_view_unless_short_beside_its_buffer():
     pool = PagePool(1000)
     pool.take(1000)
     buf = np.arange(1000, dtype=np.int32)
-    pool.give(buf[:200])  # a view of a 1000-id buffer
-    assert pool.take(50).tolist() == list(range(150, 200))
+    pool.give(buf[:800])  # a view of a 1000-id buffer, kept as it is
+    assert pool.take(100).tolist() == list(range(700, 800))
     (rest,) = pool._runs
-    assert rest.base is not None and np.shares_memory(rest, buf) is False or rest.base is None
-    assert rest.tolist() == list(range(150))
-    assert sorted(pool.free_ids()) == list(range(150))
+    assert np.shares_memory(rest, buf) and rest.tolist() == list(range(700))
+    assert pool.take(400).tolist() == list(range(300, 700))
+    (rest,) = pool._runs  # 300 of 1000: copied, so it no longer pins the buffer
+    assert not np.shares_memory(rest, buf) and rest.tolist() == list(range(300))
+    assert sorted(pool.free_ids()) == list(range(300)) and pool.num_free == 300
 
 
 def test_a_list_given_back_is_taken_as_ints():
