@@ -35,10 +35,11 @@ evicted nodes in the same order, for every policy, page sizes 1 and 16, any conc
 
 Page ids, for speed (no decision depends on which page ids a table holds): int32 arrays
 throughout (`backends/radix_pages.py`). A sequence's `page_table` is a `PageTable` (read as
-a list of ints, held as a growable int32 buffer), the free pages a `PagePool` (a stack of
-recycled ids, then never-used ids created on demand), and a node the tree creates takes its
-pages as a view of the table that computed them (`RadixTree._node_pages`). Moving page ids
-is a `memcpy`, never a reference count per page. A released sequence is left with an empty
+a list of ints, held as a growable int32 buffer), the free pages a `PagePool` (evicted
+nodes' arrays kept as they are, then never-used ids created on demand), and a node the tree
+creates takes its pages as a view of the table that computed them (`RadixTree._node_pages`).
+Moving page ids is a `memcpy`, never a reference count per page, and each id is copied once
+per use: from the pool into the table that takes it. A released sequence is left with an empty
 `page_table`. A subclass may build list tables instead (radix-hicache): the calls it
 inherits take both (`_page_ids`).
 
@@ -103,7 +104,6 @@ ADMISSION_EVICTION = ("shortfall", "extend")
 _NODE_BYTES = 48
 _TOKEN_BYTES = 4
 _PAGE_ID_BYTES = 4
-
 
 
 def _page_ids(table: PageTable | list[int]) -> np.ndarray | list[int]:
@@ -228,14 +228,17 @@ class RadixCache(PrefixCache):
 
     # -- pages ------------------------------------------------------------------------
 
-    def _take_array(self, n: int) -> np.ndarray:
-        """Hand out `n` free pages (the caller checked there are that many), a new array."""
-        self._num_free -= n
-        return self._pool.take(n)
+    def _new_table(self, seq: Sequence) -> PageTable:
+        """An empty table with room for `seq`'s pages and, for most requests, their decode
+        pages: outgrowing a long table costs a copy of it into a buffer twice its size."""
+        n = self.pages_for(len(seq))
+        return PageTable(n + n // 8 + 16)
 
     def _take(self, n: int) -> list[int]:
-        """`_take_array` as a list of ints, for a subclass's list tables."""
-        return self._take_array(n).tolist()
+        """Hand out `n` free pages (the caller checked there are that many) as a list of
+        ints: for a subclass's list tables and single pages."""
+        self._num_free -= n
+        return self._pool.take(n).tolist()
 
     def _extend_table(self, table: PageTable | list[int], n: int) -> None:
         """Append `n` free pages to `table` (the caller checked there are that many)."""
@@ -310,10 +313,7 @@ class RadixCache(PrefixCache):
             node = tree.root(self._namespace(seq), create=True)
         tree.lock(node)
         self._evict_for_extend(num_tokens - match.num_tokens, need)
-        # room for the prompt and, for most requests, their decode pages: outgrowing a long
-        # table costs a copy of it into a buffer twice its size
-        n = self.pages_for(len(seq))
-        table = PageTable(n + n // 8 + 16)
+        table = self._new_table(seq)
         for pages in tree.path_pages(node):  # the hit's pages: the tree's, proven equal to match.pages
             table.extend(pages)
         self._extend_table(table, need)
@@ -425,7 +425,7 @@ class RadixCache(PrefixCache):
         self.tree.lock(held.node)
         parent_table = parent.page_table
         if parent_table.__class__ is PageTable:
-            pages = PageTable(self.pages_for(len(child)) + 1)
+            pages = self._new_table(child)
             pages.extend(parent_table.array()[:full])
         else:
             pages = parent_table[:full]
@@ -454,10 +454,10 @@ class RadixCache(PrefixCache):
         self.tree.unlock(held.node)
 
     def _settle_borrowers(self, held: _Held) -> None:
-        """The sequence ends: with a list table (a subclass's), the nodes that borrow pages
-        from it (all on its locked path) get lists of their own. The longest takes the table's list itself, cut down to
-        its slots (no reference count moves but for the cut ends); the others copy theirs.
-        The released sequence is left with an empty table: the list is the tree's now."""
+        """The sequence ends and is left with an empty table. With a list table (a
+        subclass's), the nodes that borrow pages from it (all on its locked path) get lists
+        of their own: the longest takes the table's list itself, cut down to its slots (no
+        reference count moves but for the cut ends); the others copy theirs."""
         seq = held.seq
         table = seq.page_table
         if table.__class__ is PageTable:  # nodes view the buffer: nothing to hand over

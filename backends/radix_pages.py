@@ -14,7 +14,6 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-
 #: an array given back shorter than this is copied onto the pool's stack instead of
 #: standing as a run of its own (a request's partial last page, a short decode leaf): a few
 #: ids copy faster than the turn of `take_into`'s loop that their own run would cost
@@ -78,14 +77,19 @@ class PagePool:
             self._fresh = fresh + n - got
 
     def give(self, pages: np.ndarray | list[int]) -> None:
-        """Take `pages` back. A long int32 array is kept as it is: the caller hands it over
-        and never writes it again (an evicted node's pages, a finished table's tail); a
-        list (a subclass's) or a short array is copied."""
+        """Take `pages` back. A long int32 array is kept as it is (a view, unless short
+        beside the buffer under it): the caller hands it over and never writes it again (an
+        evicted node's pages, a finished table's tail); a list (a subclass's) or a short
+        array is copied."""
         n = len(pages)
         if not n:
             return
         if n >= _SHORT_RUN:
-            self._runs.append(pages if pages.__class__ is np.ndarray else np.array(pages, dtype=np.int32))
+            if pages.__class__ is not np.ndarray:
+                pages = np.array(pages, dtype=np.int32)
+            elif pages.base is not None and 2 * n < pages.base.size:
+                pages = pages.copy()  # as a node's view: never pin more than twice its ids
+            self._runs.append(pages)
             return
         top = self._top
         if top + n > self._stack.size:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from backends.radix import RadixCache
-from backends.radix_pages import PagePool, PageTable
+from backends.radix_pages import PageTable
 from backends.radix_policy import EvictionPolicy
 from cachelib import (
     CopyOp,
