@@ -33,11 +33,15 @@ evicted nodes in the same order, for every policy, page sizes 1 and 16, any conc
   private pages. `evict(n)` pops unlocked leaves in policy order (SGLang's heap of leaves;
   a parent that becomes an unlocked leaf joins the same eviction).
 
-Page lists, for speed (no decision depends on which page ids a table holds): a node a
-running request inserts borrows its page ids from that request's table instead of copying
-them (`backends/radix_tree.py`), and at release the table's list itself passes to the tree,
-so a released sequence is left with an empty `page_table`. Free pages are kept as runs (whole
-lists) that move without copying where they can.
+Page ids, for speed (no decision depends on which page ids a table holds): int32 arrays
+throughout (`backends/radix_pages.py`). A sequence's `page_table` is a `PageTable` (read as
+a list of ints, held as a growable int32 buffer), the free pages a `PagePool` (evicted
+nodes' arrays kept as they are, then never-used ids created on demand), and a node the tree
+creates takes its pages as a view of the table that computed them (`RadixTree._node_pages`).
+Moving page ids is a `memcpy`, never a reference count per page, and each id is copied once
+per use: from the pool into the table that takes it. A released sequence is left with an empty
+`page_table`. A subclass may build list tables instead (radix-hicache): the calls it
+inherits take both (`_page_ids`).
 
 Options, each a named variant, never a silent change: `eviction_policy` (lru, lfu, fifo,
 mru, filo: SGLang's `evict_policy.py`; its priority, slru and tlru policies are not offered);
@@ -80,9 +84,10 @@ from itertools import chain
 import numpy as np
 
 from backends.radix_match import verify_radix_match
+from backends.radix_pages import PagePool, PageTable
 from backends.radix_policy import EvictionPolicy, make_policy
 from backends.radix_tree import RadixNode, RadixTree
-from cachelib.errors import InvalidRequestError
+from cachelib.errors import InvalidRequestError, StaleMatchError
 from cachelib.interface import LiveState, Occupancy, PagePartition, PrefixCache
 from cachelib.kv_events import PageKeys, PagesRemoved, PagesStored
 from cachelib.registry import register_backend
@@ -100,10 +105,20 @@ _NODE_BYTES = 48
 _TOKEN_BYTES = 4
 _PAGE_ID_BYTES = 4
 
-#: a page list returned to the pool shorter than this joins the pool's last run instead of
-#: standing alone (a request's partial last page, a short decode leaf): copying a few ids
-#: is cheaper than the turn of `_take`'s loop that a run of its own would cost later
-_SHORT_RUN = 64
+
+def _page_ids(table: PageTable | list[int]) -> np.ndarray | list[int]:
+    """The ids of a table, to slice and read: a `PageTable`'s array view, or the list itself
+    (a subclass's list tables)."""
+    return table.array() if table.__class__ is PageTable else table
+
+
+def _joined(runs: list) -> np.ndarray | list[int]:
+    """The page runs of a walk (node page arrays, or lists) as one sequence of ids."""
+    if len(runs) == 1:
+        return runs[0]
+    if runs[0].__class__ is np.ndarray:
+        return np.concatenate(runs)
+    return list(chain.from_iterable(runs))
 
 
 class _Held(LiveState):
@@ -205,71 +220,50 @@ class RadixCache(PrefixCache):
             self.decode_steps_are_noops = False
         self.tree = RadixTree(page_size, policy)
         self.eviction_policy = policy.name
-        # Free pages: runs of recycled page ids (an evicted node's page list moves here whole,
-        # so eviction does no per-page work), then the never-used ids `fresh..num_pages-1`,
-        # created only when first handed out (an unlimited pool costs nothing up front).
-        self._free_runs: list[list[int]] = []
-        self._fresh = 0
+        # Free pages: recycled ids, then never-used ones created when first handed out (an
+        # unlimited pool costs nothing up front).
+        self._pool = PagePool(num_pages)
         self._num_free = num_pages
         self._contents = np.full(num_pages * page_size, -1, dtype=np.int64) if track_contents else None
 
     # -- pages ------------------------------------------------------------------------
 
+    def _new_table(self, seq: Sequence) -> PageTable:
+        """An empty table with room for `seq`'s pages and, for most requests, their decode
+        pages: outgrowing a long table costs a copy of it into a buffer twice its size."""
+        n = self.pages_for(len(seq))
+        return PageTable(n + n // 8 + 16)
+
     def _take(self, n: int) -> list[int]:
-        """Hand out `n` free pages (the caller checked there are that many): recycled first.
-
-        Page ids are Python ints in lists, and copying a list costs a reference-count update
-        per page, so this copies as little as it can: whole runs move as they are, a run is
-        split by copying its smaller side off its end (never shifting a list's head), and
-        runs are joined by appending the shorter one to the longer (page order within a
-        table is free to choose).
-        """
-        if n <= 0:
-            return []
+        """Hand out `n` free pages (the caller checked there are that many) as a list of
+        ints: for a subclass's list tables and single pages."""
         self._num_free -= n
-        runs = self._free_runs
-        out: list[int] = []
-        while n and runs:
-            run = runs[-1]
-            k = len(run)
-            if k <= n:  # the whole run
-                runs.pop()
-                n -= k
-            elif n <= k - n:  # its last n pages go, the rest stays
-                part = run[k - n :]
-                del run[k - n :]
-                run, n = part, 0
-            else:  # its first n pages go in place, the short rest stays as a new run
-                runs[-1] = run[n:]
-                del run[n:]
-                n = 0
-            if len(run) > len(out):
-                run += out
-                out = run
-            else:
-                out += run
-        if n:
-            out += range(self._fresh, self._fresh + n)
-            self._fresh += n
-        return out
+        return self._pool.take(n).tolist()
 
-    def _give(self, pages: list[int]) -> None:
-        """Return pages to the pool: a long list is kept as one run (not copied), a short
-        one joins the last run. The pool owns the list from here."""
-        n = len(pages)
-        if n:
-            runs = self._free_runs
-            if n < _SHORT_RUN and runs:
-                runs[-1] += pages
-            else:
-                runs.append(pages)
-            self._num_free += n
+    def _extend_table(self, table: PageTable | list[int], n: int) -> None:
+        """Append `n` free pages to `table` (the caller checked there are that many)."""
+        if table.__class__ is PageTable:
+            self._num_free -= n
+            self._pool.take_into(table.append_slots(n))  # straight into the table's buffer
+        else:
+            table += self._take(n)
+
+    def _give(self, pages: np.ndarray | list[int]) -> None:
+        """Return pages to the pool, which keeps a long array as it is: the caller hands it
+        over and never writes it again (`PagePool.give`)."""
+        self._num_free += len(pages)
+        self._pool.give(pages)
 
     def _free_pages(self) -> list[int]:
         """Every free page id (for invariants and tests)."""
-        out = [p for run in self._free_runs for p in run]
-        out += range(self._fresh, self.num_pages)
-        return out
+        return self._pool.free_ids()
+
+    @property
+    def _free_runs(self) -> list[list[int]]:
+        """The free ids as runs, none empty (one run now): what the free pool was before it
+        became `PagePool`, still read by `radix_hicache_invariants`."""
+        ids = self._pool.free_ids()
+        return [ids] if ids else []
 
     def _evict_tokens(self, num_tokens: int) -> int:
         freed = self.tree.evict(num_tokens, self._give) // self.page_size
@@ -290,7 +284,12 @@ class RadixCache(PrefixCache):
         if limit <= 0:
             return 0, (), None
         node, hit, runs = self.tree.match(self._namespace(seq), seq.tokens, limit)
-        pages = tuple(runs[0]) if len(runs) == 1 else tuple(chain.from_iterable(runs))
+        if not runs:
+            return 0, (), node
+        ids = _joined(runs)
+        pages = tuple(ids.tolist() if ids.__class__ is np.ndarray else ids)
+        # what `_verify_match` needs to recognise this very match (see there)
+        seq.cache_memo = (self.match_token, id(seq), seq.extra, node, hit, pages)
         return hit, pages, node
 
     def _can_admit(self, seq: Sequence, match: Match, num_tokens: int) -> bool:
@@ -314,8 +313,10 @@ class RadixCache(PrefixCache):
             node = tree.root(self._namespace(seq), create=True)
         tree.lock(node)
         self._evict_for_extend(num_tokens - match.num_tokens, need)
-        table = self._take(need)
-        table[0:0] = match.pages  # one list: hit pages, then the new ones
+        table = self._new_table(seq)
+        for pages in tree.path_pages(node):  # the hit's pages: the tree's, proven equal to match.pages
+            table.extend(pages)
+        self._extend_table(table, need)
         seq.page_table = table
         seq.num_computed = match.num_tokens
         return _Held(seq, node, match.num_tokens, 0, num_tokens), []
@@ -333,7 +334,7 @@ class RadixCache(PrefixCache):
             end = min(num_tokens, seq.prompt_len)
             extend_pages = max(self.pages_for(end) - len(table), 0)
             self._evict_for_extend(end - start, extend_pages)
-            table.extend(self._take(extend_pages))
+            self._extend_table(table, extend_pages)
             start = end
         if start < num_tokens:
             self._decode_steps(table, start, num_tokens)
@@ -363,7 +364,7 @@ class RadixCache(PrefixCache):
             need = self.pages_for(end) - len(table)
             if need > self._num_free:
                 self._evict_tokens((need - self._num_free) * ps)
-            table.extend(self._take(need))
+            self._extend_table(table, need)
             return
         pos = start
         while pos < end:
@@ -378,7 +379,7 @@ class RadixCache(PrefixCache):
             k = min(self._num_free, need)
             if k == 0:
                 raise AssertionError("radix: decode steps ran out of pages after the fit check")
-            table.extend(self._take(k))
+            self._extend_table(table, k)
             pos = first + (k - 1) * ps + 1
 
     def _commit(self, seq: Sequence, held: _Held, num_computed: int) -> None:
@@ -399,15 +400,17 @@ class RadixCache(PrefixCache):
         table = seq.page_table
         start = held.protected
         old = held.node
-        new, matched, runs = tree.insert(old, start, seq.tokens, end, table, held.inserted, lend)
+        pages = _page_ids(table)
+        if pages is not table:
+            lend = False  # an array's slice is a view already: the new leaf takes one
+        new, matched, runs = tree.insert(old, start, seq.tokens, end, pages, held.inserted, lend)
         held.inserted = max(held.inserted, end)
         if matched > start:
-            # the tree already held [start, matched): our pages there are duplicates
+            # the tree already held [start, matched): our pages there are duplicates, freed
+            # before their slots take the tree's pages (for an array they are a view of them)
             lo, hi = start // ps, matched // ps
-            dups = table[lo:hi]
-            tree_pages = runs[0] if len(runs) == 1 else list(chain.from_iterable(runs))
-            table[lo:hi] = tree_pages[: hi - lo]
-            self._give(dups)
+            self._give(pages[lo:hi].copy() if pages is not table else pages[lo:hi])
+            table[lo:hi] = _joined(runs)[: hi - lo]
         held.node = new  # the insert moved our lock down to it
         held.protected = end
 
@@ -420,18 +423,22 @@ class RadixCache(PrefixCache):
             return None
         self._insert(held, full * ps, lend=True)  # the child shares through the tree
         self.tree.lock(held.node)
-        pages = parent.page_table[:full]
+        parent_table = parent.page_table
+        if parent_table.__class__ is PageTable:
+            pages = self._new_table(child)
+            pages.extend(parent_table.array()[:full])
+        else:
+            pages = parent_table[:full]
         ops: list[CopyOp] = []
         if partial:
             if not self._num_free:
                 self._evict_tokens(ps)
             (copy,) = self._take(1)
-            ops.append(CopyOp(parent.page_table[full], copy))
+            src = parent_table[full]
+            ops.append(CopyOp(src, copy))
             pages.append(copy)
             if self._contents is not None:
-                self._contents[copy * ps : (copy + 1) * ps] = self._contents[
-                    parent.page_table[full] * ps : (parent.page_table[full] + 1) * ps
-                ]
+                self._contents[copy * ps : (copy + 1) * ps] = self._contents[src * ps : (src + 1) * ps]
         child.page_table = pages
         child.num_computed = computed
         # The child counts its own LFU hits once, as a separate SGLang request would.
@@ -442,17 +449,20 @@ class RadixCache(PrefixCache):
         # request ends, always (a walk that refreshes recency even when no page is new)
         ps = self.page_size
         self._insert(held, max(seq.num_computed // ps * ps, held.protected), lend=False)
-        self._give(seq.page_table[held.protected // ps :])
+        self._give(_page_ids(seq.page_table)[held.protected // ps :])
         self._settle_borrowers(held)
         self.tree.unlock(held.node)
 
     def _settle_borrowers(self, held: _Held) -> None:
-        """The sequence ends: the nodes that borrow pages from its table (all on its locked
-        path) get lists of their own. The longest takes the table's list itself, cut down to
-        its slots (no reference count moves but for the cut ends); the others copy theirs.
-        The released sequence is left with an empty table: the list is the tree's now."""
+        """The sequence ends and is left with an empty table. With a list table (a
+        subclass's), the nodes that borrow pages from it (all on its locked path) get lists
+        of their own: the longest takes the table's list itself, cut down to its slots (no
+        reference count moves but for the cut ends); the others copy theirs."""
         seq = held.seq
         table = seq.page_table
+        if table.__class__ is PageTable:  # nodes view the buffer: nothing to hand over
+            seq.page_table = []
+            return
         borrowers = []
         x = held.node
         while x.parent is not None:
@@ -527,7 +537,7 @@ class RadixCache(PrefixCache):
         cached: list[int] = []
         pinned: list[int] = []
         for node in self.tree.nodes():
-            (pinned if node.lock_ref else cached).extend(self.tree.pages_of(node))
+            (pinned if node.lock_ref else cached).extend(self.tree.page_ids(node))
         for held in self._live.values():  # private pages: past the tree's part of the table
             pinned += held.seq.page_table[held.protected // self.page_size :]
         return PagePartition(free=self._free_pages(), cached=cached, pinned=pinned)
@@ -548,5 +558,27 @@ class RadixCache(PrefixCache):
         return [(k[-1].start, len(k[-1].key)) for k in self.tree.candidates]
 
     def _verify_match(self, seq: Sequence, match: Match) -> None:
-        """`_check_match`'s proof of a hit against the tree (O(hit), backends/radix_match.py)."""
+        """`_check_match`'s proof of a hit against the tree (O(hit), backends/radix_match.py).
+
+        A match this cache made for this very sequence object is recognised in O(1): `_match`
+        left its node, token count and page tuple (by identity) in `seq.cache_memo`. What it
+        proved then still holds while the node is in the tree: a sequence's first tokens
+        never change, a node keeps its pages until it is evicted, and a split keeps the
+        pages and the end of every path through it. Only eviction is left to check. Any
+        other match (edited, another sequence's, a copied memo) gets the full proof."""
+        memo = seq.cache_memo
+        if (
+            memo.__class__ is tuple
+            and len(memo) == 6
+            and memo[0] is self.match_token
+            and memo[1] == id(seq)
+            and memo[2] is seq.extra
+            and memo[3] is match.handle
+            and memo[4] == match.num_tokens
+            and memo[5] is match.pages
+        ):
+            node = match.handle
+            if node.pages is None and node.lender is None:
+                raise StaleMatchError(f"request {seq.request_id!r}: the matched prefix was evicted since; match again")
+            return
         verify_radix_match(self, seq, match)

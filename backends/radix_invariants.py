@@ -22,8 +22,8 @@ def _fail(msg: str) -> None:
 
 def check_radix(cache: RadixCache) -> None:
     """Raise `InvariantViolation` on the first broken invariant. Read-only."""
-    if cache._num_free != len(cache._free_pages()) or any(not run for run in cache._free_runs):
-        _fail(f"free count {cache._num_free}, actual {len(cache._free_pages())} (or an empty run)")
+    if cache._num_free != len(cache._free_pages()) or cache._num_free != cache._pool.num_free:
+        _fail(f"free count {cache._num_free}, pool {cache._pool.num_free}, actual {len(cache._free_pages())}")
     _check_tree(cache)
     _check_sequences(cache)
     if cache.tree.events is not None:
@@ -117,8 +117,8 @@ def _check_sequences(cache: RadixCache, held_nodes: list | tuple = ()) -> None:
         end = node.start + len(node.key)
         if end != held.protected:
             _fail(f"{rid}: its node ends at {end}, protected length is {held.protected}")
-        tree_pages = [p for x in path for p in tree.pages_of(x)]
-        if table[: len(tree_pages)] != tree_pages:
+        tree_pages = [p for x in path for p in tree.page_ids(x)]
+        if list(table[: len(tree_pages)]) != tree_pages:
             _fail(f"{rid}: table does not point at the tree's pages of its prefix")
         if path and not np.array_equal(np.concatenate([x.key for x in path]), seq.tokens[:end]):
             _fail(f"{rid}: its locked path holds other tokens than its prefix")

@@ -51,12 +51,12 @@ def verify_radix_match(cache: RadixCache, seq: Sequence, match: Match) -> None:
         raise InvalidRequestError(
             f"request {rid!r}: the match's node ends at token {node.start + len(node.key)}, not {n}"
         )
-    pages_of = cache.tree.pages_of
+    page_ids = cache.tree.page_ids
     if len(path) == 1:
-        pages, key = pages_of(node), node.key
+        pages, key = page_ids(node), node.key
     else:
         path.reverse()
-        pages = list(chain.from_iterable(pages_of(y) for y in path))
+        pages = list(chain.from_iterable(page_ids(y) for y in path))
         key = np.concatenate([y.key for y in path])
     if tuple(pages) != match.pages or key.tobytes() != seq.tokens[:n].tobytes():
         raise InvalidRequestError(

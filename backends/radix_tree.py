@@ -4,13 +4,16 @@ A node holds a run of token ids (`key`, int32) and the page ids holding their KV
 one per `page_size` tokens); children are keyed by their first `page_size` tokens. Each
 namespace (`cache_salt`, `lora_id`) has its own root, so two namespaces never share a node.
 
-A node a running request inserted *borrows* its pages: `pages` is None and `lender` is that
-request's page table, whose slots `[start, end) / page_size` are the node's pages (`pages_of`).
-Page ids are Python ints, and copying a list of them updates a reference count per page (at
-page size 1, a cache miss per prompt token); borrowing spares the copy of every prompt's
-page list. The table holds still where it is lent (the request only appends to it, and its
-own later inserts start past it), the request holds the node locked until it ends, and when
-it ends the cache hands the borrowers lists of their own (`RadixCache._settle_borrowers`).
+Page ids come in two forms. The radix cache keeps them as int32 arrays
+(`backends/radix_pages.py`): a node's `pages` is a view of the table that computed them,
+or a copy when the view would be short beside the buffer under it (`_node_pages`), so
+inserting a prompt copies no page id. A subclass's cache may keep lists of ints instead
+(radix-hicache): a node it inserts for a running request then *borrows* its pages: `pages`
+is None and `lender` is that request's page table, whose slots `[start, end) / page_size`
+are the node's pages (`pages_of`). The table holds still where it is lent (the request
+only appends to it, and its own later inserts start past it), the request holds the node
+locked until it ends, and when it ends the cache hands the borrowers lists of their own
+(`RadixCache._settle_borrowers`).
 
 What the tree keeps exact at every step (SGLang's `inc_lock_ref` / `dec_lock_ref`):
 `lock_ref` counts the holders of a node and of every node below it on their paths;
@@ -210,6 +213,22 @@ class RadixTree:
             return key.copy()
         return key
 
+    @staticmethod
+    def _node_pages(pages, lo: int, hi: int):
+        """A node's pages `pages[lo:hi]` of a table or of another node's pages.
+
+        A list slice is a copy. An int32 array's slice (the radix cache's tables,
+        `backends/radix_pages.py`) is a view, kept when it covers at least half of the
+        buffer under it, else copied: the rule of `_node_key`, so no node pins more than
+        twice its own ids.
+        """
+        part = pages[lo:hi]
+        if part.__class__ is np.ndarray:
+            base = part.base
+            if base is not None and 2 * part.size < base.size:
+                return part.copy()
+        return part
+
     def tick(self) -> int:
         self.clock += 1
         return self.clock
@@ -229,6 +248,20 @@ class RadixTree:
             return node.pages
         lo = node.start // self.page_size
         return node.lender[lo : lo + len(node.key) // self.page_size]
+
+    def page_ids(self, node: RadixNode) -> list[int]:
+        """The node's page ids as a list of ints (observation: invariants, partitions)."""
+        pages = self.pages_of(node)
+        return pages.tolist() if pages.__class__ is np.ndarray else list(pages)
+
+    def path_pages(self, node: RadixNode) -> list:
+        """The pages of each node on root..`node`, top first."""
+        runs = []
+        while node.parent is not None:
+            runs.append(self.pages_of(node))
+            node = node.parent
+        runs.reverse()
+        return runs
 
     def _new_node(self, key: np.ndarray, pages: list[int] | None, parent: RadixNode, tick: int, edge) -> RadixNode:
         self._next_id += 1
@@ -277,8 +310,9 @@ class RadixTree:
         parent = child.parent
         lender = child.lender
         if lender is None:
-            upper_pages = child.pages[: m // self.page_size]
-            child.pages = child.pages[m // self.page_size :]
+            cut = m // self.page_size
+            upper_pages = self._node_pages(child.pages, 0, cut)
+            child.pages = self._node_pages(child.pages, cut, len(child.pages))
         else:  # both parts borrow from the same table: their starts say which slots
             upper_pages = None
         new = self._new_node(child.key[:m], upper_pages, parent, tick, child.edge)
@@ -391,7 +425,7 @@ class RadixTree:
             pos += m
         matched = pos
         if pos < end:  # the walk stopped at a missing child: `edge` is the new leaf's
-            leaf_pages = None if lend else pages[pos // ps : end // ps]
+            leaf_pages = None if lend else self._node_pages(pages, pos // ps, end // ps)
             leaf = self._new_node(self._node_key(tokens, pos, end), leaf_pages, node, t, edge)
             if lend:
                 leaf.lender = pages

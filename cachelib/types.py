@@ -106,8 +106,9 @@ class Sequence:
     """One request as the cache sees it: token ids, extra keys, page table, computed count.
 
     Tokens live in a growable int32 buffer (`tokens` is a view, never a copy). The page
-    table is written by the cache that holds the sequence; token t lives at page
-    `page_table[t // page_size]`, slot `t % page_size`. `cache_memo` is scratch space for
+    table is written by the cache that holds the sequence and reads as a list of ints (a
+    `list`, or radix's `PageTable`, an int32 buffer that reads like one); token t lives at
+    page `page_table[t // page_size]`, slot `t % page_size`. `cache_memo` is scratch space for
     the cache that matched the sequence (vLLM keeps block hashes on its Request likewise).
     """
 
@@ -121,6 +122,7 @@ class Sequence:
         "cache_memo",
         "_buf",
         "_len",
+        "_view",
     )
 
     def __init__(
@@ -143,18 +145,26 @@ class Sequence:
         self.request_id = request_id
         self.extra = extra
         self.prompt_len = int(tokens.size)
-        self.page_table: list[int] = []
+        self.page_table: list[int] = []  # or a `PageTable` (backends/radix_pages.py)
         self.num_computed = 0
         self.prefix_id = prefix_id
         self.cache_memo: Any = None
         self._buf = tokens.copy() if tokens is prompt else tokens
         self._len = int(tokens.size)
+        self._view: np.ndarray | None = None  # `tokens`, made once per length
 
     @property
     def tokens(self) -> np.ndarray:
-        """All token ids so far (prompt, then generated), a read-only view."""
-        view = self._buf[: self._len]
-        view.flags.writeable = False
+        """All token ids so far (prompt, then generated), a read-only view.
+
+        Made once per length and kept until the next append: a cache reads it several
+        times per call, and making a read-only view costs more than the rest of a lookup's
+        bookkeeping."""
+        view = self._view
+        if view is None:
+            view = self._buf[: self._len]
+            view.flags.writeable = False
+            self._view = view
         return view
 
     def __len__(self) -> int:
@@ -170,6 +180,7 @@ class Sequence:
             self._buf = grown
         self._buf[self._len : need] = new
         self._len = need
+        self._view = None
 
     def extend_ids(self, ids: list[int]) -> None:
         """Append generated token ids given as a short list of Python ints (an engine bringing
@@ -192,6 +203,7 @@ class Sequence:
             self._buf = grown
         self._buf[self._len : need] = ids
         self._len = need
+        self._view = None
 
     def append_token(self, token: int) -> None:
         """Append one generated token id (the decode hot path: no array round trip)."""
@@ -209,6 +221,7 @@ class Sequence:
             self._buf = grown
         self._buf[self._len] = token
         self._len += 1
+        self._view = None
 
     def fork(self, request_id: str) -> Sequence:
         """A new sequence with the same tokens and extra keys and an empty page table."""

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from backends.radix import RadixCache
+from backends.radix_pages import PageTable
 from backends.radix_policy import EvictionPolicy
 from cachelib import (
     CopyOp,
@@ -475,28 +477,47 @@ def test_lock_sizes_are_exact_through_a_lifecycle():
     assert leaf_runs(cache) == [(6, 6), (6, 70)]  # a's tail (older), then b's
 
 
-# -- borrowed pages: a running request's new nodes borrow its table until it ends ---------
+# -- page ids: nodes view the table that computed them (backends/radix_pages.py) ---------
 
 
-def _borrowers(cache: RadixCache) -> list:
-    return [n for n in cache.tree.nodes() if n.lender is not None]
+def _views_of(cache: RadixCache, s: Sequence) -> list:
+    """Nodes whose pages are a view of `s`'s table buffer (no copy of the ids)."""
+    buf = s.page_table.array()
+    return [n for n in cache.tree.nodes() if np.shares_memory(n.pages, buf)]
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_a_prefill_insert_borrows_the_table_and_release_hands_it_over(page_size):
+def test_a_prefill_insert_views_the_table_and_the_ids_outlive_its_growth(page_size):
     cache = radix(page_size=page_size)
-    a = seq("a", range(100, 120))
+    a = seq("a", range(100, 100 + 40 * page_size))  # 40 pages: a leaf of 40 pages, a view
     run_prompt(cache, a)
-    (leaf,) = _borrowers(cache)
-    assert leaf.lender is a.page_table and leaf.pages is None
-    assert cache.tree.pages_of(leaf) == a.page_table[: 20 // page_size]
-    table, pages = a.page_table, list(a.page_table)
+    (leaf,) = _views_of(cache, a)
+    assert leaf.lender is None and isinstance(a.page_table, PageTable)
+    ids = list(a.page_table)
+    assert leaf.pages.tolist() == ids[:40]
+    for t in range(40 * page_size):  # decode 40 pages: the buffer is outgrown and copied
+        a.append_token(t % 7)
+        assert cache.grow(a, len(a)) is not None
+    cache.check_invariants()
+    assert not _views_of(cache, a) and leaf.pages.tolist() == ids[:40]
+    assert a.page_table[: len(ids)] == ids
     finish(cache, a)  # check_invariants: contents, partition, owners
-    assert not _borrowers(cache) and a.page_table == []
-    assert leaf.pages is table and leaf.pages == pages  # the list itself, no copy
+    assert a.page_table == [] and leaf.pages.tolist() == ids[:40]
 
 
-def test_chunked_prefill_borrows_twice_and_both_nodes_settle():
+def test_a_short_node_copies_its_ids_instead_of_pinning_a_long_table():
+    cache = radix(page_size=1)
+    a = seq("a", range(100, 160))
+    run_prompt(cache, a)
+    finish(cache, a)
+    b = seq("b", list(range(100, 150)) + [1, 2, 3, 4, 5])  # hits 50 of 55: a 5-page leaf
+    run_prompt(cache, b)
+    (leaf,) = [n for n in cache.tree.nodes() if n.start == 50 and int(n.key[0]) == 1]
+    assert leaf.pages.base is None and leaf.pages.tolist() == b.page_table[50:55]
+    finish(cache, b)
+
+
+def test_chunked_prefill_views_twice_and_both_nodes_keep_their_ids():
     cache = radix(page_size=4)
     a = seq("a", range(100, 124))
     m = cache.match(a)
@@ -505,27 +526,27 @@ def test_chunked_prefill_borrows_twice_and_both_nodes_settle():
     cache.grow(a, 24)
     cache.commit(a, 24)
     cache.check_invariants()
-    first, second = sorted(_borrowers(cache), key=lambda n: n.start)
+    first, second = sorted((n for n in cache.tree.nodes()), key=lambda n: n.start)
     assert (first.start, second.start) == (0, 8)
     pages = list(a.page_table)
     finish(cache, a)
-    assert not _borrowers(cache)
-    assert first.pages + second.pages == pages
+    assert first.pages.tolist() + second.pages.tolist() == pages
     b = seq("b", range(100, 125))
     assert run_prompt(cache, b).num_tokens == 24
     finish(cache, b)
 
 
-def test_a_borrowed_node_split_by_another_request_settles_in_both_parts():
+def test_a_viewed_node_split_by_another_request_keeps_its_ids_in_both_parts():
     cache = radix(page_size=1)
     a = seq("a", range(100, 120))
-    run_prompt(cache, a)  # a's leaf borrows a's table; a runs on
+    run_prompt(cache, a)  # a's leaf views a's table; a runs on
     b = seq("b", list(range(100, 110)) + [7, 8, 9])
-    assert run_prompt(cache, b).num_tokens == 10  # splits a's leaf at 10: both parts borrow
-    assert sorted(n.start for n in _borrowers(cache) if n.lender is a.page_table) == [0, 10]
+    assert run_prompt(cache, b).num_tokens == 10  # splits a's leaf at 10
     assert b.page_table[:10] == a.page_table[:10]
+    pages = list(a.page_table)
     finish(cache, a)
-    assert [n for n in _borrowers(cache) if n.lender is a.page_table] == []
+    upper, lower = sorted((n for n in cache.tree.nodes() if int(n.key[0]) in (100, 110)), key=lambda n: n.start)
+    assert upper.pages.tolist() + lower.pages.tolist() == pages[:20]
     finish(cache, b)
     assert cache.stats().pages_pinned == 0
 
@@ -538,6 +559,6 @@ def test_invariants_refuse_a_node_borrowing_from_no_live_table():
     run_prompt(cache, a)
     finish(cache, a)
     (node,) = list(cache.tree.nodes())
-    node.lender, node.pages = list(node.pages), None  # borrows from a table nobody runs on
+    node.lender, node.pages = cache.tree.page_ids(node), None  # borrows from a table nobody runs on
     with pytest.raises(InvariantViolation, match="borrows pages from a table"):
         cache.check_invariants()

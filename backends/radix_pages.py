@@ -1,0 +1,189 @@
+"""Page ids of the radix backend as int32 arrays: the free pool and the sequences' tables.
+
+Page ids as Python ints in lists cost a reference-count update per page every time a list
+is copied, joined or cut (at page size 1 that is every token of every prompt, several times
+per request, each a likely cache miss). Here every move of page ids is a `memcpy` of an
+int32 array, and a tree node takes its pages as a view of the table that computed them
+(`RadixTree._node_pages`), not as a copy. No decision depends on which ids a table holds:
+only how the ids are stored changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+
+#: an array given back shorter than this is copied onto the pool's stack instead of
+#: standing as a run of its own (a request's partial last page, a short decode leaf): a few
+#: ids copy faster than the turn of `take_into`'s loop that their own run would cost
+_SHORT_RUN = 64
+
+
+class PagePool:
+    """The free page ids: whole runs given back (an evicted node's page array, kept as it
+    is: no copy), a stack of short ones, then the never-used ids `fresh .. num_pages - 1`,
+    created only when first handed out, so an unlimited pool costs nothing up front. Taking
+    copies each id once, into the table that takes it. It does not check what it is
+    given: the cache hands back only pages it handed out."""
+
+    __slots__ = ("num_pages", "_runs", "_stack", "_top", "_fresh")
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self._runs: list[np.ndarray] = []  # arrays given back whole, none empty
+        self._stack = np.empty(min(num_pages, 1024), dtype=np.int32)
+        self._top = 0  # short ones given back: `_stack[:_top]`
+        self._fresh = 0  # the next never-used id
+
+    @property
+    def num_free(self) -> int:
+        return sum(r.size for r in self._runs) + self._top + self.num_pages - self._fresh
+
+    def take(self, n: int) -> np.ndarray:
+        """`n` free ids as a new array (the caller checked there are that many)."""
+        out = np.empty(n, dtype=np.int32)
+        self.take_into(out)
+        return out
+
+    def take_into(self, out: np.ndarray) -> None:
+        """Fill `out` with free ids, as many as it holds (the caller checked there are):
+        the last runs given back first, then the stack, then never-used ids."""
+        n = out.size
+        got = 0
+        runs = self._runs
+        while got < n and runs:
+            run = runs[-1]
+            k = run.size
+            if k <= n - got:  # the whole run
+                out[got : got + k] = run
+                runs.pop()
+            else:  # its tail; the rest stays, a view unless short beside its buffer
+                k = n - got
+                out[got:n] = run[run.size - k :]
+                rest = run[: run.size - k]
+                base = rest.base
+                runs[-1] = rest.copy() if base is not None and 2 * rest.size < base.size else rest
+            got += k
+        if got < n and self._top:
+            k = min(n - got, self._top)
+            top = self._top
+            out[got : got + k] = self._stack[top - k : top]
+            self._top = top - k
+            got += k
+        if got < n:
+            fresh = self._fresh
+            out[got:] = np.arange(fresh, fresh + n - got, dtype=np.int32)
+            self._fresh = fresh + n - got
+
+    def give(self, pages: np.ndarray | list[int]) -> None:
+        """Take `pages` back. A long int32 array is kept as it is (a view, unless short
+        beside the buffer under it): the caller hands it over and never writes it again (an
+        evicted node's pages, a finished table's tail); a list (a subclass's) or a short
+        array is copied."""
+        n = len(pages)
+        if not n:
+            return
+        if n >= _SHORT_RUN:
+            if pages.__class__ is not np.ndarray:
+                pages = np.array(pages, dtype=np.int32)
+            elif pages.base is not None and 2 * n < pages.base.size:
+                pages = pages.copy()  # as a node's view: never pin more than twice its ids
+            self._runs.append(pages)
+            return
+        top = self._top
+        if top + n > self._stack.size:
+            grown = np.empty(min(max(2 * self._stack.size, top + n), self.num_pages), dtype=np.int32)
+            grown[:top] = self._stack[:top]
+            self._stack = grown
+        self._stack[top : top + n] = pages
+        self._top = top + n
+
+    def free_ids(self) -> list[int]:
+        """Every free id (for invariants and tests)."""
+        out = [p for r in self._runs for p in r.tolist()]
+        out += self._stack[: self._top].tolist()
+        out += range(self._fresh, self.num_pages)
+        return out
+
+
+class PageTable:
+    """A sequence's page table in a radix cache: page `i` of the sequence is `table[i]`.
+
+    Read like a `list[int]` (length, an index gives an int, a slice a list, iteration ints,
+    equal to a list of the same ids), held as int32 ids in a buffer that grows by doubling
+    (a decode step appends one page without copying the table). The cache works on
+    `array()`, a view of the ids, and tree nodes keep views of it for the pages they hold:
+    the cache therefore only ever appends ids and rewrites slots no node views (the
+    duplicates of a request's own pages, before it inserts them). A buffer outgrown stays
+    alive, unchanged, as long as a node views it.
+    """
+
+    __slots__ = ("_buf", "_len")
+
+    def __init__(self, capacity: int) -> None:
+        self._buf = np.empty(max(capacity, 4), dtype=np.int32)
+        self._len = 0
+
+    def array(self) -> np.ndarray:
+        """The ids, a view (the cache's and the tree's access; do not write it)."""
+        return self._buf[: self._len]
+
+    def append_slots(self, n: int) -> np.ndarray:
+        """`n` more slots at the end, returned (a view) for the caller to fill at once."""
+        start = self._len
+        end = start + n
+        if end > self._buf.size:
+            grown = np.empty(max(end, 2 * self._buf.size), dtype=np.int32)
+            grown[:start] = self._buf[:start]
+            self._buf = grown
+        self._len = end
+        return self._buf[start:end]
+
+    def extend(self, pages: np.ndarray | Iterable[int]) -> None:
+        if pages.__class__ is not np.ndarray:
+            pages = np.fromiter(pages, dtype=np.int32)
+        self.append_slots(pages.size)[:] = pages
+
+    def append(self, page: int) -> None:
+        self.extend(np.array((page,), dtype=np.int32))
+
+    def __setitem__(self, i: slice, pages: np.ndarray | list[int]) -> None:
+        """Slots `i` (a slice, no longer than the table) now hold `pages`, as many: only
+        slots no tree node views (a request's duplicates, before they are inserted)."""
+        self._buf[: self._len][i] = pages
+
+    # -- read as a list[int] ----------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, i):
+        view = self._buf[: self._len]
+        if i.__class__ is slice:
+            return view[i].tolist()
+        return int(view[i])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._buf[: self._len].tolist())
+
+    def tolist(self) -> list[int]:
+        return self._buf[: self._len].tolist()
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        view = self._buf[: self._len]
+        if dtype is not None and dtype != view.dtype:
+            return view.astype(dtype)
+        return view.copy() if copy else view
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PageTable):
+            return bool(np.array_equal(self.array(), other.array()))
+        if isinstance(other, (list, tuple)):
+            return self.tolist() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # mutable, like a list
+
+    def __repr__(self) -> str:
+        return f"PageTable({self.tolist()!r:.80})"
