@@ -355,7 +355,10 @@ class BlockQueue:
             return pos
         hint = self._pos[ids]
         ring = self._ring
-        return np.where(ring[np.clip(hint, 0, ring.size - 1)] == ids, hint, -1)
+        # a stale hint may point past the ring (compacted since) or be -1 (never queued)
+        found = ring[np.minimum(hint, ring.size - 1)] == ids
+        found &= hint >= 0
+        return np.where(found, hint, -1)
 
     def _grow_pos(self) -> None:
         """`_pos` covers the ids handed out so far (grown geometrically: an id never
@@ -374,7 +377,10 @@ class BlockQueue:
         before_run = int(np.count_nonzero(keep[: max(self._fresh_at - self._head, 0)]))
         size = max(64, 4 * (live.size + room))
         new = np.full(size, _HOLE, dtype=np.int64)
-        head = (size - live.size) // 2
+        # most of the room after the entries: appends (released cached blocks) are the common
+        # way in, and the head side regains room as blocks are taken (so a full ring, a copy
+        # of every entry, comes about half as often as with the room split evenly)
+        head = min((size - live.size) // 2, room + max(64, live.size // 8))
         new[head : head + live.size] = live
         self._pos[live] = np.arange(head, head + live.size)
         self._fresh_at = head + before_run
