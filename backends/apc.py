@@ -437,7 +437,7 @@ class APCCache(PrefixCache):
             ref = self._ref
             waiting = hit[ref[hit] == 0]  # cached blocks nobody uses: a hit takes them out of the queue
             if waiting.size:
-                self.free_queue.remove_n(waiting)
+                self.free_queue.remove_queued(waiting)  # (ref 0: queued; a match's blocks are distinct)
                 self._num_cached_free -= waiting.size
             ref[hit] += 1
             blocks = np.concatenate([hit, self._take_new(num_new)])
