@@ -62,7 +62,7 @@ import numpy as np
 from backends.apc_offload import HostTierSpec, OffloadTier
 from cachelib.errors import InvalidRequestError
 from cachelib.free_queue import BlockQueue
-from cachelib.hashing import BlockHash, BlockHasher, DictIndex, HashFn, RunIndex
+from cachelib.hashing import VECTOR_ALGORITHMS, BlockHash, BlockHasher, DictIndex, HashFn, RunIndex, as_keys
 from cachelib.interface import LiveState, Occupancy, PagePartition, PrefixCache
 from cachelib.kv_events import PageKeys, PagesRemoved, PagesStored
 from cachelib.registry import register_backend
@@ -75,6 +75,7 @@ _BLOCK_BYTES = 28
 _ENTRY_BYTES = 20
 
 _NO_BLOCKS = np.empty(0, dtype=np.int64)
+_NO_KEYS = np.empty(0, dtype="V16")  # no hashes yet (never concatenated: the first ones replace it)
 
 #: `hash_algorithm="auto"` hashes with poly128 up to this page size, xxh3_128 above: measured
 #: on the conversation trace, poly128 takes a 14k-token prompt's blocks at page 1 in about
@@ -250,6 +251,8 @@ class APCCache(PrefixCache):
         # the hash table: per block its hash while cached, per hash its blocks, oldest first
         index = DictIndex if self.hasher.algorithm == "custom" else self.index_type
         self.index: RunIndex | DictIndex = index()
+        self._key_arrays = self.index.takes_arrays  # how `_index_keys` hands hashes to it
+        self._arrays_native = self.hasher.algorithm in VECTOR_ALGORITHMS  # poly128 makes arrays
         self._num_cached_free = 0  # hashed blocks with ref 0 (in the free queue)
         self._num_hashed = 0  # hashed blocks = table entries (each hashed block is one entry)
         self._memo_key = object()
@@ -325,28 +328,58 @@ class APCCache(PrefixCache):
 
     # -- hashing --------------------------------------------------------------------
 
-    def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
-        """The chained hashes of `seq`'s first `num_blocks` full blocks (memoised on seq)."""
+    def _hashed(self, seq: Sequence, num_blocks: int) -> list:
+        """`seq`'s memo, `[owner, hashes as a list, hashes as a void array]`, with the
+        hasher's own form (poly128: the array; the byte chains: the list) covering at least
+        its first `num_blocks` full blocks. The other form is brought up to date on demand
+        (`_block_hashes`, `_index_keys`), so each call converts only what is new."""
         memo = seq.cache_memo
         if memo is None or memo[0] is not self._memo_key:
-            memo = (self._memo_key, [])
-            seq.cache_memo = memo
-        hashes = memo[1]
-        have = len(hashes)
-        if have < num_blocks:
-            parent = hashes[-1] if hashes else None
-            hashes.extend(self.hasher.hash_blocks(seq.tokens, seq.extra, have, num_blocks, parent))
+            memo = seq.cache_memo = [self._memo_key, [], _NO_KEYS]
+        hasher = self.hasher
+        if self._arrays_native:
+            keys = memo[2]
+            have = keys.size
+            if have < num_blocks:
+                new = hasher.hash_keys(seq.tokens, seq.extra, have, num_blocks, keys[have - 1].tobytes() if have else None)
+                memo[2] = np.concatenate([keys, new]) if have else new
+        else:
+            keys = memo[1]
+            have = len(keys)
+            if have < num_blocks:
+                keys.extend(hasher.hash_blocks(seq.tokens, seq.extra, have, num_blocks, keys[-1] if have else None))
+        return memo
+
+    def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
+        """The chained hashes of `seq`'s first `num_blocks` full blocks (at least; memoised
+        on seq) as a list of bytes: KV events, the host tier, verify_tokens, `DictIndex`."""
+        memo = self._hashed(seq, num_blocks)
+        hashes, keys = memo[1], memo[2]
+        if len(hashes) < keys.size:
+            hashes.extend(keys[len(hashes) :].tolist())
         return hashes
+
+    def _index_keys(self, seq: Sequence, num_blocks: int) -> np.ndarray | list[BlockHash]:
+        """The same hashes as the index takes them: `RunIndex` a void array (one buffer,
+        no Python object per block: with poly128 none is ever made on this path), `DictIndex`
+        the list."""
+        if not self._key_arrays:
+            return self._block_hashes(seq, num_blocks)
+        memo = self._hashed(seq, num_blocks)
+        hashes, keys = memo[1], memo[2]
+        if keys.size < len(hashes):
+            new = as_keys(hashes[keys.size :])
+            keys = memo[2] = np.concatenate([keys, new]) if keys.size else new
+        return keys
 
     # -- the contract: the hooks the base class calls after its checks -----------------
 
     def _match(self, seq: Sequence) -> tuple[int, tuple[int, ...], list[int]]:
         max_blocks = (len(seq) - 1) // self.page_size
-        hashes = self._block_hashes(seq, max_blocks)
         if self.verify_tokens:
-            hit = self._verified_walk(seq, hashes[:max_blocks])
+            hit = self._verified_walk(seq, self._block_hashes(seq, max_blocks)[:max_blocks])
         else:  # the oldest block of each hash, up to the first miss
-            hit = self.index.first_run(hashes[:max_blocks])
+            hit = self.index.first_run(self._index_keys(seq, max_blocks)[:max_blocks])
         return len(hit) * self.page_size, tuple(hit), hit
 
     def _verified_walk(self, seq: Sequence, hashes: list[BlockHash], chosen: list[int] | None = None) -> list[int]:
@@ -397,9 +430,8 @@ class APCCache(PrefixCache):
             raise InvalidRequestError(
                 f"request {seq.request_id!r}: the match's blocks are not this cache's (another cache's match, or forged)"
             )
-        hashes = self._block_hashes(seq, n)
-        if (n and not self.index.holds(ids, hashes[:n])) or (
-            self.verify_tokens and len(self._verified_walk(seq, hashes[:n], hit)) != n
+        if (n and not self.index.holds(ids, self._index_keys(seq, n)[:n])) or (
+            self.verify_tokens and len(self._verified_walk(seq, self._block_hashes(seq, n)[:n], hit)) != n
         ):
             raise InvalidRequestError(
                 f"request {seq.request_id!r}: the match's blocks hold other tokens (a match made for another sequence)"
@@ -519,13 +551,13 @@ class APCCache(PrefixCache):
         # (check_invariants proves a table's first num_cached blocks are exactly its hashed ones)
         # an equal block cached already keeps answering lookups; this one is its duplicate
         # (tables are append-only)
-        hashes = self._block_hashes(seq, full)
-        self.index.add(ids, hashes[start:full], start)
+        self.index.add(ids, self._index_keys(seq, full)[start:full], start)
         if self.verify_tokens:
             self._record_contents(seq, held.blocks, start, full)
         self._num_hashed += full - start
         held.num_cached = full
         if self._kv_listener is not None:  # vLLM's BlockStored from cache_full_blocks
+            hashes = self._block_hashes(seq, full)
             self._emit_kv_event(PagesStored(hashes[start:full], hashes[start - 1] if start else None))
 
     def _offer_host(self, seq: Sequence, held: _Held, num_computed: int, final: bool = False) -> None:
@@ -574,8 +606,9 @@ class APCCache(PrefixCache):
             blocks = shared.copy()
         child.page_table = blocks.tolist()
         child.num_computed = computed
-        if parent.cache_memo is not None and parent.cache_memo[0] is self._memo_key:
-            child.cache_memo = (self._memo_key, parent.cache_memo[1][:full])
+        memo = parent.cache_memo
+        if memo is not None and memo[0] is self._memo_key:
+            child.cache_memo = [self._memo_key, memo[1][:full], memo[2][:full]]
         if self.host is not None and self.host.moves:
             ops = [*self.host.take_moves(), *ops]
         return _Held(child, blocks, full), ops

@@ -196,8 +196,9 @@ class Poly128:
         d = xxhash.xxh3_128_intdigest(extra)
         return d & _M64, d >> 64
 
-    def chain(self, values: np.ndarray, parent: BlockHash | None) -> list[BlockHash]:
-        """The hashes of blocks with content `values` ((2, n) uint64, modified), chained from `parent`."""
+    def chain(self, values: np.ndarray, parent: BlockHash | None) -> np.ndarray:
+        """The hashes of blocks with content `values` ((2, n) uint64, modified), chained
+        from `parent`: a void array (`as_keys`), 16 bytes an item."""
         n = values.shape[1]
         self._powers(n)
         lanes = (0, 0) if parent is None else (int.from_bytes(parent[:8], "little"), int.from_bytes(parent[8:], "little"))
@@ -210,13 +211,13 @@ class Poly128:
             row *= self._pow[lane][:n]
         keys = np.empty((n, 2), dtype="<u8")
         keys[:] = values.T
-        return keys.view(np.dtype((np.void, 16))).ravel().tolist()
+        return keys.view(np.dtype((np.void, 16))).ravel()
 
     def hash_block(self, parent: BlockHash | None, block_tokens: bytes, extra: bytes) -> BlockHash:
         values = self.values(np.frombuffer(block_tokens, dtype=np.int32), 1)
         if extra:
             values[:, 0] += np.array(self.extra_values(extra), dtype=np.uint64)
-        return self.chain(values, parent)[0]
+        return self.chain(values, parent)[0].tobytes()
 
 
 #: up to this many words (a decode step's block or two), `poly128` computes in plain Python:
@@ -289,7 +290,8 @@ class BlockHasher:
         if stop * size > tokens.size:
             raise InvalidRequestError(f"block {stop - 1} is not full ({tokens.size} tokens)")
         if self._poly is not None:
-            return self._poly_blocks(tokens, extra, start, stop, parent)
+            keys = self._poly_blocks(tokens, extra, start, stop, parent)
+            return keys if keys.__class__ is list else keys.tolist()
         fn = self._fn
         h = ROOT_HASH if parent is None else parent
         span = np.ascontiguousarray(tokens[start * size : stop * size])
@@ -313,10 +315,22 @@ class BlockHasher:
         return head + rest if head else rest
 
 
+    def hash_keys(
+        self, tokens: np.ndarray, extra: ExtraKeys, start: int, stop: int, parent: BlockHash | None
+    ) -> np.ndarray:
+        """`hash_blocks` as one void array (`as_keys`): with poly128, no Python object per block."""
+        if self._poly is not None:
+            return as_keys(self._poly_blocks(tokens, extra, start, stop, parent))
+        return as_keys(self.hash_blocks(tokens, extra, start, stop, parent))
+
     def _poly_blocks(
         self, tokens: np.ndarray, extra: ExtraKeys, start: int, stop: int, parent: BlockHash | None
-    ) -> list[BlockHash]:
-        """`hash_blocks` for `poly128`: every block's values at once, extra keys added per block."""
+    ) -> list[BlockHash] | np.ndarray:
+        """`hash_blocks` for `poly128`: every block's values at once, extra keys added per
+        block; a list from the plain-Python path (a few blocks), else a void array."""
+        size = self.page_size
+        if stop * size > tokens.size:
+            raise InvalidRequestError(f"block {stop - 1} is not full ({tokens.size} tokens)")
         n = stop - start
         if n <= 0:
             return []
@@ -358,6 +372,8 @@ class DictIndex:
 
     #: False: it does not know a block's chain position (`RunIndex.position`)
     knows_positions: ClassVar[bool] = False
+    #: False: it takes hashes as lists of bytes (any hash function's, any length)
+    takes_arrays: ClassVar[bool] = False
 
     __slots__ = ("cached", "digest", "_first", "_dups")
 
@@ -479,14 +495,30 @@ class DictIndex:
             fail("the indexed blocks are not exactly the cached ones")
 
 
+def as_keys(hashes: list[BlockHash] | np.ndarray) -> np.ndarray:
+    """Hashes as one numpy void array, an item per hash (`RunIndex` keeps and compares them
+    so: a run's hashes are one buffer, not a Python object per block). An array passes
+    through; a list of equally long hashes (the built-in algorithms') is joined."""
+    if isinstance(hashes, np.ndarray):
+        return hashes
+    if not hashes:
+        return np.empty(0, dtype="V16")
+    width = len(hashes[0])
+    joined = b"".join(hashes)
+    if len(joined) != width * len(hashes):
+        raise InvalidRequestError("RunIndex needs hashes of one length (a custom hash_fn takes DictIndex)")
+    return np.frombuffer(joined, dtype=f"V{width}")
+
+
 class _Run:
     """Blocks committed together: chain positions `start ..`, their hashes and block ids."""
 
-    __slots__ = ("start", "keys", "blocks", "live")
+    __slots__ = ("start", "keys", "first", "blocks", "live")
 
-    def __init__(self, start: int, keys: list[BlockHash], blocks: np.ndarray) -> None:
+    def __init__(self, start: int, keys: np.ndarray, blocks: np.ndarray) -> None:
         self.start = start
-        self.keys = keys
+        self.keys = keys  # a void array, one item per hash (see `as_keys`)
+        self.first = keys[0].tobytes()  # what `RunIndex._starts` files the run under
         self.blocks = blocks
         self.live = blocks.size  # of its blocks, how many are still cached
 
@@ -513,6 +545,8 @@ class RunIndex:
 
     #: True: `position(block)` is the chain position a cached block is indexed at
     knows_positions: ClassVar[bool] = True
+    #: True: it keeps hashes as void arrays (`as_keys`) and takes them so (lists are joined)
+    takes_arrays: ClassVar[bool] = True
 
     __slots__ = ("cached", "_run", "_off", "_seq", "_runs", "_starts", "_next_run", "_next_seq")
 
@@ -547,8 +581,8 @@ class RunIndex:
             return
         r = self._next_run
         self._next_run += 1
-        self._runs[r] = _Run(start, hashes, blocks.copy())
-        self._starts.setdefault(hashes[0], []).append(r)
+        run = self._runs[r] = _Run(start, as_keys(hashes), blocks.copy())
+        self._starts.setdefault(run.first, []).append(r)
         self.cached[blocks] = True
         self._run[blocks] = r
         self._off[blocks] = np.arange(n)
@@ -578,10 +612,10 @@ class RunIndex:
             run.live -= k
             if not run.live:
                 del self._runs[r]
-                others = self._starts[run.keys[0]]
+                others = self._starts[run.first]
                 others.remove(r)
                 if not others:
-                    del self._starts[run.keys[0]]
+                    del self._starts[run.first]
 
     # -- reading ---------------------------------------------------------------------
 
@@ -590,8 +624,12 @@ class RunIndex:
     ) -> None:
         """Offer run `r`'s blocks still cached in it for the positions where it agrees with
         `hashes` (a block evicted from the run and cached again elsewhere is not its own)."""
-        # the agreement, compared up to the first different hash only (C-level)
-        n = len(list(takewhile(_true, map(operator.eq, run.keys, islice(hashes, at, None)))))
+        # the agreement: the run's hashes and the query's, compared as machine words
+        size = min(run.keys.size, hashes.size - at)
+        width = hashes.itemsize // 8
+        differs = (run.keys[:size].view(np.uint64) != hashes[at : at + size].view(np.uint64)).reshape(size, width)
+        differs = differs.any(axis=1) if width > 1 else differs[:, 0]
+        n = int(differs.argmax()) if differs.any() else size
         blocks = run.blocks[:n]
         seq = self._seq[blocks]
         mine = self._run[blocks] == r
@@ -605,11 +643,12 @@ class RunIndex:
     def first_run(self, hashes: list[BlockHash]) -> list[int]:
         """The oldest cached block of each chain position of `hashes`, up to the first
         position with none."""
-        m = len(hashes)
+        hashes = as_keys(hashes)
+        m = hashes.size
         runs, starts = self._runs, self._starts.get
         # only a run that starts at position 0 covers it: without one the walk ends there
         # (most lookups of a small cache), before any array is made
-        if not m or not any(runs[r].start == 0 for r in starts(hashes[0], ())):
+        if not m or not any(runs[r].start == 0 for r in starts(hashes[0].tobytes(), ())):
             return []
         best = np.full(m, _NEVER, dtype=np.int64)
         best_block = np.full(m, -1, dtype=np.int64)
@@ -618,7 +657,7 @@ class RunIndex:
         # change the answer (no window of lookups beyond the hit)
         lo, end = 0, 0  # scan run starts at positions lo .. end (end: first uncovered so far)
         while True:
-            for i, found in enumerate(map(starts, hashes[lo : end + 1]), lo):
+            for i, found in enumerate(map(starts, hashes[lo : end + 1].tolist()), lo):
                 if found:
                     for r in found:
                         run = runs[r]
@@ -637,6 +676,8 @@ class RunIndex:
     def candidates(self, hashes: list[BlockHash]) -> list[list[int]]:
         """Per chain position of `hashes`, every cached block there, oldest first, up to
         the first position with none (for verify_tokens' walk)."""
+        if isinstance(hashes, np.ndarray):
+            hashes = hashes.tolist()
         out: list[list[int]] = []
         active: list[int] = []
         for i, h in enumerate(hashes):
@@ -645,7 +686,7 @@ class RunIndex:
             for r in active:
                 run = self._runs[r]
                 j = i - run.start
-                if j < len(run.keys) and run.keys[j] == h:
+                if j < len(run.keys) and run.keys[j].tobytes() == h:
                     b = int(run.blocks[j])
                     if self._run[b] == r:
                         here.append((int(self._seq[b]), b))
@@ -659,7 +700,7 @@ class RunIndex:
         blocks = np.asarray(blocks, dtype=np.int64)
         runs = self._runs
         return [
-            None if r < 0 else runs[r].keys[o]
+            None if r < 0 else runs[r].keys[o].tobytes()
             for r, o in zip(self._run[blocks].tolist(), self._off[blocks].tolist(), strict=True)
         ]
 
@@ -667,7 +708,8 @@ class RunIndex:
         """Whether each of `blocks` is cached under the hash at its place in `hashes`
         (`digests(blocks) == hashes`, compared a stretch of one run at a time: a match's
         blocks are a few runs' consecutive blocks)."""
-        if blocks.size != len(hashes):
+        hashes = as_keys(hashes)
+        if blocks.size != hashes.size:
             return False
         if not blocks.size:
             return True
@@ -679,7 +721,7 @@ class RunIndex:
         firsts = runs[bounds[:-1]].tolist()
         first_offs = offs[bounds[:-1]].tolist()
         for r, o, lo, hi in zip(firsts, first_offs, bounds, bounds[1:], strict=False):
-            if self._runs[r].keys[o : o + hi - lo] != hashes[lo:hi]:
+            if self._runs[r].keys[o : o + hi - lo].tobytes() != hashes[lo:hi].tobytes():
                 return False
         return True
 
@@ -735,9 +777,9 @@ class RunIndex:
         for r, run in self._runs.items():
             if run.live != live[r] or not run.live:
                 fail(f"run {r} counts {run.live} cached blocks, holds {live[r]}")
-            if len(run.keys) != run.blocks.size or r not in self._starts.get(run.keys[0], ()):
+            if len(run.keys) != run.blocks.size or run.first != run.keys[0].tobytes() or r not in self._starts.get(run.first, ()):
                 fail(f"run {r} is not indexed under its first hash")
         for h, rs in self._starts.items():
             for r in rs:
-                if r not in self._runs or self._runs[r].keys[0] != h:
+                if r not in self._runs or self._runs[r].first != h:
                     fail("a run start points at a run gone or with another first hash")

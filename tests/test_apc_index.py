@@ -100,7 +100,7 @@ def test_run_index_equals_the_model_on_chained_hashes(seed):
                 for b, h in zip(blocks, hashes[start:], strict=True):
                     model.setdefault(h, []).append(b)
                     cached[b] = h
-            probe = hashes + [b"never"]
+            probe = hashes + [b"never-seen-hash!"]  # (RunIndex keys are all 16 bytes)
         elif cached:
             gone = rng.sample(sorted(cached), min(len(cached), rng.choice([1, 4, 30])))
             index.remove(np.array(gone, dtype=np.int64))
