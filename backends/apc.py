@@ -30,7 +30,11 @@ answers, per chain position, the oldest cached block of a hash: `RunIndex` for t
 built-in hashes, which chain (one entry per commit: publishing and evicting do no
 operation per block on a hash table), `DictIndex` for a custom `hash_fn` (one dict entry
 per hash). So admit, commit, release and eviction handle a request's blocks with a fixed
-number of numpy calls instead of a Python step per block. Arrays grow with the highest
+number of numpy calls instead of a Python step per block. `RunIndex` keeps a run's hashes as
+one numpy void array and compares them as machine words; with poly128 they are made as
+such an array (`_index_keys`), so at page 1 no Python object per block is made or freed
+for the hashes (a list of bytes is built only for KV events, the host tier or
+verify_tokens). Arrays grow with the highest
 block id handed out, so a pool of 10**9 blocks (`replay` with unlimited capacity) costs
 nothing until its blocks are used. For inspection and tests, `cache.blocks[i]` is a view
 of block i (`block_id`, `ref_cnt`, `block_hash`) and `cache._table` a view of the hash
@@ -341,7 +345,9 @@ class APCCache(PrefixCache):
             keys = memo[2]
             have = keys.size
             if have < num_blocks:
-                new = hasher.hash_keys(seq.tokens, seq.extra, have, num_blocks, keys[have - 1].tobytes() if have else None)
+                new = hasher.hash_keys(
+                    seq.tokens, seq.extra, have, num_blocks, keys[have - 1].tobytes() if have else None
+                )
                 memo[2] = np.concatenate([keys, new]) if have else new
         else:
             keys = memo[1]

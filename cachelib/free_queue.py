@@ -266,7 +266,11 @@ class BlockQueue:
         """`remove_n` for int64 ids the caller knows are queued and distinct (apc's hit
         blocks with no user): their positions are exact, so no range or duplicate checks.
         Ids that are not where their position says go to `remove_n`, which raises."""
-        pos = self._pos[ids] + self._shift if ids.size and ids.max() < self._pos.size else np.full(ids.size, -1, dtype=np.int64)
+        pos = (
+            self._pos[ids] + self._shift
+            if ids.size and ids.max() < self._pos.size
+            else np.full(ids.size, -1, dtype=np.int64)
+        )
         if ids.size and (pos.min() < 0 or pos.max() >= self._ring.size or not np.array_equal(self._ring[pos] - 1, ids)):
             self.remove_n(ids)
             return

@@ -44,7 +44,7 @@ import hashlib
 import operator
 from collections.abc import Callable
 from functools import partial
-from itertools import islice, takewhile
+from itertools import takewhile
 from typing import ClassVar
 
 import numpy as np
@@ -201,7 +201,9 @@ class Poly128:
         from `parent`: a void array (`as_keys`), 16 bytes an item."""
         n = values.shape[1]
         self._powers(n)
-        lanes = (0, 0) if parent is None else (int.from_bytes(parent[:8], "little"), int.from_bytes(parent[8:], "little"))
+        lanes = (
+            (0, 0) if parent is None else (int.from_bytes(parent[:8], "little"), int.from_bytes(parent[8:], "little"))
+        )
         for lane in (0, 1):
             row = values[lane]
             row *= self._ipow[lane][:n]
@@ -314,7 +316,6 @@ class BlockHasher:
             rest = [h := fn(h + chunk) for chunk in chunks]
         return head + rest if head else rest
 
-
     def hash_keys(
         self, tokens: np.ndarray, extra: ExtraKeys, start: int, stop: int, parent: BlockHash | None
     ) -> np.ndarray:
@@ -361,7 +362,6 @@ class BlockHasher:
 
 
 _is_not_none = partial(operator.is_not, None)
-_true = partial(operator.is_, True)
 
 
 class DictIndex:
@@ -529,7 +529,8 @@ _NEVER = np.iinfo(np.int64).max
 class RunIndex:
     """The cached blocks by *chained* hash, kept per commit: a run is the blocks one commit
     published, at chain positions `start, start + 1, ...`, with their hashes. Publishing a
-    run is one dict operation (`_starts`: its first hash -> its id) and a few array writes;
+    run is one dict operation (`_starts`: its first hash -> its id) and a few array writes
+    (its hashes are one void array, `as_keys`, compared as machine words);
     evicting a block clears its `cached` flag (a run goes when its last block does). No
     operation per block on a hash table.
 
@@ -777,7 +778,11 @@ class RunIndex:
         for r, run in self._runs.items():
             if run.live != live[r] or not run.live:
                 fail(f"run {r} counts {run.live} cached blocks, holds {live[r]}")
-            if len(run.keys) != run.blocks.size or run.first != run.keys[0].tobytes() or r not in self._starts.get(run.first, ()):
+            if (
+                len(run.keys) != run.blocks.size
+                or run.first != run.keys[0].tobytes()
+                or r not in self._starts.get(run.first, ())
+            ):
                 fail(f"run {r} is not indexed under its first hash")
         for h, rs in self._starts.items():
             for r in rs:

@@ -29,7 +29,9 @@ def fmix64(x: int) -> int:
     return x ^ (x >> 33)
 
 
-def reference(tokens: list[int], page: int, extra: ExtraKeys, start: int, stop: int, parent: bytes | None) -> list[bytes]:
+def reference(
+    tokens: list[int], page: int, extra: ExtraKeys, start: int, stop: int, parent: bytes | None
+) -> list[bytes]:
     """The module docstring's definition, block by block in Python integers: a word is a
     token pair (low token first) at an even page size, else one sign-extended token; its
     offset constant is splitmix64's output for the offset + 1; a lane's block value is the
@@ -100,7 +102,9 @@ def test_poly128_equals_its_definition(monkeypatch, page, few_words):
         # one block at a time from the recorded content (what verify_tokens' checks rehash)
         parent = None
         for blk in range(n):
-            parent = hasher.hash_block(parent, arr[blk * page : (blk + 1) * page].tobytes(), hasher.extra_bytes(extra, blk))
+            parent = hasher.hash_block(
+                parent, arr[blk * page : (blk + 1) * page].tobytes(), hasher.extra_bytes(extra, blk)
+            )
             assert parent == got[blk]
 
 
