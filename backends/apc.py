@@ -30,13 +30,25 @@ answers, per chain position, the oldest cached block of a hash: `RunIndex` for t
 built-in hashes, which chain (one entry per commit: publishing and evicting do no
 operation per block on a hash table), `DictIndex` for a custom `hash_fn` (one dict entry
 per hash). So admit, commit, release and eviction handle a request's blocks with a fixed
-number of numpy calls instead of a Python step per block. Arrays grow with the highest
+number of numpy calls instead of a Python step per block. `RunIndex` keeps a run's hashes as
+one numpy void array and compares them as machine words; with poly128 they are made as
+such an array (`_index_keys`), so at page 1 no Python object per block is made or freed
+for the hashes (a list of bytes is built only for KV events, the host tier or
+verify_tokens). Arrays grow with the highest
 block id handed out, so a pool of 10**9 blocks (`replay` with unlimited capacity) costs
 nothing until its blocks are used. For inspection and tests, `cache.blocks[i]` is a view
 of block i (`block_id`, `ref_cnt`, `block_hash`) and `cache._table` a view of the hash
 table (hash -> oldest block).
 
-Options beyond vLLM: `hash_algorithm` (`xxh3_128` default, `sha256`), and
+Options beyond vLLM: `hash_algorithm`: `poly128` (the chain computed for all of a call's
+blocks in a few numpy calls, 128 bits from two 64-bit lanes; its construction and collision
+argument are in `cachelib/hashing.py`), vLLM's byte chains `xxh3_128` and `sha256` (one
+hash call per block), or `auto` (the default): `poly128` at page sizes up to
+`POLY128_MAX_PAGE` (8), where a Python call per block costs more than numpy's fixed cost
+per call, `xxh3_128` above (at page 16 the vectorised pass saves little on a prompt and
+loses on the few blocks a decode step fills). Decisions are the same with each, a hash
+collision aside (tests/test_poly128.py compares them); the events name blocks by the
+algorithm in use (`page_keys()`). And
 `verify_tokens=True`, which stores each cached block's tokens, extra keys and parent, and
 accepts a hit only when they equal the request's, so a hash collision can never return
 wrong KV. (With it, a block whose parent was a *duplicate* of the block the walk chose is
@@ -54,7 +66,7 @@ import numpy as np
 from backends.apc_offload import HostTierSpec, OffloadTier
 from cachelib.errors import InvalidRequestError
 from cachelib.free_queue import BlockQueue
-from cachelib.hashing import BlockHash, BlockHasher, DictIndex, HashFn, RunIndex
+from cachelib.hashing import VECTOR_ALGORITHMS, BlockHash, BlockHasher, DictIndex, HashFn, RunIndex, as_keys
 from cachelib.interface import LiveState, Occupancy, PagePartition, PrefixCache
 from cachelib.kv_events import PageKeys, PagesRemoved, PagesStored
 from cachelib.registry import register_backend
@@ -73,6 +85,13 @@ _BLOCK_BYTES = 28
 _ENTRY_BYTES = 20
 
 _NO_BLOCKS = np.empty(0, dtype=np.int64)
+_NO_KEYS = np.empty(0, dtype="V16")  # no hashes yet (never concatenated: the first ones replace it)
+
+#: `hash_algorithm="auto"` hashes with poly128 up to this page size, xxh3_128 above: measured
+#: on the conversation trace, poly128 takes a 14k-token prompt's blocks at page 1 in about
+#: a third of xxh3's time and at page 8 in about half, but at page 16 it saves ~15% on a
+#: prompt and costs several times more on the 1-60 blocks of a decode commit
+POLY128_MAX_PAGE = 8
 
 #: the host-tier options with their defaults (no host tier): one given without a capacity is an error
 _NO_HOST: dict[str, Any] = dict(
@@ -202,7 +221,7 @@ class APCCache(PrefixCache):
         num_pages: int,
         page_size: int,
         *,
-        hash_algorithm: str = "xxh3_128",
+        hash_algorithm: str = "auto",
         hash_fn: HashFn | None = None,
         verify_tokens: bool = False,
         host_capacity_tokens: int = 0,
@@ -234,6 +253,8 @@ class APCCache(PrefixCache):
             self.load_timing = "async"  # vLLM: a request waits for its load (cachelib/tiers.py)
         #: serving's transfer clock (`time_transfers`): the loads and stores not yet taken
         self._transfers: list[TierTransfer] | None = None
+        if hash_algorithm == "auto":
+            hash_algorithm = "poly128" if page_size <= POLY128_MAX_PAGE else "xxh3_128"
         self.hasher = BlockHasher(page_size, hash_algorithm, hash_fn)
         self._page_keys = PageKeys(page_size, hash_algorithm, hash_fn)  # what events name blocks by
         self.verify_tokens = verify_tokens
@@ -243,6 +264,8 @@ class APCCache(PrefixCache):
         # the hash table: per block its hash while cached, per hash its blocks, oldest first
         index = DictIndex if self.hasher.algorithm == "custom" else self.index_type
         self.index: RunIndex | DictIndex = index()
+        self._key_arrays = self.index.takes_arrays  # how `_index_keys` hands hashes to it
+        self._arrays_native = self.hasher.algorithm in VECTOR_ALGORITHMS  # poly128 makes arrays
         self._num_cached_free = 0  # hashed blocks with ref 0 (in the free queue)
         self._num_hashed = 0  # hashed blocks = table entries (each hashed block is one entry)
         self._memo_key = object()
@@ -318,28 +341,60 @@ class APCCache(PrefixCache):
 
     # -- hashing --------------------------------------------------------------------
 
-    def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
-        """The chained hashes of `seq`'s first `num_blocks` full blocks (memoised on seq)."""
+    def _hashed(self, seq: Sequence, num_blocks: int) -> list:
+        """`seq`'s memo, `[owner, hashes as a list, hashes as a void array]`, with the
+        hasher's own form (poly128: the array; the byte chains: the list) covering at least
+        its first `num_blocks` full blocks. The other form is brought up to date on demand
+        (`_block_hashes`, `_index_keys`), so each call converts only what is new."""
         memo = seq.cache_memo
         if memo is None or memo[0] is not self._memo_key:
-            memo = (self._memo_key, [])
-            seq.cache_memo = memo
-        hashes = memo[1]
-        have = len(hashes)
-        if have < num_blocks:
-            parent = hashes[-1] if hashes else None
-            hashes.extend(self.hasher.hash_blocks(seq.tokens, seq.extra, have, num_blocks, parent))
+            memo = seq.cache_memo = [self._memo_key, [], _NO_KEYS]
+        hasher = self.hasher
+        if self._arrays_native:
+            keys = memo[2]
+            have = keys.size
+            if have < num_blocks:
+                new = hasher.hash_keys(
+                    seq.tokens, seq.extra, have, num_blocks, keys[have - 1].tobytes() if have else None
+                )
+                memo[2] = np.concatenate([keys, new]) if have else new
+        else:
+            keys = memo[1]
+            have = len(keys)
+            if have < num_blocks:
+                keys.extend(hasher.hash_blocks(seq.tokens, seq.extra, have, num_blocks, keys[-1] if have else None))
+        return memo
+
+    def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
+        """The chained hashes of `seq`'s first `num_blocks` full blocks (at least; memoised
+        on seq) as a list of bytes: KV events, the host tier, verify_tokens, `DictIndex`."""
+        memo = self._hashed(seq, num_blocks)
+        hashes, keys = memo[1], memo[2]
+        if len(hashes) < keys.size:
+            hashes.extend(keys[len(hashes) :].tolist())
         return hashes
+
+    def _index_keys(self, seq: Sequence, num_blocks: int) -> np.ndarray | list[BlockHash]:
+        """The same hashes as the index takes them: `RunIndex` a void array (one buffer,
+        no Python object per block: with poly128 none is ever made on this path), `DictIndex`
+        the list."""
+        if not self._key_arrays:
+            return self._block_hashes(seq, num_blocks)
+        memo = self._hashed(seq, num_blocks)
+        hashes, keys = memo[1], memo[2]
+        if keys.size < len(hashes):
+            new = as_keys(hashes[keys.size :])
+            keys = memo[2] = np.concatenate([keys, new]) if keys.size else new
+        return keys
 
     # -- the contract: the hooks the base class calls after its checks -----------------
 
     def _match(self, seq: Sequence) -> tuple[int, tuple[int, ...], list[int]]:
         max_blocks = (len(seq) - 1) // self.page_size
-        hashes = self._block_hashes(seq, max_blocks)
         if self.verify_tokens:
-            hit = self._verified_walk(seq, hashes[:max_blocks])
+            hit = self._verified_walk(seq, self._block_hashes(seq, max_blocks)[:max_blocks])
         else:  # the oldest block of each hash, up to the first miss
-            hit = self.index.first_run(hashes[:max_blocks])
+            hit = self.index.first_run(self._index_keys(seq, max_blocks)[:max_blocks])
         return len(hit) * self.page_size, tuple(hit), hit
 
     def _verified_walk(self, seq: Sequence, hashes: list[BlockHash], chosen: list[int] | None = None) -> list[int]:
@@ -390,9 +445,8 @@ class APCCache(PrefixCache):
             raise InvalidRequestError(
                 f"request {seq.request_id!r}: the match's blocks are not this cache's (another cache's match, or forged)"
             )
-        hashes = self._block_hashes(seq, n)
-        if (n and self.index.digests(ids) != hashes[:n]) or (
-            self.verify_tokens and len(self._verified_walk(seq, hashes[:n], hit)) != n
+        if (n and not self.index.holds(ids, self._index_keys(seq, n)[:n])) or (
+            self.verify_tokens and len(self._verified_walk(seq, self._block_hashes(seq, n)[:n], hit)) != n
         ):
             raise InvalidRequestError(
                 f"request {seq.request_id!r}: the match's blocks hold other tokens (a match made for another sequence)"
@@ -430,7 +484,7 @@ class APCCache(PrefixCache):
             ref = self._ref
             waiting = hit[ref[hit] == 0]  # cached blocks nobody uses: a hit takes them out of the queue
             if waiting.size:
-                self.free_queue.remove_n(waiting)
+                self.free_queue.remove_queued(waiting)  # (ref 0: queued; a match's blocks are distinct)
                 self._num_cached_free -= waiting.size
             ref[hit] += 1
             blocks = np.concatenate([hit, self._take_new(num_new)])
@@ -514,13 +568,13 @@ class APCCache(PrefixCache):
         # (check_invariants proves a table's first num_cached blocks are exactly its hashed ones)
         # an equal block cached already keeps answering lookups; this one is its duplicate
         # (tables are append-only)
-        hashes = self._block_hashes(seq, full)
-        self.index.add(ids, hashes[start:full], start)
+        self.index.add(ids, self._index_keys(seq, full)[start:full], start)
         if self.verify_tokens:
             self._record_contents(seq, held.blocks, start, full)
         self._num_hashed += full - start
         held.num_cached = full
         if self._kv_listener is not None:  # vLLM's BlockStored from cache_full_blocks
+            hashes = self._block_hashes(seq, full)
             self._emit_kv_event(PagesStored(hashes[start:full], hashes[start - 1] if start else None))
 
     def _offer_host(self, seq: Sequence, held: _Held, num_computed: int, final: bool = False) -> None:
@@ -574,8 +628,9 @@ class APCCache(PrefixCache):
             blocks = shared.copy()
         child.page_table = blocks.tolist()
         child.num_computed = computed
-        if parent.cache_memo is not None and parent.cache_memo[0] is self._memo_key:
-            child.cache_memo = (self._memo_key, parent.cache_memo[1][:full])
+        memo = parent.cache_memo
+        if memo is not None and memo[0] is self._memo_key:
+            child.cache_memo = [self._memo_key, memo[1][:full], memo[2][:full]]
         if self.host is not None and self.host.moves:
             ops = [*self.host.take_moves(), *ops]
         return _Held(child, blocks, full), ops

@@ -23,7 +23,8 @@ import numpy as np
 
 from cachelib.errors import InvariantViolation
 
-_HOLE = -1  # a slot of `BlockQueue._ring` whose block was removed or taken
+_HOLE = 0  # a slot of `BlockQueue._ring` whose block was removed or taken (slots hold id + 1)
+_NOWHERE = np.iinfo(np.int64).min // 2  # `BlockQueue._pos` of an id not in the ring (any shift leaves it negative)
 
 
 class KVBlock:
@@ -164,13 +165,17 @@ class FreeBlockQueue:
 class BlockQueue:
     """Free block ids `0 .. num_blocks - 1` in eviction order, operated on in bulk.
 
-    Layout: the queued ids sit in `_ring[_head:_tail]` (a numpy array, head first). The
+    Layout: the queued ids sit in `_ring[_head:_tail]` (a numpy array, head first), each
+    stored as id + 1 so that a hole is 0 and a fresh ring is `np.zeros` (memory the system
+    hands out zeroed and lazily: growing or compacting writes only the entries). The
     never-used ids `_fresh .. num_blocks - 1` are not stored: they are a run that sits, in
     queue order, at ring index `_fresh_at`, between the ids put at the head (`appendleft_n`,
     left of it) and those put at the tail (`append_n`, right of it); at first the queue is
     exactly that run, ids in order. `remove_n` leaves holes (`_HOLE`) that `popleft_n`
     skips; the ring is compacted (holes dropped, entries re-centred) when an end fills up.
-    `_pos[b]` is block `b`'s ring index, -1 while it is not in the ring; it grows with the
+    `_pos[b] + _shift` is block `b`'s ring index (`_pos[b]` is `_NOWHERE` while it is not
+    in the ring: a compaction that moves the entries without dropping holes only changes
+    `_shift`, no position is rewritten); `_pos` grows with the
     ids handed out, so memory follows the blocks used, not `num_blocks`.
 
     Every operation takes or returns a whole batch: `popleft_n` (the first n, head first),
@@ -178,15 +183,16 @@ class BlockQueue:
     first), `remove_n` (from anywhere). Costs are per call plus a few C-level steps per id.
     """
 
-    __slots__ = ("num_blocks", "num_free", "_fresh", "_fresh_at", "_ring", "_head", "_tail", "_pos")
+    __slots__ = ("num_blocks", "num_free", "_fresh", "_fresh_at", "_ring", "_head", "_tail", "_pos", "_shift")
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.num_free = num_blocks
         self._fresh = 0  # the next never-used id
-        self._ring = np.full(64, _HOLE, dtype=np.int64)
+        self._ring = np.zeros(64, dtype=np.int64)  # all holes
         self._head = self._tail = self._fresh_at = 32
-        self._pos = np.full(0, -1, dtype=np.int64)
+        self._pos = np.full(0, _NOWHERE, dtype=np.int64)
+        self._shift = 0
 
     def __len__(self) -> int:
         return self.num_free
@@ -232,6 +238,7 @@ class BlockQueue:
             holes = np.count_nonzero(window == _HOLE)
             got = window[window != _HOLE] if holes else window.copy()
             ring[head:stop] = _HOLE  # (positions of taken ids go stale: `_positions` sees it)
+            got -= 1
             parts.append(got)
             n -= got.size
             head = stop
@@ -252,7 +259,23 @@ class BlockQueue:
             bad = ids[pos < 0][:1].tolist() or ids[:1].tolist()
             raise ValueError(f"block {bad[0]} is not in the free queue (or named twice)")
         self._ring[pos] = _HOLE
-        self._pos[ids] = -1
+        self._pos[ids] = _NOWHERE
+        self.num_free -= ids.size
+
+    def remove_queued(self, ids: np.ndarray) -> None:
+        """`remove_n` for int64 ids the caller knows are queued and distinct (apc's hit
+        blocks with no user): their positions are exact, so no range or duplicate checks.
+        Ids that are not where their position says go to `remove_n`, which raises."""
+        pos = (
+            self._pos[ids] + self._shift
+            if ids.size and ids.max() < self._pos.size
+            else np.full(ids.size, -1, dtype=np.int64)
+        )
+        if ids.size and (pos.min() < 0 or pos.max() >= self._ring.size or not np.array_equal(self._ring[pos] - 1, ids)):
+            self.remove_n(ids)
+            return
+        self._ring[pos] = _HOLE
+        self._pos[ids] = _NOWHERE
         self.num_free -= ids.size
 
     # -- putting back ------------------------------------------------------------------
@@ -266,8 +289,8 @@ class BlockQueue:
         if self._tail + k > self._ring.size:
             self._compact(k)
         tail = self._tail
-        self._ring[tail : tail + k] = ids
-        self._pos[ids] = np.arange(tail, tail + k)
+        np.add(ids, 1, out=self._ring[tail : tail + k])
+        self._pos[ids] = np.arange(tail - self._shift, tail + k - self._shift)
         self._tail = tail + k
         self.num_free += k
 
@@ -280,8 +303,8 @@ class BlockQueue:
         if self._head < k:
             self._compact(k)
         head = self._head - k
-        self._ring[head : self._head] = ids
-        self._pos[ids] = np.arange(head, self._head)
+        np.add(ids, 1, out=self._ring[head : self._head])
+        self._pos[ids] = np.arange(head - self._shift, self._head - self._shift)
         self._head = head
         self.num_free += k
 
@@ -300,11 +323,11 @@ class BlockQueue:
         ring = self._ring
         if self._fresh == self.num_blocks or not fresh:
             span = ring[self._head : self._tail]
-            return span[span != _HOLE]
+            return span[span != _HOLE] - 1
         front = ring[self._head : self._fresh_at]
         back = ring[self._fresh_at : self._tail]
         run = np.arange(self._fresh, self.num_blocks, dtype=np.int64)
-        return np.concatenate([front[front != _HOLE], run, back[back != _HOLE]])
+        return np.concatenate([front[front != _HOLE] - 1, run, back[back != _HOLE] - 1])
 
     def __iter__(self) -> Iterator[int]:
         """Head (evicted first) to tail."""
@@ -326,16 +349,16 @@ class BlockQueue:
             raise InvariantViolation("free queue: ids outside head..tail")
         at = np.arange(self._head, self._tail)
         span = ring[self._head : self._tail]
-        live, where = span[span != _HOLE], at[span != _HOLE]
+        live, where = span[span != _HOLE] - 1, at[span != _HOLE]
         if live.size and (live.min() < 0 or live.max() >= self._fresh):
             raise InvariantViolation("free queue holds an id that was never handed out")
         if np.unique(live).size != live.size:
             raise InvariantViolation("free queue holds an id twice")
-        if pos.size < self._fresh or (pos[self._fresh :] != -1).any():
+        if pos.size < self._fresh or (pos[self._fresh :] != _NOWHERE).any():
             raise InvariantViolation(f"free queue tracks {pos.size} positions, {self._fresh} ids handed out")
         found = self._positions(np.arange(self._fresh))
         pos = pos[: self._fresh]
-        if not np.array_equal(pos[live], where) or np.count_nonzero(found >= 0) != live.size:
+        if not np.array_equal(pos[live] + self._shift, where) or np.count_nonzero(found >= 0) != live.size:
             raise InvariantViolation("free queue links broken: a position does not point at its id")
         count = live.size + self.num_blocks - self._fresh
         if count != self.num_free:
@@ -353,9 +376,12 @@ class BlockQueue:
             used = ids < self._fresh
             pos[used] = self._positions(ids[used])
             return pos
-        hint = self._pos[ids]
+        hint = self._pos[ids] + self._shift
         ring = self._ring
-        return np.where(ring[np.clip(hint, 0, ring.size - 1)] == ids, hint, -1)
+        # a stale hint may point past the ring (compacted since) or be negative (not queued)
+        found = ring[np.maximum(np.minimum(hint, ring.size - 1), 0)] == ids + 1
+        found &= hint >= 0
+        return np.where(found, hint, -1)
 
     def _grow_pos(self) -> None:
         """`_pos` covers the ids handed out so far (grown geometrically: an id never
@@ -363,19 +389,35 @@ class BlockQueue:
         have = self._pos.size
         if self._fresh > have:
             size = min(self.num_blocks, max(self._fresh, 2 * have, 1024))
-            self._pos = np.concatenate([self._pos, np.full(size - have, -1, dtype=np.int64)])
+            self._pos = np.concatenate([self._pos, np.full(size - have, _NOWHERE, dtype=np.int64)])
 
     def _compact(self, room: int) -> None:
-        """Drop the holes and re-centre the entries in a ring with `room` free at both ends."""
+        """Re-centre the entries in a ring with `room` free at both ends, dropping the holes
+        if they are many (else the span moves as it is: one copy, positions shift by a
+        constant instead of one write per entry)."""
         ring = self._ring
         span = ring[self._head : self._tail]
+        if 4 * (span.size - np.count_nonzero(span)) <= span.size:  # at most a quarter holes
+            n = span.size
+            size = max(64, 4 * (n + room))
+            new = np.zeros(size, dtype=np.int64)
+            head = min((size - n) // 2, room + max(64, n // 8))
+            new[head : head + n] = span
+            delta = head - self._head
+            self._shift += delta
+            self._fresh_at += delta
+            self._ring, self._head, self._tail = new, head, head + n
+            return
         keep = span != _HOLE
         live = span[keep]
         before_run = int(np.count_nonzero(keep[: max(self._fresh_at - self._head, 0)]))
         size = max(64, 4 * (live.size + room))
-        new = np.full(size, _HOLE, dtype=np.int64)
-        head = (size - live.size) // 2
+        new = np.zeros(size, dtype=np.int64)  # holes; only the entries below are written
+        # most of the room after the entries: appends (released cached blocks) are the common
+        # way in, and the head side regains room as blocks are taken (so a full ring, a copy
+        # of every entry, comes about half as often as with the room split evenly)
+        head = min((size - live.size) // 2, room + max(64, live.size // 8))
         new[head : head + live.size] = live
-        self._pos[live] = np.arange(head, head + live.size)
+        self._pos[live - 1] = np.arange(head - self._shift, head + live.size - self._shift)
         self._fresh_at = head + before_run
         self._ring, self._head, self._tail = new, head, head + live.size

@@ -11,6 +11,31 @@ key is length-prefixed, so the byte string of a block is unambiguous.
 The tables apc keeps cached blocks in, by hash, are here too: `RunIndex` (one entry per
 commit, relying on the chaining above) and `DictIndex` (one entry per hash, for any hash
 function). Both answer, per chain position, a hash's oldest cached block.
+
+Algorithms (`BlockHasher(algorithm=...)`):
+
+- `xxh3_128`, `sha256`: the byte chain above, one hash call per block (vLLM's
+  construction; `sha256` is vLLM's default, xxh3-128 its fast option).
+- `poly128` (apc's default at page sizes up to 8, `backends/apc.py`): the same kind of
+  chain, computed for all of a call's blocks at once with numpy, so its cost is a few
+  dozen numpy calls plus a few nanoseconds per token instead of a Python call per block. Per 64-bit lane, `H_i = P * H_{i-1} + c_i (mod 2**64)`
+  with an odd multiplier `P`, where the block's content value `c_i` is the sum, over its
+  words, of `fmix64(word ^ R_k)`: a word is a token pair at an even page size (one token
+  otherwise, sign-extended), `R_k` a fixed random constant of its offset `k` in the block,
+  `fmix64` MurmurHash3's bijective finaliser. A second lane uses another multiplier and
+  `c'_i` from a second bijection of each mixed word, and a block with extra keys adds, per
+  lane, 64 bits of the xxh3-128 of its extra-key bytes. The 16-byte hash is the two lanes
+  (little-endian). Because `P` is invertible, the recurrence is a prefix sum,
+  `H_i = P**i * (P * H_{-1} + sum_j c_j * P**-j)`: one `cumsum` per lane instead of a
+  Python step per block, and still a chain (`hash_block` takes the parent alone).
+  Collision argument: modelling the mixed words as independent uniform 64-bit values, two
+  different prefixes differ in at least one block value `c_j` (or in length), whose term
+  `(c_j - c'_j) * P**(i-j)` is uniform (P is odd, so multiplying by its power is a
+  bijection) and independent of the rest: a lane collides with probability 2**-64, both
+  lanes 2**-128, as for xxh3-128. A block that differs from another in one word never
+  collides with it in a lane at all (`fmix64` is a bijection). Non-cryptographic: like
+  xxh3, it is no defence against inputs crafted to collide (use `sha256`, or apc's
+  `verify_tokens`, for that). Decisions equal the byte chains' except after a collision.
 """
 
 from __future__ import annotations
@@ -19,7 +44,7 @@ import hashlib
 import operator
 from collections.abc import Callable
 from functools import partial
-from itertools import islice, takewhile
+from itertools import takewhile
 from typing import ClassVar
 
 import numpy as np
@@ -45,6 +70,166 @@ HASH_ALGORITHMS: dict[str, HashFn] = {
 }
 
 
+_M64 = (1 << 64) - 1
+_U = np.uint64
+
+
+def _fmix64(x: np.ndarray) -> np.ndarray:
+    """MurmurHash3's 64-bit finaliser, in place (a bijection of uint64 with full avalanche)."""
+    y = x >> _U(33)
+    x ^= y
+    x *= _U(0xFF51AFD7ED558CCD)
+    np.right_shift(x, _U(33), out=y)
+    x ^= y
+    x *= _U(0xC4CEB9FE1A85EC53)
+    np.right_shift(x, _U(33), out=y)
+    x ^= y
+    return x
+
+
+def _inverse_mod_2_64(p: int) -> int:
+    """The inverse of odd `p` modulo 2**64 (Newton's iteration doubles the correct bits)."""
+    x = p
+    for _ in range(6):
+        x = (x * (2 - p * x)) & _M64
+    return x
+
+
+class Poly128:
+    """The `poly128` block hashes (module docstring): two 64-bit lanes, each
+    `H_i = P * H_{i-1} + c_i mod 2**64`, all of a call's blocks in a few numpy calls."""
+
+    #: the lane multipliers (odd: invertible modulo 2**64)
+    P = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F)
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self.pairs = page_size % 2 == 0  # a word is a token pair (else one token)
+        self.words = page_size // 2 if self.pairs else page_size
+        # R_k: a fixed random constant per word offset in a block (splitmix64 of k)
+        k = np.arange(1, self.words + 1, dtype=np.uint64) * _U(0x9E3779B97F4A7C15)
+        self.offsets = _fmix64(k)
+        self._offsets = self.offsets.tolist()
+        self._offsets_col = self.offsets[:, None]
+        self._pinv = tuple(_inverse_mod_2_64(p) for p in self.P)
+        self._pow = (np.ones(1, dtype=np.uint64),) * 2  # P**m, P**-m per lane, m < len
+        self._ipow = (np.ones(1, dtype=np.uint64),) * 2
+
+    def _powers(self, n: int) -> None:
+        """Make the power tables hold exponents `0 .. n - 1` (doubling)."""
+        have = self._pow[0].size
+        if n <= have:
+            return
+        size = max(n, 2 * have)
+        pows, ipows = [], []
+        for p, q in zip(self.P, self._pinv, strict=True):
+            for table, base in ((pows, p), (ipows, q)):
+                factors = np.full(size, base, dtype=np.uint64)
+                factors[0] = 1
+                table.append(np.cumprod(factors))  # wraps modulo 2**64, as the recurrence does
+        self._pow, self._ipow = tuple(pows), tuple(ipows)
+
+    def values(self, span: np.ndarray, n: int) -> np.ndarray:
+        """The content values of the `n` blocks of int32 tokens `span`: a (2, n) uint64
+        array, lane by lane (`c_i` in row 0, `c'_i` in row 1)."""
+        if self.pairs:
+            w = np.ascontiguousarray(span, dtype="<i4").view("<u8").astype(np.uint64, copy=False)
+        else:
+            w = span.astype(np.int64).view(np.uint64)
+        # word offset outermost: each offset's words of every block contiguous, so the sums
+        # below are whole-row adds
+        out = np.empty((2, self.words, n), dtype=np.uint64)
+        x = np.bitwise_xor(w.reshape(n, self.words).T, self._offsets_col, out=out[0])
+        _fmix64(x)
+        y = np.right_shift(x, _U(29), out=out[1])  # the second lane's bijection of the mixed word
+        y ^= x
+        y *= _U(0xD6E8FEB86659FD93)
+        # each block's sum over its words, by halving the rows (a few whole-array adds)
+        width = self.words
+        while width > 1:
+            half = width // 2
+            if width % 2:
+                out[:, 0] += out[:, width - 1]
+            out[:, :half] += out[:, half : 2 * half]
+            width = half
+        return np.ascontiguousarray(out[:, 0])
+
+    def few_values(self, span: np.ndarray, n: int) -> list[list[int]]:
+        """`values` in plain Python ints, for a few blocks (a decode step's): cheaper than
+        numpy's per-call cost there. Same numbers (tests compare the two)."""
+        if self.pairs:
+            t = span.astype("<i4").view("<u8").tolist()
+        else:
+            t = span.astype(np.int64).view(np.uint64).tolist()
+        offsets = self._offsets
+        out = []
+        for b in range(n):
+            ca = cb = 0
+            for w, r in zip(t[b * self.words : (b + 1) * self.words], offsets, strict=True):
+                x = w ^ r
+                x ^= x >> 33
+                x = (x * 0xFF51AFD7ED558CCD) & _M64
+                x ^= x >> 33
+                x = (x * 0xC4CEB9FE1A85EC53) & _M64
+                x ^= x >> 33
+                ca += x
+                cb += (((x >> 29) ^ x) * 0xD6E8FEB86659FD93) & _M64
+            out.append([ca & _M64, cb & _M64])
+        return out
+
+    def few_chain(self, values: list[list[int]], parent: BlockHash | None) -> list[BlockHash]:
+        """`chain` in plain Python ints (for `few_values`)."""
+        (pa, pb) = self.P
+        a = b = 0
+        if parent is not None:
+            a, b = int.from_bytes(parent[:8], "little"), int.from_bytes(parent[8:], "little")
+        out = []
+        for ca, cb in values:
+            a = (pa * a + ca) & _M64
+            b = (pb * b + cb) & _M64
+            out.append(a.to_bytes(8, "little") + b.to_bytes(8, "little"))
+        return out
+
+    @staticmethod
+    def extra_values(extra: bytes) -> tuple[int, int]:
+        """What a block's extra-key bytes add to its two lane values."""
+        d = xxhash.xxh3_128_intdigest(extra)
+        return d & _M64, d >> 64
+
+    def chain(self, values: np.ndarray, parent: BlockHash | None) -> np.ndarray:
+        """The hashes of blocks with content `values` ((2, n) uint64, modified), chained
+        from `parent`: a void array (`as_keys`), 16 bytes an item."""
+        n = values.shape[1]
+        self._powers(n)
+        lanes = (
+            (0, 0) if parent is None else (int.from_bytes(parent[:8], "little"), int.from_bytes(parent[8:], "little"))
+        )
+        for lane in (0, 1):
+            row = values[lane]
+            row *= self._ipow[lane][:n]
+            np.cumsum(row, out=row)
+            if lanes[lane]:
+                row += _U((self.P[lane] * lanes[lane]) & _M64)
+            row *= self._pow[lane][:n]
+        keys = np.empty((n, 2), dtype="<u8")
+        keys[:] = values.T
+        return keys.view(np.dtype((np.void, 16))).ravel()
+
+    def hash_block(self, parent: BlockHash | None, block_tokens: bytes, extra: bytes) -> BlockHash:
+        values = self.values(np.frombuffer(block_tokens, dtype=np.int32), 1)
+        if extra:
+            values[:, 0] += np.array(self.extra_values(extra), dtype=np.uint64)
+        return self.chain(values, parent)[0].tobytes()
+
+
+#: up to this many words (a decode step's block or two), `poly128` computes in plain Python:
+#: below it numpy's fixed cost per call exceeds the per-word work it saves
+_FEW_WORDS = 16
+
+#: algorithms computed for all of a call's blocks at once (not a bytes -> bytes function)
+VECTOR_ALGORITHMS = ("poly128",)
+
+
 def _key(tag: bytes, payload: bytes) -> bytes:
     return tag + len(payload).to_bytes(4, "little") + payload
 
@@ -52,22 +237,29 @@ def _key(tag: bytes, payload: bytes) -> bytes:
 class BlockHasher:
     """Computes the chained hashes of a sequence's full blocks.
 
-    `algorithm` is `xxh3_128` (default, fast, non-cryptographic) or `sha256`; `hash_fn`
-    overrides both (tests use a deliberately colliding one).
+    `algorithm` is `xxh3_128` (default here, fast, non-cryptographic), `sha256`, or
+    `poly128` (vectorised; module docstring); `hash_fn` overrides them all
+    (tests use a deliberately colliding one).
     """
 
     def __init__(self, page_size: int, algorithm: str = "xxh3_128", hash_fn: HashFn | None = None) -> None:
         if hash_fn is not None and not callable(hash_fn):
             raise InvalidRequestError(f"hash_fn must be a function bytes -> bytes, got {hash_fn!r}")
-        if hash_fn is None:
+        self._poly: Poly128 | None = None
+        if hash_fn is None and algorithm in VECTOR_ALGORITHMS:
+            self._poly = Poly128(page_size)
+        elif hash_fn is None:
             try:
                 hash_fn = HASH_ALGORITHMS[algorithm]
             except KeyError:
                 raise InvalidRequestError(
-                    f"unknown hash algorithm {algorithm!r}; choose one of {sorted(HASH_ALGORITHMS)}"
+                    f"unknown hash algorithm {algorithm!r}; choose one of {sorted([*HASH_ALGORITHMS, *VECTOR_ALGORITHMS])}"
                 ) from None
         self.page_size = page_size
-        self.algorithm = algorithm if hash_fn is HASH_ALGORITHMS.get(algorithm) else "custom"
+        if self._poly is not None:
+            self.algorithm = algorithm
+        else:
+            self.algorithm = algorithm if hash_fn is HASH_ALGORITHMS.get(algorithm) else "custom"
         self._fn = hash_fn
 
     def extra_bytes(self, extra: ExtraKeys, block: int) -> bytes:
@@ -87,6 +279,8 @@ class BlockHasher:
     def hash_block(self, parent: BlockHash | None, block_tokens: bytes, extra: bytes) -> BlockHash:
         """The hash of one block from its parent's hash (None: the first block), its tokens'
         int32 bytes and its extra-key bytes (`extra_bytes`): what `hash_blocks` chains."""
+        if self._poly is not None:
+            return self._poly.hash_block(parent, block_tokens, extra)
         return self._fn((ROOT_HASH if parent is None else parent) + block_tokens + extra)
 
     def hash_blocks(
@@ -97,6 +291,9 @@ class BlockHasher:
         size = self.page_size
         if stop * size > tokens.size:
             raise InvalidRequestError(f"block {stop - 1} is not full ({tokens.size} tokens)")
+        if self._poly is not None:
+            keys = self._poly_blocks(tokens, extra, start, stop, parent)
+            return keys if keys.__class__ is list else keys.tolist()
         fn = self._fn
         h = ROOT_HASH if parent is None else parent
         span = np.ascontiguousarray(tokens[start * size : stop * size])
@@ -119,9 +316,52 @@ class BlockHasher:
             rest = [h := fn(h + chunk) for chunk in chunks]
         return head + rest if head else rest
 
+    def hash_keys(
+        self, tokens: np.ndarray, extra: ExtraKeys, start: int, stop: int, parent: BlockHash | None
+    ) -> np.ndarray:
+        """`hash_blocks` as one void array (`as_keys`): with poly128, no Python object per block."""
+        if self._poly is not None:
+            return as_keys(self._poly_blocks(tokens, extra, start, stop, parent))
+        return as_keys(self.hash_blocks(tokens, extra, start, stop, parent))
+
+    def _poly_blocks(
+        self, tokens: np.ndarray, extra: ExtraKeys, start: int, stop: int, parent: BlockHash | None
+    ) -> list[BlockHash] | np.ndarray:
+        """`hash_blocks` for `poly128`: every block's values at once, extra keys added per
+        block; a list from the plain-Python path (a few blocks), else a void array."""
+        size = self.page_size
+        if stop * size > tokens.size:
+            raise InvalidRequestError(f"block {stop - 1} is not full ({tokens.size} tokens)")
+        n = stop - start
+        if n <= 0:
+            return []
+        poly = self._poly
+        span = tokens[start * self.page_size : stop * self.page_size]
+        few = n * poly.words <= _FEW_WORDS
+        values = poly.few_values(span, n) if few else poly.values(span, n)
+        if extra.cache_salt is not None or extra.lora_id is not None or extra.mm:
+            if extra.mm:  # multimodal spans vary the extra keys block by block
+                keys = [self.extra_bytes(extra, b) for b in range(start, stop)]
+            else:  # the same for every block after the first
+                later = self.extra_bytes(extra, 1)
+                keys = [self.extra_bytes(extra, 0) if start == 0 else later] + [later] * (n - 1)
+            memo: dict[bytes, tuple[int, int]] = {}
+            add = np.zeros((n, 2), dtype=np.uint64)  # per block, its two lanes' additions
+            for i, key in enumerate(keys):
+                if key:
+                    v = memo.get(key)
+                    if v is None:
+                        v = memo[key] = poly.extra_values(key)
+                    if few:
+                        values[i] = [(values[i][0] + v[0]) & _M64, (values[i][1] + v[1]) & _M64]
+                    else:
+                        add[i] = v
+            if not few:
+                values += add.T
+        return poly.few_chain(values, parent) if few else poly.chain(values, parent)
+
 
 _is_not_none = partial(operator.is_not, None)
-_true = partial(operator.is_, True)
 
 
 class DictIndex:
@@ -132,6 +372,8 @@ class DictIndex:
 
     #: False: it does not know a block's chain position (`RunIndex.position`)
     knows_positions: ClassVar[bool] = False
+    #: False: it takes hashes as lists of bytes (any hash function's, any length)
+    takes_arrays: ClassVar[bool] = False
 
     __slots__ = ("cached", "digest", "_first", "_dups")
 
@@ -167,6 +409,10 @@ class DictIndex:
 
     def digests(self, blocks) -> list[BlockHash | None]:
         return self.digest[np.asarray(blocks, dtype=np.int64)].tolist()
+
+    def holds(self, blocks: np.ndarray, hashes: list[BlockHash]) -> bool:
+        """Whether each of `blocks` is cached under the hash at its place in `hashes`."""
+        return self.digests(blocks) == hashes
 
     def candidates(self, hashes: list[BlockHash]) -> list[list[int]]:
         out = []
@@ -249,14 +495,30 @@ class DictIndex:
             fail("the indexed blocks are not exactly the cached ones")
 
 
+def as_keys(hashes: list[BlockHash] | np.ndarray) -> np.ndarray:
+    """Hashes as one numpy void array, an item per hash (`RunIndex` keeps and compares them
+    so: a run's hashes are one buffer, not a Python object per block). An array passes
+    through; a list of equally long hashes (the built-in algorithms') is joined."""
+    if isinstance(hashes, np.ndarray):
+        return hashes
+    if not hashes:
+        return np.empty(0, dtype="V16")
+    width = len(hashes[0])
+    joined = b"".join(hashes)
+    if len(joined) != width * len(hashes):
+        raise InvalidRequestError("RunIndex needs hashes of one length (a custom hash_fn takes DictIndex)")
+    return np.frombuffer(joined, dtype=f"V{width}")
+
+
 class _Run:
     """Blocks committed together: chain positions `start ..`, their hashes and block ids."""
 
-    __slots__ = ("start", "keys", "blocks", "live")
+    __slots__ = ("start", "keys", "first", "blocks", "live")
 
-    def __init__(self, start: int, keys: list[BlockHash], blocks: np.ndarray) -> None:
+    def __init__(self, start: int, keys: np.ndarray, blocks: np.ndarray) -> None:
         self.start = start
-        self.keys = keys
+        self.keys = keys  # a void array, one item per hash (see `as_keys`)
+        self.first = keys[0].tobytes()  # what `RunIndex._starts` files the run under
         self.blocks = blocks
         self.live = blocks.size  # of its blocks, how many are still cached
 
@@ -267,7 +529,8 @@ _NEVER = np.iinfo(np.int64).max
 class RunIndex:
     """The cached blocks by *chained* hash, kept per commit: a run is the blocks one commit
     published, at chain positions `start, start + 1, ...`, with their hashes. Publishing a
-    run is one dict operation (`_starts`: its first hash -> its id) and a few array writes;
+    run is one dict operation (`_starts`: its first hash -> its id) and a few array writes
+    (its hashes are one void array, `as_keys`, compared as machine words);
     evicting a block clears its `cached` flag (a run goes when its last block does). No
     operation per block on a hash table.
 
@@ -283,6 +546,8 @@ class RunIndex:
 
     #: True: `position(block)` is the chain position a cached block is indexed at
     knows_positions: ClassVar[bool] = True
+    #: True: it keeps hashes as void arrays (`as_keys`) and takes them so (lists are joined)
+    takes_arrays: ClassVar[bool] = True
 
     __slots__ = ("cached", "_run", "_off", "_seq", "_runs", "_starts", "_next_run", "_next_seq")
 
@@ -317,8 +582,8 @@ class RunIndex:
             return
         r = self._next_run
         self._next_run += 1
-        self._runs[r] = _Run(start, hashes, blocks.copy())
-        self._starts.setdefault(hashes[0], []).append(r)
+        run = self._runs[r] = _Run(start, as_keys(hashes), blocks.copy())
+        self._starts.setdefault(run.first, []).append(r)
         self.cached[blocks] = True
         self._run[blocks] = r
         self._off[blocks] = np.arange(n)
@@ -348,10 +613,10 @@ class RunIndex:
             run.live -= k
             if not run.live:
                 del self._runs[r]
-                others = self._starts[run.keys[0]]
+                others = self._starts[run.first]
                 others.remove(r)
                 if not others:
-                    del self._starts[run.keys[0]]
+                    del self._starts[run.first]
 
     # -- reading ---------------------------------------------------------------------
 
@@ -360,8 +625,12 @@ class RunIndex:
     ) -> None:
         """Offer run `r`'s blocks still cached in it for the positions where it agrees with
         `hashes` (a block evicted from the run and cached again elsewhere is not its own)."""
-        # the agreement, compared up to the first different hash only (C-level)
-        n = len(list(takewhile(_true, map(operator.eq, run.keys, islice(hashes, at, None)))))
+        # the agreement: the run's hashes and the query's, compared as machine words
+        size = min(run.keys.size, hashes.size - at)
+        width = hashes.itemsize // 8
+        differs = (run.keys[:size].view(np.uint64) != hashes[at : at + size].view(np.uint64)).reshape(size, width)
+        differs = differs.any(axis=1) if width > 1 else differs[:, 0]
+        n = int(differs.argmax()) if differs.any() else size
         blocks = run.blocks[:n]
         seq = self._seq[blocks]
         mine = self._run[blocks] == r
@@ -375,28 +644,41 @@ class RunIndex:
     def first_run(self, hashes: list[BlockHash]) -> list[int]:
         """The oldest cached block of each chain position of `hashes`, up to the first
         position with none."""
-        m = len(hashes)
+        hashes = as_keys(hashes)
+        m = hashes.size
+        runs, starts = self._runs, self._starts.get
+        # only a run that starts at position 0 covers it: without one the walk ends there
+        # (most lookups of a small cache), before any array is made
+        if not m or not any(runs[r].start == 0 for r in starts(hashes[0].tobytes(), ())):
+            return []
         best = np.full(m, _NEVER, dtype=np.int64)
         best_block = np.full(m, -1, dtype=np.int64)
-        runs, starts = self._runs, self._starts.get
-        lo, step = 0, 64
-        while lo < m:
-            hi = min(m, lo + step)
-            for i, found in enumerate(map(starts, hashes[lo:hi]), lo):
+        # fold the runs starting at each position up to the first one still uncovered: a
+        # run offers blocks only from its start on, so positions past that one cannot
+        # change the answer (no window of lookups beyond the hit)
+        lo, end = 0, 0  # scan run starts at positions lo .. end (end: first uncovered so far)
+        while True:
+            for i, found in enumerate(map(starts, hashes[lo : end + 1].tolist()), lo):
                 if found:
                     for r in found:
                         run = runs[r]
                         if run.start == i:
                             self._fold(r, run, hashes, i, best, best_block)
-            miss = (best[lo:hi] == _NEVER).nonzero()[0]
-            if miss.size:
-                return best_block[: lo + int(miss[0])].tolist()
-            lo, step = hi, step * 4
-        return best_block.tolist()
+            now = m  # the first uncovered position from `end` on (m: none)
+            if end < m:
+                gap = best[end:] == _NEVER
+                k = int(gap.argmax())
+                if gap[k]:
+                    now = end + k
+            if now == end:  # every position before it scanned, and it stays uncovered
+                return best_block[:now].tolist()
+            lo, end = end + 1, now
 
     def candidates(self, hashes: list[BlockHash]) -> list[list[int]]:
         """Per chain position of `hashes`, every cached block there, oldest first, up to
         the first position with none (for verify_tokens' walk)."""
+        if isinstance(hashes, np.ndarray):
+            hashes = hashes.tolist()
         out: list[list[int]] = []
         active: list[int] = []
         for i, h in enumerate(hashes):
@@ -405,7 +687,7 @@ class RunIndex:
             for r in active:
                 run = self._runs[r]
                 j = i - run.start
-                if j < len(run.keys) and run.keys[j] == h:
+                if j < len(run.keys) and run.keys[j].tobytes() == h:
                     b = int(run.blocks[j])
                     if self._run[b] == r:
                         here.append((int(self._seq[b]), b))
@@ -419,9 +701,30 @@ class RunIndex:
         blocks = np.asarray(blocks, dtype=np.int64)
         runs = self._runs
         return [
-            None if r < 0 else runs[r].keys[o]
+            None if r < 0 else runs[r].keys[o].tobytes()
             for r, o in zip(self._run[blocks].tolist(), self._off[blocks].tolist(), strict=True)
         ]
+
+    def holds(self, blocks: np.ndarray, hashes: list[BlockHash]) -> bool:
+        """Whether each of `blocks` is cached under the hash at its place in `hashes`
+        (`digests(blocks) == hashes`, compared a stretch of one run at a time: a match's
+        blocks are a few runs' consecutive blocks)."""
+        hashes = as_keys(hashes)
+        if blocks.size != hashes.size:
+            return False
+        if not blocks.size:
+            return True
+        runs, offs = self._run[blocks], self._off[blocks]
+        if (runs < 0).any():
+            return False
+        cut = ((runs[1:] != runs[:-1]) | (offs[1:] != offs[:-1] + 1)).nonzero()[0] + 1
+        bounds = [0, *cut.tolist(), blocks.size]
+        firsts = runs[bounds[:-1]].tolist()
+        first_offs = offs[bounds[:-1]].tolist()
+        for r, o, lo, hi in zip(firsts, first_offs, bounds, bounds[1:], strict=False):
+            if self._runs[r].keys[o : o + hi - lo].tobytes() != hashes[lo:hi].tobytes():
+                return False
+        return True
 
     def items(self) -> list[tuple[BlockHash, list[int]]]:
         """(hash, its cached blocks oldest first) for every cached hash."""
@@ -475,9 +778,13 @@ class RunIndex:
         for r, run in self._runs.items():
             if run.live != live[r] or not run.live:
                 fail(f"run {r} counts {run.live} cached blocks, holds {live[r]}")
-            if len(run.keys) != run.blocks.size or r not in self._starts.get(run.keys[0], ()):
+            if (
+                len(run.keys) != run.blocks.size
+                or run.first != run.keys[0].tobytes()
+                or r not in self._starts.get(run.first, ())
+            ):
                 fail(f"run {r} is not indexed under its first hash")
         for h, rs in self._starts.items():
             for r in rs:
-                if r not in self._runs or self._runs[r].keys[0] != h:
+                if r not in self._runs or self._runs[r].first != h:
                     fail("a run start points at a run gone or with another first hash")

@@ -50,7 +50,10 @@ def test_same_order_as_the_linked_list_under_random_batches(seed, num_blocks):
             batch = rng.sample(used, rng.randint(1, min(len(used), 5)))
             for b in batch:
                 ref.remove(blocks[b])
-            q.remove_n(batch)
+            if rng.random() < 0.5:
+                q.remove_n(batch)
+            else:  # apc's way: ids it knows are queued, as an int64 array
+                q.remove_queued(np.array(batch, dtype=np.int64))
             out += batch
         assert list(q) == _ids(ref)
         assert len(q) == len(ref)
@@ -83,6 +86,9 @@ def test_errors_change_nothing():
         q.remove_n([4])  # never used: only a used block is taken out of the middle
     with pytest.raises(ValueError, match="not in the free queue"):
         q.remove_n([2, 2])  # named twice
+    for bad in ([0], [4], [2, 0]):  # the unchecked path sends what is not queued to remove_n
+        with pytest.raises(ValueError, match="not in the free queue"):
+            q.remove_queued(np.array(bad, dtype=np.int64))
     assert list(q) == [3, 4, 2] and len(q) == 3
     q.check()
 

@@ -100,7 +100,7 @@ def test_run_index_equals_the_model_on_chained_hashes(seed):
                 for b, h in zip(blocks, hashes[start:], strict=True):
                     model.setdefault(h, []).append(b)
                     cached[b] = h
-            probe = hashes + [b"never"]
+            probe = hashes + [b"never-seen-hash!"]  # (RunIndex keys are all 16 bytes)
         elif cached:
             gone = rng.sample(sorted(cached), min(len(cached), rng.choice([1, 4, 30])))
             index.remove(np.array(gone, dtype=np.int64))
@@ -192,3 +192,19 @@ def test_run_index_and_dict_make_the_same_decisions(monkeypatch, options, seed):
         assert caches[0].stats() == caches[1].stats()
         assert caches[0].cached_blocks_in_lru_order() == caches[1].cached_blocks_in_lru_order()
         assert list(caches[0].free_queue) == list(caches[1].free_queue)
+
+
+def test_run_index_answers_an_older_block_from_a_run_that_starts_later():
+    """Run X (positions 2..5) is older than run Y (0..5, duplicates of X at 2..5, committed
+    after X's own first blocks were evicted): a lookup walks from Y's start but answers X's
+    blocks at 2..5 (the oldest of each hash), even though Y alone covers the whole query."""
+    hashes = BlockHasher(1).hash_blocks(np.arange(6, dtype=np.int32), ExtraKeys(), 0, 6, None)
+    for kind in (RunIndex, DictIndex):
+        index = kind()
+        index.cover(20)
+        index.add(np.array([0, 1]), hashes[:2], 0)  # Z
+        index.add(np.array([2, 3, 4, 5]), hashes[2:], 2)  # X, after a hit on Z
+        index.remove(np.array([0, 1]))  # Z evicted
+        index.add(np.array([10, 11, 12, 13, 14, 15]), hashes, 0)  # Y: its blocks 2..5 duplicate X's
+        assert index.first_run(hashes) == [10, 11, 2, 3, 4, 5], kind.__name__
+        assert index.first_run(hashes[:4]) == [10, 11, 2, 3], kind.__name__
