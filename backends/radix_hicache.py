@@ -66,8 +66,17 @@ from cachelib.errors import InvalidRequestError
 from cachelib.interface import Occupancy, PagePartition
 from cachelib.kv_events import PageKeys
 from cachelib.registry import register_backend
-from cachelib.tiers import H200_HOST_READ_GBPS, H200_HOST_WRITE_GBPS, LLAMA3_8B_KV_BYTES_PER_TOKEN, HostTier
-from cachelib.types import CopyOp, Match, Sequence, TierCopy
+from cachelib.tiers import (
+    DEFAULT_PREFETCH_THRESHOLD,
+    H200_HOST_READ_GBPS,
+    H200_HOST_WRITE_GBPS,
+    LLAMA3_8B_KV_BYTES_PER_TOKEN,
+    PREFETCH_POLICIES,
+    STORAGE_BACKENDS,
+    HostTier,
+    StorageTier,
+)
+from cachelib.types import CopyOp, Match, Sequence, StorageCopy, TierCopy
 
 
 @register_backend("radix-hicache")
@@ -90,6 +99,13 @@ class HiRadixCache(RadixCache):
         host_write_gbps: float = H200_HOST_WRITE_GBPS,
         kv_bytes_per_token: int = LLAMA3_8B_KV_BYTES_PER_TOKEN,
         eviction_policy: str = "lru",
+        storage_backend: str = "none",
+        storage_capacity_tokens: int = 0,
+        storage_capacity_gb: float = 0.0,
+        storage_read_gbps: float = 0.0,
+        storage_write_gbps: float = 0.0,
+        prefetch_policy: str = "best_effort",
+        prefetch_threshold: int = DEFAULT_PREFETCH_THRESHOLD,
         track_contents: bool = False,
     ) -> None:
         if write_policy not in WRITE_POLICIES:
@@ -109,15 +125,105 @@ class HiRadixCache(RadixCache):
             write_gbps=host_write_gbps,
             kv_bytes_per_token=kv_bytes_per_token,
         )
+        self.storage_tier = self._build_storage(
+            page_size,
+            storage_backend,
+            storage_capacity_tokens,
+            storage_capacity_gb,
+            storage_read_gbps,
+            storage_write_gbps,
+            prefetch_policy,
+            prefetch_threshold,
+            kv_bytes_per_token,
+        )
         policy = make_policy(eviction_policy)
         super().__init__(num_pages, page_size, eviction_policy=policy, track_contents=track_contents)
         self.write_policy = write_policy
-        self.tree = HiCacheTree(page_size, policy, write_policy, self.host_tier.capacity_tokens // page_size)
+        self.prefetch_policy = prefetch_policy
+        if self.storage_tier is not None:
+            self.memory_tiers = ("gpu", "host", "storage")
+        self.tree = HiCacheTree(
+            page_size,
+            policy,
+            write_policy,
+            self.host_tier.capacity_tokens // page_size,
+            self.storage_tier,
+            prefetch_threshold,
+        )
+        #: request id -> tokens of its last admission that came up from storage
+        self._storage_hits: dict[str, int] = {}
+        self.storage_hit_tokens_total = 0
         self.tree.mover = self
         self._host_contents = np.full(self.host_tier.capacity_tokens, -1, dtype=np.int64) if track_contents else None
         self.host_hit_tokens = 0  # loaded back at admission, over every admission
         #: `TierCopy`s decided but not handed out yet (they go with the next admit, grow, fork)
         self._moves: list[TierCopy] = []
+
+    @staticmethod
+    def _build_storage(
+        page_size: int,
+        backend: str,
+        capacity_tokens: int,
+        capacity_gb: float,
+        read_gbps: float,
+        write_gbps: float,
+        prefetch_policy: str,
+        prefetch_threshold: int,
+        kv_bytes_per_token: int,
+    ) -> StorageTier | None:
+        """The L3 tier the options describe, or None (`storage_backend="none"`); every
+        storage option is checked here, before any work, and one given without a storage
+        backend is refused rather than ignored."""
+        if prefetch_policy not in PREFETCH_POLICIES:
+            raise InvalidRequestError(
+                f"unknown prefetch_policy {prefetch_policy!r}; choose one of {', '.join(PREFETCH_POLICIES)}"
+            )
+        if isinstance(prefetch_threshold, bool) or not isinstance(prefetch_threshold, int) or prefetch_threshold < 0:
+            raise InvalidRequestError(f"prefetch_threshold must be a non-negative int, got {prefetch_threshold!r}")
+        if backend == "none":
+            stray = [
+                name
+                for name, value, default in (
+                    ("storage_capacity_tokens", capacity_tokens, 0),
+                    ("storage_capacity_gb", capacity_gb, 0.0),
+                    ("storage_read_gbps", read_gbps, 0.0),
+                    ("storage_write_gbps", write_gbps, 0.0),
+                    ("prefetch_policy", prefetch_policy, "best_effort"),
+                    ("prefetch_threshold", prefetch_threshold, DEFAULT_PREFETCH_THRESHOLD),
+                )
+                if value != default
+            ]
+            if stray:
+                raise InvalidRequestError(
+                    f"{', '.join(stray)} given without a storage tier: add storage_backend="
+                    f"{' or '.join(STORAGE_BACKENDS)}"
+                )
+            return None
+        return StorageTier.build(
+            page_size,
+            backend=backend,
+            capacity_tokens=capacity_tokens,
+            capacity_gb=capacity_gb,
+            read_gbps=read_gbps,
+            write_gbps=write_gbps,
+            kv_bytes_per_token=kv_bytes_per_token,
+        )
+
+    def use_storage_pool(self, pool: StorageTier) -> None:
+        """Share `pool` (another replica's `shared` storage tier) from now on: a Mooncake
+        Store every replica of a cluster reads and writes. Refused unless this cache has a
+        `shared` tier with the same figures and nothing was stored in it yet."""
+        own = self.storage_tier
+        if own is None or not own.shared:
+            raise InvalidRequestError("only a radix-hicache cache with storage_backend=shared joins a shared pool")
+        if own is pool:
+            return
+        if not own.same_figures(pool):
+            raise InvalidRequestError("replicas sharing a storage pool must give it the same size and bandwidths")
+        if own.used_tokens or own.written_pages:
+            raise InvalidRequestError("join a shared storage pool before the cache stores anything")
+        self.storage_tier = pool
+        self.tree.storage = pool
 
     # -- the mover the tree calls (transfers complete at once) ------------------------
 
@@ -146,6 +252,14 @@ class HiRadixCache(RadixCache):
         `cache_blocks` at scheduling): a node is demoted only once unlocked, i.e. after its
         KV was written."""
         self._moves.append(TierCopy(True, tuple(device_pages), tuple(host_pages)))
+
+    def stored_from_host(self, host_pages: list[int], keys: list) -> None:
+        self._moves.append(StorageCopy(True, tuple(host_pages), tuple(keys), len(keys) * self.page_size))
+
+    def prefetched(self, keys: list, host_pages: list[int], tokens: np.ndarray) -> None:
+        self._moves.append(StorageCopy(False, tuple(host_pages), tuple(keys), len(tokens)))
+        if self._contents is not None:
+            self._host_contents[self._slots(host_pages)] = tokens
 
     def _take_moves(self, ops: list[CopyOp] | None) -> list | None:
         """The tier moves decided since the last hand-out, then `ops` (None stays None:
@@ -184,8 +298,18 @@ class HiRadixCache(RadixCache):
         limit = (len(seq) - 1) // ps * ps
         host = tree.host_continuation(node, seq.tokens, limit) if hit < limit else []
         host_len = sum(len(x.key) for x in host)
+        stored = 0
+        if tree.storage is not None and hit + host_len < limit:
+            # the request's arrival in SGLang (`_prefetch_kvcache`), done here: the pages
+            # after the device + host match come up from storage as a host-only node
+            fetched = tree.prefetch(host[-1] if host else node, seq.tokens, hit + host_len, limit)
+            if fetched is not None:
+                host.append(fetched)
+                stored = len(fetched.key)
+                host_len += stored
         # A chunk that ends inside the host hit (serving) recomputes it instead: the load
         # covers whole nodes, and the table must not pass what admit was asked for.
+        loaded_from_storage = 0
         if host and hit + host_len < num_tokens:
             loaded = self._load_back(host, host_len)
             if loaded is not None:
@@ -193,6 +317,12 @@ class HiRadixCache(RadixCache):
                 hit += host_len
                 node = host[-1]
                 self.host_hit_tokens += host_len
+                loaded_from_storage = stored
+        if tree.storage is not None:
+            # `split_cached_prefix_by_tier`: the storage span counts once it reached the
+            # device; a declined load-back leaves it in the host tier, counted nowhere
+            self._storage_hits[seq.request_id] = loaded_from_storage
+            self.storage_hit_tokens_total += loaded_from_storage
         need = self.pages_for(num_tokens) - hit // ps
         self._evict_for_extend(num_tokens - hit, need)
         table += self._take(need)
@@ -253,6 +383,12 @@ class HiRadixCache(RadixCache):
     def _release(self, seq: Sequence, held: _Held) -> None:
         super()._release(seq, held)
         self.tree.finish_loads()
+        self._storage_hits.pop(seq.request_id, None)
+
+    def storage_hit_tokens(self, seq: Sequence) -> int:
+        """Of the tokens the last `admit` of `seq` loaded back, those that came up from
+        storage (SGLang's `cached_tokens_storage`); 0 without a storage tier."""
+        return self._storage_hits.get(seq.request_id, 0)
 
     def _evict_tokens(self, num_tokens: int) -> int:
         freed = self.tree.evict(num_tokens, self.give) // self.page_size
@@ -279,6 +415,12 @@ class HiRadixCache(RadixCache):
         out["host_to_gpu_bytes"] = tier.bytes_of(t.loaded)
         out["host_tokens"] = self.tree.host_used_tokens
         out["host_capacity_tokens"] = tier.capacity_tokens
+        storage = self.storage_tier
+        if storage is not None:
+            out["host_to_storage_bytes"] = storage.bytes_of(t.stored)
+            out["storage_to_host_bytes"] = storage.bytes_of(t.prefetched)
+            # the pool's own figures: shared by every replica of a cluster when `shared`
+            out.update(storage.stats())
         return out
 
     def _occupancy(self) -> Occupancy:
@@ -292,6 +434,12 @@ class HiRadixCache(RadixCache):
             host_leaves=len(tree.host_leaves),
             host_hit_tokens=self.host_hit_tokens,
         )
+        if self.storage_tier is not None:
+            extra.update(
+                storage_backend=self.storage_tier.backend,
+                storage_tokens=self.storage_tier.used_tokens,
+                storage_hit_tokens=self.storage_hit_tokens_total,
+            )
         return occ._replace(extra=extra)
 
     def _page_partition(self) -> PagePartition:

@@ -104,6 +104,9 @@ class PrefixCache(ABC):
     #: `admit`: `seq.num_computed` after `admit` is then the match plus what was loaded
     #: (every token not recomputed), and `tier_traffic` reports what moved
     memory_tiers: ClassVar[tuple[str, ...]] = ("gpu",)
+    #: the L3 tier (`cachelib.tiers.StorageTier`) when `"storage"` is in `memory_tiers`
+    #: (an instance may add it: radix-hicache with `storage_backend`), else None
+    storage_tier: Any = None
     #: run by a comparison that names no backend (`cachelib.registry.default_backends`)
     compared_by_default: ClassVar[bool] = True
 
@@ -267,6 +270,17 @@ class PrefixCache(ABC):
     def tier_traffic(self) -> dict[str, int]:
         """Tokens (and bytes) moved between memory tiers so far; empty with one tier."""
         return {}
+
+    def storage_hit_tokens(self, seq: Sequence) -> int:
+        """Of the tokens the last `admit` of `seq` loaded from a lower tier, those that came
+        up from storage (L3); 0 for a cache without a `"storage"` tier."""
+        return 0
+
+    def use_storage_pool(self, pool: Any) -> None:
+        """Read and write `pool` (a `cachelib.tiers.StorageTier` of another replica) as this
+        cache's storage tier: a pool shared by a cluster. Only a cache whose `storage_tier`
+        is shared takes one."""
+        raise InvalidRequestError(f"a {self.name} cache has no storage tier to share")
 
     def pages_pinned(self) -> int:
         """Pages held by live sequences (or pinned registrations): `stats().pages_pinned`.
