@@ -236,15 +236,15 @@ class StorageTier:
         backend: str = "file",
         capacity_tokens: int = 0,
         capacity_gb: float = 0.0,
-        read_gbps: float = 0.0,
-        write_gbps: float = 0.0,
+        read_gbps: float | None = None,
+        write_gbps: float | None = None,
         kv_bytes_per_token: int = LLAMA3_8B_KV_BYTES_PER_TOKEN,
     ) -> StorageTier:
         """Check every figure and build the tier (`InvalidRequestError` naming the bad one,
         before any work). `backend`: `file` or `shared`. At most one of `capacity_tokens`
         and `capacity_gb`; neither (both 0) is unbounded; a capacity in GB becomes whole
-        pages. A bandwidth of 0 is the backend's default (module docstring); a negative or
-        zero bandwidth given explicitly is refused by name."""
+        pages. A bandwidth of None is the backend's default (module docstring); zero, a
+        negative or an infinite one is refused by name."""
         if backend not in STORAGE_BACKENDS:
             raise InvalidRequestError(
                 f"unknown storage_backend {backend!r}; choose one of {', '.join(STORAGE_BACKENDS)}"
@@ -257,11 +257,9 @@ class StorageTier:
             ("storage_read_gbps", read_gbps, defaults[0]),
             ("storage_write_gbps", write_gbps, defaults[1]),
         ):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-                raise InvalidRequestError(f"{name} must be a positive bandwidth in GB/s, got {value!r}")
-            if value == 0:
+            if value is None:
                 value = default
-            if not value > 0 or value == float("inf"):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise InvalidRequestError(f"{name} must be a positive bandwidth in GB/s, got {value!r}")
             speeds.append(float(value))
         if isinstance(capacity_tokens, bool) or not isinstance(capacity_tokens, int) or capacity_tokens < 0:
