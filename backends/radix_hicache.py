@@ -60,11 +60,10 @@ from typing import ClassVar
 import numpy as np
 
 from backends.radix import RadixCache, _Held
-from backends.radix_hicache_tree import LOAD_BACK_THRESHOLD, WRITE_POLICIES, HiCacheTree, TieredNode
+from backends.radix_hicache_tree import LOAD_BACK_THRESHOLD, WRITE_POLICIES, HiCacheEvents, HiCacheTree, TieredNode
 from backends.radix_policy import make_policy
 from cachelib.errors import InvalidRequestError
 from cachelib.interface import Occupancy, PagePartition
-from cachelib.kv_events import PageKeys
 from cachelib.registry import register_backend
 from cachelib.tiers import (
     DEFAULT_PREFETCH_THRESHOLD,
@@ -85,7 +84,7 @@ class HiRadixCache(RadixCache):
 
     memory_tiers: ClassVar[tuple[str, ...]] = ("gpu", "host")
     compared_by_default = False  # it holds KV beyond the GPU capacity the others get: name it
-    emits_kv_events = False  # SGLang publishes per-medium events; not built here
+    emits_kv_events = True  # HiCacheEvents: GPU and host (CPU_PINNED) stores and removals, as SGLang
 
     def __init__(
         self,
@@ -398,10 +397,16 @@ class HiRadixCache(RadixCache):
     def _evict(self, num_pages: int) -> int:
         return self._evict_tokens(num_pages * self.page_size)
 
-    # -- KV events: none ------------------------------------------------------------------
+    # -- KV events: both tiers, as SGLang's HiCache publishes them ------------------------
 
-    def page_keys(self) -> PageKeys:
-        raise InvalidRequestError("a radix-hicache cache publishes no KV events, hence no page keys")
+    def _kv_subscribed(self) -> None:
+        if self.tree.num_nodes:
+            raise InvalidRequestError(
+                "subscribe to a radix-hicache cache's KV events before it holds a page "
+                f"(it holds {self.tree.num_nodes} nodes)"
+            )
+        if self.tree.hi_events is None:
+            self.tree.hi_events = HiCacheEvents(self.tree, self._emit_kv_event)
 
     # -- observation ------------------------------------------------------------------
 

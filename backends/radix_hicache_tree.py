@@ -64,6 +64,7 @@ import numpy as np
 from backends.radix_policy import EvictionPolicy
 from backends.radix_tree import RadixNode, RadixTree
 from cachelib.hashing import BlockHash, BlockHasher
+from cachelib.kv_events import DEVICE_MEDIUM, SGLANG_CPU_MEDIUM, PagesRemoved, PagesStored
 from cachelib.tiers import StorageTier
 from cachelib.types import ExtraKeys
 
@@ -147,6 +148,30 @@ class TierTraffic:
         return {k: getattr(self, k) for k in self.__slots__}
 
 
+class HiCacheEvents:
+    """The KV events of SGLang 0.5.23's HiCache tree (`UnifiedTreeCore`, `kv_events.
+    record_store` / `record_remove`, one key per page): a node stored on the GPU when it is
+    created, put back at an insert or loaded back; removed from the GPU when its device
+    copy is freed (demoted or deleted); stored on the host (`CPU_PINNED`) when its backup is
+    acknowledged or a storage prefetch inserts it; removed from the host when its host copy
+    is evicted or reclaimed, or dropped with an unbackable node (write_back). Keys are the
+    node's page keys (`HiCacheTree.node_keys`, those of `RadixEvents`)."""
+
+    __slots__ = ("tree", "emit")
+
+    def __init__(self, tree: HiCacheTree, emit) -> None:
+        self.tree = tree
+        self.emit = emit  # the cache's listener call
+
+    def stored(self, x: TieredNode, medium: str) -> None:
+        parent = x.parent
+        prior = self.tree.node_keys(parent)[-1] if parent.parent is not None else None
+        self.emit(PagesStored(self.tree.node_keys(x), prior, medium))
+
+    def removed(self, x: TieredNode, medium: str) -> None:
+        self.emit(PagesRemoved(self.tree.node_keys(x), medium))
+
+
 class HiCacheTree(RadixTree):
     """A radix tree over two tiers: device pages (the cache's pool) and `host_pages` host pages."""
 
@@ -180,6 +205,9 @@ class HiCacheTree(RadixTree):
         self.pending_loads: list[TieredNode] = []  # anchors of unacknowledged load-backs
         self.traffic = TierTraffic()
         self.mover: TierMover | None = None  # set by the cache
+        #: set while someone listens to the cache's KV events: told of every node stored on
+        #: or removed from a tier (`HiCacheEvents`)
+        self.hi_events: HiCacheEvents | None = None
 
     # -- status ------------------------------------------------------------------------
 
@@ -403,6 +431,8 @@ class HiCacheTree(RadixTree):
                     child.pages = pages[pos // ps : (pos + m) // ps]
                 self._to_device(child)
                 self._track_dup(child)
+                if self.hi_events is not None:
+                    self.hi_events.stored(child, DEVICE_MEDIUM)
             if pos + m > count_from and self._count_hit(child):
                 self._backup_chain(child)
             runs.append((self.pages_of(child), adopted))
@@ -418,6 +448,8 @@ class HiCacheTree(RadixTree):
             self.protected_tokens += end - pos
             node.dev_children += 1
             node = leaf
+            if self.hi_events is not None:
+                self.hi_events.stored(leaf, DEVICE_MEDIUM)
             if end > count_from and self._count_hit(leaf):
                 self._backup_chain(leaf)
         return node, matched, runs
@@ -460,6 +492,8 @@ class HiCacheTree(RadixTree):
         self.traffic.backed_up += len(y.key)
         self.mover.copied_to_host(self.pages_of(y), host)
         self._track_dup(y)  # acknowledged at once
+        if self.hi_events is not None:  # `finish_write_through`
+            self.hi_events.stored(y, SGLANG_CPU_MEDIUM)
         if self.storage is not None:  # the ack's `write_backup_storage`, completed at once
             self.traffic.stored += self.storage.write(self.node_keys(y)) * ps
         return True
@@ -490,6 +524,8 @@ class HiCacheTree(RadixTree):
     def _demote(self, x: TieredNode, give: Callable[[list[int]], None]) -> None:
         """Free `x`'s device copy; its host copy stays (`_demote`)."""
         self.mover.demoted(x.pages, x.host_pages)
+        if self.hi_events is not None:
+            self.hi_events.removed(x, DEVICE_MEDIUM)
         if self.storage is not None:
             # the executor's bytes for the storage write decided at the backup: only now is
             # the host copy in the executor (see `HiRadixCache.demoted`)
@@ -501,6 +537,8 @@ class HiCacheTree(RadixTree):
 
     def _delete_device_leaf(self, x: TieredNode, give: Callable[[list[int]], None]) -> None:
         """`x` has no host copy: it leaves the tree (`_delete_unbacked_device_leaf`)."""
+        if self.hi_events is not None:
+            self.hi_events.removed(x, DEVICE_MEDIUM)
         give(x.pages)
         x.pages = None
         self.traffic.deleted += len(x.key)
@@ -520,6 +558,8 @@ class HiCacheTree(RadixTree):
             below.append(d)
             stack.extend(d.children.values())
         for d in reversed(below):
+            if self.hi_events is not None:
+                self.hi_events.removed(d, SGLANG_CPU_MEDIUM)
             self.traffic.dropped += len(d.key)
             self._free_host(d)
             self._remove(d)
@@ -545,6 +585,8 @@ class HiCacheTree(RadixTree):
                 if x not in leaves:
                     continue
                 parent = x.parent
+                if self.hi_events is not None:
+                    self.hi_events.removed(x, SGLANG_CPU_MEDIUM)
                 n = self._free_host(x)
                 freed += n
                 self.traffic.host_evicted += n
@@ -571,6 +613,8 @@ class HiCacheTree(RadixTree):
                     continue
                 if x.host_lock or x.load_pending:
                     continue
+                if self.hi_events is not None:
+                    self.hi_events.removed(x, SGLANG_CPU_MEDIUM)
                 n = self._free_host(x)
                 freed += n
                 self.traffic.host_reclaimed += n
@@ -611,6 +655,8 @@ class HiCacheTree(RadixTree):
             if self.write_back:
                 x.load_pending = True
             self._to_device(x)
+            if self.hi_events is not None:  # `commit_load_back`
+                self.hi_events.stored(x, DEVICE_MEDIUM)
             self.traffic.loaded += len(x.key)
         self.pending_loads.append(nodes[-1])
 
@@ -698,6 +744,8 @@ class HiCacheTree(RadixTree):
         node.host_pages = host
         node.page_keys = keys[:n]
         self.mover.prefetched(node.page_keys, host, node.key)
+        if self.hi_events is not None:  # `insert_host`
+            self.hi_events.stored(node, SGLANG_CPU_MEDIUM)
         self._refresh(node)
         self._refresh(anchor)
         return node
