@@ -307,3 +307,20 @@ def test_a_router_index_keeps_the_device_tier_only():
         driver.step()
         assert +index.pages[0] == published(cache)
     assert listener.tiers[SGLANG_CPU_MEDIUM], "the run stored nothing on the host"
+
+
+@pytest.mark.parametrize("eviction", ["lru", "arc"])
+def test_apc_host_tier_events_rebuild_the_host_chunks(eviction):
+    """vLLM's offloading connector: "CPU" events (a store per chunk at `complete_store`, a
+    removal of the chunks `prepare_store` evicts) rebuild the host tier's chunks; the GPU
+    events still rebuild the GPU's blocks."""
+    for seed in range(4):
+        cache = create_cache("apc", num_pages=40, page_size=4, host_capacity_tokens=64, host_eviction=eviction)
+        listener = Rebuilt()
+        cache.subscribe(listener)
+        driver = Driver(cache, seed)
+        for _ in range(250):
+            driver.step()
+            assert listener.pages == published(cache)
+            assert listener.tiers.get("CPU", Counter()) == Counter(cache.host.cached_keys())
+        assert any(isinstance(e, PagesRemoved) and e.medium == "CPU" for e in listener.events), "no host eviction"
