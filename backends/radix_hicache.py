@@ -27,11 +27,39 @@ inside the call that issues them, load-backs at the next `commit` or `release` (
 SGLang's scheduler would poll them). The bytes move in the executor: each node demoted
 (its host copy written when its GPU pages are freed) or loaded is a `TierCopy` handed out,
 in decision order, with the next `admit`, `grow` or `fork`'s copies
-(attention/kv_cache.py keeps the host pages). What is not built: transfer time on the serving
-clock (bandwidths are recorded, not charged), KV events for the host tier (this backend
-publishes none), L3 storage and its prefetch, and SGLang's Rust TreeCore (this follows the
-Python TreeCore, which the goldens run). Golden runs of the real code:
-`tests/test_radix_hicache_sglang.py`.
+(attention/kv_cache.py keeps the host pages). KV events: both tiers, as SGLang publishes
+them (`HiCacheEvents`: medium "GPU" and "CPU_PINNED"). What is not built: transfer time on
+the serving clock (bandwidths are recorded, not charged) and SGLang's Rust TreeCore (this
+follows the Python TreeCore, which the goldens run). Golden runs of the real code:
+`tests/test_radix_hicache_sglang.py` (host tier only).
+
+Storage (L3, `storage_backend=file|shared`; SGLang 0.5.23 `--hicache-storage-backend`,
+`mem_cache/hicache_storage.py`, `UnifiedRadixCache.prefetch_from_storage` /
+`write_backup_storage`, the controller's storage threads, the scheduler's
+`_prefetch_kvcache` and `check_prefetch_progress`): a `cachelib.tiers.StorageTier` under
+the host. Every host backup is written on to it at its acknowledgement
+(`_finish_write_through_ack` -> `write_backup_storage`, every write policy). At a
+request's arrival, done here at the start of `admit`, the pages past its device + host
+match (up to `len - 1`, whole pages) are prefetched when the match ends at the root or at
+a node with a host copy (under `write_back` a device node has none, so storage is rarely
+asked: reproduced), the span and the hit each reach `prefetch_threshold` (SGLang's 256),
+and the host has room for at least the threshold after evicting host copies for the whole
+hit (`allocate_storage_hit`); the fetched pages become a host-only node below the match
+(`insert_host`), which the load-back then brings to the device. `storage_hit_tokens(seq)`
+is SGLang's `cached_tokens_storage`: those tokens once loaded back (a prefetch under the
+10-token rule, or one the device could not take, stays on the host and counts nowhere).
+Under the replay protocol transfers complete before the request is admitted, so the
+prefetch policies (`best_effort`: take what has arrived when the request is scheduled;
+`wait_complete`; `timeout`) all see the whole prefetch; they differ only once transfers
+take time. SGLang's rate limit (no new prefetch while prefetches in flight hold half the
+host) never binds here for the same reason, nor do its prefetch retries. The executor
+gets `StorageCopy` ops: a prefetch's read when it is decided, and a node's storage write
+when it is demoted (the host copy reaches the executor then, see `demoted`); equal keys
+name equal KV, so the executor's store is keyed by page key. Why no real-SGLang golden
+covers storage: the harness (scripts/sglang_reference/run_sglang.py) stubs the
+controller's device <-> host transfers; the storage path also runs through the
+controller's prefetch, backup and ack threads and queues, which would need stubbing in
+the same way, and that is not done yet.
 
 Where it differs from SGLang 0.5.23, on purpose: whether a prompt fits is the engine's
 protocol (every page past the GPU prefix, in free + evictable pages), not `PrefillAdder`'s
@@ -47,7 +75,10 @@ Options: `write_policy` (`write_through`: back up a node at its first hit;
 `host_capacity_tokens` or `host_capacity_gb` (with `kv_bytes_per_token`; neither: twice the
 GPU pool, SGLang's default `--hicache-ratio 2`), `host_read_gbps`
 / `host_write_gbps` (default: the H200's PCIe Gen5 x16, `cachelib/tiers.py`),
-`eviction_policy` (one order for both tiers, as SGLang's). Deviation from `radix` that
+`eviction_policy` (one order for both tiers, as SGLang's); storage: `storage_backend`
+(`none`, `file`, `shared`), `storage_capacity_tokens` or `storage_capacity_gb` (neither:
+unbounded), `storage_read_gbps` / `storage_write_gbps` (default: the backend's, see
+`cachelib/tiers.py`), `prefetch_threshold`, `prefetch_policy`. Deviation from `radix` that
 follows the unified tree: a split's upper part keeps the lower part's creation time
 (only FIFO/FILO read it).
 """

@@ -258,3 +258,33 @@ def test_bad_storage_options_fail_in_the_options_layer_and_defaults_are_the_back
     assert create_cache("radix-hicache", num_pages=8, page_size=16, storage_backend="file").storage_tier.read_gbps == (
         FILE_READ_GBPS
     )
+
+
+def test_a_served_cluster_shares_one_pool_between_its_replicas():
+    """`serve_cluster` joins the replicas' shared tiers (`share_storage`): round robin sends
+    the second request to the other replica, which finds the first's prefix in the pool."""
+    from experiments.engine import CostModelExecutor
+    from experiments.engine.cluster import serve_cluster
+    from experiments.routers import make_router
+
+    doc = list(range(1000, 1064))
+    specs = [
+        RequestSpec("a", np.asarray(doc + [1, 2], dtype=np.int32), 2, arrival=0.0),
+        RequestSpec("b", np.asarray(doc + [3, 4], dtype=np.int32), 2, arrival=60.0),
+    ]
+    for backend, fetched in (("shared", 64), ("file", 0)):
+        caches = [
+            create_cache(
+                "radix-hicache",
+                num_pages=16,
+                page_size=16,
+                host_capacity_tokens=512,
+                storage_backend=backend,
+                prefetch_threshold=16,
+            )
+            for _ in range(2)
+        ]
+        res = serve_cluster(caches, specs, [CostModelExecutor(), CostModelExecutor()], make_router("round_robin", 2))
+        assert [r["replica"] for r in res.requests] == [0, 1]
+        assert caches[1].tier_traffic()["prefetched"] == fetched
+        assert (caches[0].storage_tier is caches[1].storage_tier) == (backend == "shared")
