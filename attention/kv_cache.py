@@ -99,7 +99,9 @@ class PagedKVCache:
             return done
         return self._copy(ops)
 
-    def _storage_move(self, to_storage: bool, host_pages: tuple[int, ...], keys: tuple[bytes, ...], tokens: int) -> None:
+    def _storage_move(
+        self, to_storage: bool, host_pages: tuple[int, ...], keys: tuple[bytes, ...], tokens: int
+    ) -> None:
         """Host pages to and from a storage tier, by page key (`StorageCopy`). The store is
         kept here, every page ever written: equal keys name equal KV, so what a cache's
         storage evicted is simply never read again. A pool shared by a cluster's replicas

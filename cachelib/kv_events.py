@@ -50,7 +50,6 @@ import numpy as np
 from cachelib.hashing import BlockHash, BlockHasher, HashFn
 from cachelib.types import ExtraKeys
 
-
 #: the device tier's medium (vLLM's `MEDIUM_GPU`, SGLang's `StorageMedium.GPU`)
 DEVICE_MEDIUM = "GPU"
 #: vLLM 0.33's host medium (`MEDIUM_CPU`)

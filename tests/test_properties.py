@@ -32,7 +32,16 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from cachelib import CacheError, ExtraKeys, Sequence, StaleMatchError, StorageCopy, TierCopy, available_backends, create_cache
+from cachelib import (
+    CacheError,
+    ExtraKeys,
+    Sequence,
+    StaleMatchError,
+    StorageCopy,
+    TierCopy,
+    available_backends,
+    create_cache,
+)
 from tests.snapshots import deep_state, first_difference
 
 TOP = 2**31 - 1  # the largest int32 token id

@@ -93,7 +93,9 @@ def test_backups_go_on_to_storage_and_a_prefix_the_host_lost_comes_back_from_it(
     # the prefetch's read, then the demoted C and D, whose host copies reach the executor's
     # storage only now (their storage writes were decided at their backups)
     assert [(op.to_storage, op.tokens) for op in moves] == [(False, 12), (True, 12), (True, 12)]
-    assert list(moves[0].keys) == cache.tree.node_keys(next(n for n in cache.tree.nodes() if n.start == 0 and n.key[0] == 0))
+    assert list(moves[0].keys) == cache.tree.node_keys(
+        next(n for n in cache.tree.nodes() if n.start == 0 and n.key[0] == 0)
+    )
     assert tiers(cache) == {(0, 12): "both", (1, 1): "both", (300, 12): "host"}
     traffic = cache.tier_traffic()
     assert traffic["prefetched"] == 12 and traffic["storage_read_tokens"] == 12

@@ -136,6 +136,25 @@ config: `per_request_hits` (the GPU prefix at match), `per_request_host_loaded` 
 loaded back; -1 if unschedulable), `backup_tokens`, `load_back_tokens`,
 `host_evicted_tokens`, `host_tokens_end`, besides the usual fields.
 
+HiCache storage (--hicache ... --storage [--storage-capacity TOKENS] [--prefetch-threshold N])
+-------------------------------------------------------------------------------------------
+The L3 under the host tier with `--hicache-storage-backend file`: a real `HiCacheFile`
+(and its `LRUFileEvictor`, `max_size` = the storage capacity, pages of one byte per token so
+bytes are tokens) in a temporary directory, attached as `StorageAttachment.
+apply_runtime_config` attaches one (node hashing on, the prefetch threshold and policy).
+The controller is `storage_controller`: the stub above mixed into the real
+`HybridCacheController` class (built without its constructor), whose storage threads run
+inline (`StorageControllerStub`: the hit query at submission, the page reads when the cache
+has allocated the hit, the page writes at `write_storage`), acks passed on as one rank's
+sync thread does. Per request, before the match: the scheduler's `_prefetch_kvcache`
+(`init_next_round_input`, then `prefetch_from_storage` when the match ends at the root or a
+backed-up node), the storage queues drained until every transfer completed
+(`_drain_storage_control_queues_impl`), `check_prefetch_progress` and
+`pop_prefetch_loaded_span`; after the load-back, `split_cached_prefix_by_tier` gives the
+request's storage tokens. Recorded per config besides the HiCache fields:
+`per_request_storage_loaded`, `total_storage_loaded_tokens`, `storage_written_pages`
+(pages offered to the backend's set, stored or already there), `storage_fetched_tokens`.
+
 Output: one gzip'd JSON per trace, see tests/fixtures/sglang_0_5_23/README.md.
 """
 
@@ -863,7 +882,9 @@ class StorageControllerStub(ControllerStub):
         self.stored_pages += len(hash_values)
         return self._base._generic_page_set(self, hash_values, host_indices, extra_info)
 
-    def prefetch(self, handle, new_input_tokens, last_hash=None, prefix_keys=None, extra_pools=None, assume_stored=False):
+    def prefetch(
+        self, handle, new_input_tokens, last_hash=None, prefix_keys=None, extra_pools=None, assume_stored=False
+    ):
         operation = self._hybrid.prefetch(
             self, handle, new_input_tokens, last_hash, prefix_keys, extra_pools, assume_stored
         )
@@ -1044,7 +1065,10 @@ def main(argv: list[str] | None = None) -> int:
         help="with --hicache: an L3 under the host, the file backend (see HiCacheStorageReplay)",
     )
     ap.add_argument(
-        "--storage-capacity", type=int, default=0, help="with --storage: the file backend's max_size in tokens (0: none)"
+        "--storage-capacity",
+        type=int,
+        default=0,
+        help="with --storage: the file backend's max_size in tokens (0: none)",
     )
     ap.add_argument("--prefetch-threshold", type=int, default=256, help="with --storage: SGLang's prefetch_threshold")
     ap.add_argument("--prefetch-policy", default="best_effort", help="with --storage")
