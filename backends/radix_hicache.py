@@ -31,7 +31,8 @@ in decision order, with the next `admit`, `grow` or `fork`'s copies
 them (`HiCacheEvents`: medium "GPU" and "CPU_PINNED"). What is not built: transfer time on
 the serving clock (bandwidths are recorded, not charged) and SGLang's Rust TreeCore (this
 follows the Python TreeCore, which the goldens run). Golden runs of the real code:
-`tests/test_radix_hicache_sglang.py` (host tier only).
+`tests/test_radix_hicache_sglang.py` (host tier) and `tests/test_radix_hicache_storage_sglang.py`
+(with storage).
 
 Storage (L3, `storage_backend=file|shared`; SGLang 0.5.23 `--hicache-storage-backend`,
 `mem_cache/hicache_storage.py`, `UnifiedRadixCache.prefetch_from_storage` /
@@ -55,11 +56,11 @@ take time. SGLang's rate limit (no new prefetch while prefetches in flight hold 
 host) never binds here for the same reason, nor do its prefetch retries. The executor
 gets `StorageCopy` ops: a prefetch's read when it is decided, and a node's storage write
 when it is demoted (the host copy reaches the executor then, see `demoted`); equal keys
-name equal KV, so the executor's store is keyed by page key. Why no real-SGLang golden
-covers storage: the harness (scripts/sglang_reference/run_sglang.py) stubs the
-controller's device <-> host transfers; the storage path also runs through the
-controller's prefetch, backup and ack threads and queues, which would need stubbing in
-the same way, and that is not done yet.
+name equal KV, so the executor's store is keyed by page key. Golden runs of the real
+code with the file backend: `tests/test_radix_hicache_storage_sglang.py` (a real
+`HiCacheFile` and `LRUFileEvictor`, every write policy). The `shared` pool has none:
+Mooncake's master, which decides its eviction, is not part of SGLang (see
+`cachelib.tiers.StorageTier`).
 
 Where it differs from SGLang 0.5.23, on purpose: whether a prompt fits is the engine's
 protocol (every page past the GPU prefix, in free + evictable pages), not `PrefillAdder`'s
