@@ -36,6 +36,7 @@ def _name(path: Path) -> str:
 
 def test_the_goldens_are_there():
     assert {_name(p) for p in GOLDENS} >= {
+        "shared_doc_qa_s7.cap1024.host1024.file4096",
         "multi_turn_chat_s11.cap2048.host2048.file8192",
     }
     for path in GOLDENS:
