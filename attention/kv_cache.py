@@ -52,6 +52,8 @@ class PagedKVCache:
         ]
         #: host memory of a tiered cache: host page -> that page's KV in every layer
         self.host: dict[int, list[torch.Tensor]] = {}
+        #: storage pages by page key (`StorageCopy`), created when first written
+        self.storage: dict[bytes, list[torch.Tensor]] = {}
 
     @property
     def nbytes(self) -> int:
@@ -81,7 +83,8 @@ class PagedKVCache:
         ops = list(copy_ops or ())
         if not ops:
             return 0
-        if any(len(op) == 3 for op in ops):  # TierCopy(to_host, device_page, host_page)
+        # TierCopy(to_host, device_pages, host_pages), StorageCopy(to_storage, host_pages, keys, tokens)
+        if any(len(op) > 2 for op in ops):
             done, run = 0, []
             for op in [*ops, None]:
                 if op is not None and len(op) == 2:
@@ -89,10 +92,33 @@ class PagedKVCache:
                     continue
                 done += self._copy(run)
                 run = []
-                if op is not None:
+                if op is not None and len(op) == 4:
+                    self._storage_move(*op)
+                elif op is not None:
                     self._move(*op)
             return done
         return self._copy(ops)
+
+    def _storage_move(
+        self, to_storage: bool, host_pages: tuple[int, ...], keys: tuple[bytes, ...], tokens: int
+    ) -> None:
+        """Host pages to and from a storage tier, by page key (`StorageCopy`). The store is
+        kept here, every page ever written: equal keys name equal KV, so what a cache's
+        storage evicted is simply never read again. A pool shared by a cluster's replicas
+        is one store per executor here: a page another replica wrote is refused loudly."""
+        if len(host_pages) != len(keys):
+            raise PageTableError(f"a storage move pairs {len(host_pages)} host pages with {len(keys)} keys")
+        for host_page, key in zip(host_pages, keys, strict=True):
+            if to_storage:
+                saved = self.host.get(int(host_page))
+                if saved is None:
+                    raise PageTableError(f"a storage write reads host page {host_page}, which was never written")
+                self.storage[key] = saved
+            else:
+                saved = self.storage.get(key)
+                if saved is None:
+                    raise PageTableError(f"a prefetch reads storage page {key.hex()}, which was never written")
+                self.host[int(host_page)] = saved
 
     def _move(self, to_host: bool, device_pages: tuple[int, ...], host_pages: tuple[int, ...]) -> None:
         """Pages between the GPU pool and host memory (`device_pages[i]` <-> `host_pages[i]`),

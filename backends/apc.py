@@ -672,6 +672,8 @@ class APCCache(PrefixCache):
             raise InvalidRequestError(
                 f"subscribe to an apc cache's KV events before it caches a block (it holds {self._num_hashed})"
             )
+        if self.host is not None:  # the host tier publishes its chunks too (medium "CPU")
+            self.host.emit = self._emit_kv_event
 
     # -- observation ----------------------------------------------------------------
 

@@ -90,9 +90,14 @@ experiments/engine/transfers.py): a load's
 `prepare_load` and `complete_load` happen inside `admit`, a store's `prepare_store` and
 `complete_store` inside the `commit` that fills its blocks; so no chunk is ever pending
 between calls, and vLLM's "delay while in flight" paths (HIT_PENDING, `_chunks_being_loaded`)
-never trigger. Not modelled: `store_threshold` (vLLM's default 0 = off), sliding-window /
-Mamba / EAGLE groups, partial-tail chunks, `max_load_tokens`, sync loads, KV events of the
-host tier, and preemption (a released request is a finished one; a re-admitted one is new).
+never trigger. KV events of the host tier follow the connector's default (legacy)
+payloads (`offloading/events.py` `OffloadingEventsTracker`, `kv_offload/cpu/manager.py`):
+medium "CPU", a `BlockStored` per chunk stored (its key, no parent) at `complete_store`,
+a `BlockRemoved` of the chunks `prepare_store` evicts, each naming the chunk by its key
+(its last block's hash: the block's own key at one block per chunk). Not modelled:
+`store_threshold` (vLLM's default 0 = off), sliding-window / Mamba / EAGLE groups,
+partial-tail chunks, `max_load_tokens`, sync loads, the self-describing event payloads
+(opt-in), and preemption (a released request is a finished one; a re-admitted one is new).
 A forked child (parallel sampling) shares its parent's blocks and offers nothing itself.
 """
 
@@ -104,6 +109,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from cachelib.errors import InvalidRequestError, InvariantViolation
+from cachelib.kv_events import VLLM_CPU_MEDIUM, PagesRemoved, PagesStored
 from cachelib.tiers import HostTier
 from cachelib.types import TierCopy
 
@@ -447,6 +453,8 @@ class OffloadTier:
         #: the page moves decided and not yet handed to the executor, in decision order
         #: (host page = chunk slot x blocks per chunk + the block's place in its chunk)
         self.moves: list[TierCopy] = []
+        #: the cache's listener call while someone listens to its KV events, else None
+        self.emit = None
         self.counters = dict(
             loaded_tokens=0,
             loaded_chunks=0,
@@ -627,6 +635,8 @@ class OffloadTier:
             self._num_evictable -= len(victims)
             for _, chunk in victims:
                 self._free.append(chunk.chunk_id)
+            if self.emit is not None:  # `prepare_store`'s OffloadingEvent(removed=True)
+                self.emit(PagesRemoved([key for key, _ in victims], VLLM_CPU_MEDIUM))
             evicted = len(victims)
             self.counters["evicted_chunks"] += evicted
         for key in to_store:
@@ -642,6 +652,7 @@ class OffloadTier:
 
     def _complete_store(self, keys: list[bytes]) -> None:
         policy = self.policy
+        emit = self.emit
         for key in keys:
             chunk = policy.get(key)
             if chunk is not None and not chunk.is_ready:
@@ -649,6 +660,8 @@ class OffloadTier:
                 self._num_pending -= 1
                 self._num_evictable += 1
                 policy.mark_evictable(key)
+                if emit is not None:  # `complete_store`'s OffloadingEvent, one BlockStored per key
+                    emit(PagesStored([key], None, VLLM_CPU_MEDIUM))
         self.counters["stored_chunks"] += len(keys)
 
     # -- R7, R8, R10: the request finishes ------------------------------------------------

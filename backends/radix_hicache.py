@@ -34,10 +34,41 @@ eviction is waited for (`writing_check(write_back=True)`), and the step's load-b
 overlap its forward layer by layer. The bytes move in the executor: each node demoted
 (its host copy written when its GPU pages are freed) or loaded is a `TierCopy` handed out,
 in decision order, with the next `admit`, `grow` or `fork`'s copies
-(attention/kv_cache.py keeps the host pages). What is not built: KV events for the host tier (this backend
-publishes none), L3 storage and its prefetch, and SGLang's Rust TreeCore (this follows the
-Python TreeCore, which the goldens run). Golden runs of the real code:
-`tests/test_radix_hicache_sglang.py`.
+(attention/kv_cache.py keeps the host pages). KV events: both tiers, as SGLang publishes
+them (`HiCacheEvents`: medium "GPU" and "CPU_PINNED"). What is not built: SGLang's Rust
+TreeCore (this follows the Python TreeCore, which the goldens run), and storage transfers
+on the serving clock (a prefetch and a write to storage complete at once there too; the
+host <-> GPU ones are timed). Golden runs of the real code:
+`tests/test_radix_hicache_sglang.py` (host tier) and `tests/test_radix_hicache_storage_sglang.py`
+(with storage).
+
+Storage (L3, `storage_backend=file|shared`; SGLang 0.5.23 `--hicache-storage-backend`,
+`mem_cache/hicache_storage.py`, `UnifiedRadixCache.prefetch_from_storage` /
+`write_backup_storage`, the controller's storage threads, the scheduler's
+`_prefetch_kvcache` and `check_prefetch_progress`): a `cachelib.tiers.StorageTier` under
+the host. Every host backup is written on to it at its acknowledgement
+(`_finish_write_through_ack` -> `write_backup_storage`, every write policy). At a
+request's arrival, done here at the start of `admit`, the pages past its device + host
+match (up to `len - 1`, whole pages) are prefetched when the match ends at the root or at
+a node with a host copy (under `write_back` a device node has none, so storage is rarely
+asked: reproduced), the span and the hit each reach `prefetch_threshold` (SGLang's 256),
+and the host has room for at least the threshold after evicting host copies for the whole
+hit (`allocate_storage_hit`); the fetched pages become a host-only node below the match
+(`insert_host`), which the load-back then brings to the device. `storage_hit_tokens(seq)`
+is SGLang's `cached_tokens_storage`: those tokens once loaded back (a prefetch under the
+10-token rule, or one the device could not take, stays on the host and counts nowhere).
+Under the replay protocol transfers complete before the request is admitted, so the
+prefetch policies (`best_effort`: take what has arrived when the request is scheduled;
+`wait_complete`; `timeout`) all see the whole prefetch; they differ only once transfers
+take time. SGLang's rate limit (no new prefetch while prefetches in flight hold half the
+host) never binds here for the same reason, nor do its prefetch retries. The executor
+gets `StorageCopy` ops: a prefetch's read when it is decided, and a node's storage write
+when it is demoted (the host copy reaches the executor then, see `demoted`); equal keys
+name equal KV, so the executor's store is keyed by page key. Golden runs of the real
+code with the file backend: `tests/test_radix_hicache_storage_sglang.py` (a real
+`HiCacheFile` and `LRUFileEvictor`, every write policy). The `shared` pool has none:
+Mooncake's master, which decides its eviction, is not part of SGLang (see
+`cachelib.tiers.StorageTier`).
 
 Where it differs from SGLang 0.5.23, on purpose: whether a prompt fits is the engine's
 protocol (every page past the GPU prefix, in free + evictable pages), not `PrefillAdder`'s
@@ -53,7 +84,10 @@ Options: `write_policy` (`write_through`: back up a node at its first hit;
 `host_capacity_tokens` or `host_capacity_gb` (with `kv_bytes_per_token`; neither: twice the
 GPU pool, SGLang's default `--hicache-ratio 2`), `host_read_gbps`
 / `host_write_gbps` (default: the H200's PCIe Gen5 x16, `cachelib/tiers.py`),
-`eviction_policy` (one order for both tiers, as SGLang's). Deviation from `radix` that
+`eviction_policy` (one order for both tiers, as SGLang's); storage: `storage_backend`
+(`none`, `file`, `shared`), `storage_capacity_tokens` or `storage_capacity_gb` (neither:
+unbounded), `storage_read_gbps` / `storage_write_gbps` (default: the backend's, see
+`cachelib/tiers.py`), `prefetch_threshold`, `prefetch_policy`. Deviation from `radix` that
 follows the unified tree: a split's upper part keeps the lower part's creation time
 (only FIFO/FILO read it).
 """
@@ -66,20 +100,23 @@ from typing import ClassVar
 import numpy as np
 
 from backends.radix import RadixCache, _Held
-from backends.radix_hicache_tree import LOAD_BACK_THRESHOLD, WRITE_POLICIES, HiCacheTree, TieredNode
+from backends.radix_hicache_tree import LOAD_BACK_THRESHOLD, WRITE_POLICIES, HiCacheEvents, HiCacheTree, TieredNode
 from backends.radix_policy import make_policy
 from cachelib.errors import InvalidRequestError
 from cachelib.interface import Occupancy, PagePartition
-from cachelib.kv_events import PageKeys
 from cachelib.registry import register_backend
 from cachelib.tiers import (
+    DEFAULT_PREFETCH_THRESHOLD,
     H200_HOST_READ_GBPS,
     H200_HOST_WRITE_GBPS,
     LLAMA3_8B_KV_BYTES_PER_TOKEN,
+    PREFETCH_POLICIES,
+    STORAGE_BACKENDS,
     HostTier,
+    StorageTier,
     TierTransfer,
 )
-from cachelib.types import CopyOp, Match, Sequence, TierCopy
+from cachelib.types import CopyOp, Match, Sequence, StorageCopy, TierCopy
 
 
 @register_backend("radix-hicache")
@@ -88,8 +125,8 @@ class HiRadixCache(RadixCache):
 
     memory_tiers: ClassVar[tuple[str, ...]] = ("gpu", "host")
     compared_by_default = False  # it holds KV beyond the GPU capacity the others get: name it
-    emits_kv_events = False  # SGLang publishes per-medium events; not built here
     load_timing = "layerwise"  # load-backs overlap the prefill layer by layer (cachelib/tiers.py)
+    emits_kv_events = True  # HiCacheEvents: GPU and host (CPU_PINNED) stores and removals, as SGLang
 
     def __init__(
         self,
@@ -103,6 +140,13 @@ class HiRadixCache(RadixCache):
         host_write_gbps: float = H200_HOST_WRITE_GBPS,
         kv_bytes_per_token: int = LLAMA3_8B_KV_BYTES_PER_TOKEN,
         eviction_policy: str = "lru",
+        storage_backend: str = "none",
+        storage_capacity_tokens: int = 0,
+        storage_capacity_gb: float = 0.0,
+        storage_read_gbps: float | None = None,
+        storage_write_gbps: float | None = None,
+        prefetch_policy: str = "best_effort",
+        prefetch_threshold: int = DEFAULT_PREFETCH_THRESHOLD,
         track_contents: bool = False,
     ) -> None:
         if write_policy not in WRITE_POLICIES:
@@ -122,10 +166,34 @@ class HiRadixCache(RadixCache):
             write_gbps=host_write_gbps,
             kv_bytes_per_token=kv_bytes_per_token,
         )
+        self.storage_tier = self._build_storage(
+            page_size,
+            storage_backend,
+            storage_capacity_tokens,
+            storage_capacity_gb,
+            storage_read_gbps,
+            storage_write_gbps,
+            prefetch_policy,
+            prefetch_threshold,
+            kv_bytes_per_token,
+        )
         policy = make_policy(eviction_policy)
         super().__init__(num_pages, page_size, eviction_policy=policy, track_contents=track_contents)
         self.write_policy = write_policy
-        self.tree = HiCacheTree(page_size, policy, write_policy, self.host_tier.capacity_tokens // page_size)
+        self.prefetch_policy = prefetch_policy
+        if self.storage_tier is not None:
+            self.memory_tiers = ("gpu", "host", "storage")
+        self.tree = HiCacheTree(
+            page_size,
+            policy,
+            write_policy,
+            self.host_tier.capacity_tokens // page_size,
+            self.storage_tier,
+            prefetch_threshold,
+        )
+        #: request id -> tokens of its last admission that came up from storage
+        self._storage_hits: dict[str, int] = {}
+        self.storage_hit_tokens_total = 0
         self.tree.mover = self
         self._host_contents = np.full(self.host_tier.capacity_tokens, -1, dtype=np.int64) if track_contents else None
         self.host_hit_tokens = 0  # loaded back at admission, over every admission
@@ -137,6 +205,72 @@ class HiRadixCache(RadixCache):
         self._transfers: list[TierTransfer] = []
         self._tickets: dict[int, tuple[bool, TieredNode]] = {}  # ticket -> (is a load, node)
         self._next_ticket = 0
+
+    @staticmethod
+    def _build_storage(
+        page_size: int,
+        backend: str,
+        capacity_tokens: int,
+        capacity_gb: float,
+        read_gbps: float | None,
+        write_gbps: float | None,
+        prefetch_policy: str,
+        prefetch_threshold: int,
+        kv_bytes_per_token: int,
+    ) -> StorageTier | None:
+        """The L3 tier the options describe, or None (`storage_backend="none"`); every
+        storage option is checked here, before any work, and one given without a storage
+        backend is refused rather than ignored."""
+        if prefetch_policy not in PREFETCH_POLICIES:
+            raise InvalidRequestError(
+                f"unknown prefetch_policy {prefetch_policy!r}; choose one of {', '.join(PREFETCH_POLICIES)}"
+            )
+        if isinstance(prefetch_threshold, bool) or not isinstance(prefetch_threshold, int) or prefetch_threshold < 0:
+            raise InvalidRequestError(f"prefetch_threshold must be a non-negative int, got {prefetch_threshold!r}")
+        if backend == "none":
+            stray = [
+                name
+                for name, value, default in (
+                    ("storage_capacity_tokens", capacity_tokens, 0),
+                    ("storage_capacity_gb", capacity_gb, 0.0),
+                    ("storage_read_gbps", read_gbps, None),
+                    ("storage_write_gbps", write_gbps, None),
+                    ("prefetch_policy", prefetch_policy, "best_effort"),
+                    ("prefetch_threshold", prefetch_threshold, DEFAULT_PREFETCH_THRESHOLD),
+                )
+                if value != default
+            ]
+            if stray:
+                raise InvalidRequestError(
+                    f"{', '.join(stray)} given without a storage tier: add storage_backend="
+                    f"{' or '.join(STORAGE_BACKENDS)}"
+                )
+            return None
+        return StorageTier.build(
+            page_size,
+            backend=backend,
+            capacity_tokens=capacity_tokens,
+            capacity_gb=capacity_gb,
+            read_gbps=read_gbps,
+            write_gbps=write_gbps,
+            kv_bytes_per_token=kv_bytes_per_token,
+        )
+
+    def use_storage_pool(self, pool: StorageTier) -> None:
+        """Share `pool` (another replica's `shared` storage tier) from now on: a Mooncake
+        Store every replica of a cluster reads and writes. Refused unless this cache has a
+        `shared` tier with the same figures and nothing was stored in it yet."""
+        own = self.storage_tier
+        if own is None or not own.shared:
+            raise InvalidRequestError("only a radix-hicache cache with storage_backend=shared joins a shared pool")
+        if own is pool:
+            return
+        if not own.same_figures(pool):
+            raise InvalidRequestError("replicas sharing a storage pool must give it the same size and bandwidths")
+        if own.used_tokens or own.written_pages:
+            raise InvalidRequestError("join a shared storage pool before the cache stores anything")
+        self.storage_tier = pool
+        self.tree.storage = pool
 
     # -- the mover the tree calls (transfers complete at once) ------------------------
 
@@ -230,6 +364,13 @@ class HiRadixCache(RadixCache):
     def backup_locked_nodes(self) -> list[TieredNode]:
         """The nodes whose backup is in flight (each holds a lock on its path)."""
         return [node for load, node in self._tickets.values() if not load]
+    def stored_from_host(self, host_pages: list[int], keys: list) -> None:
+        self._moves.append(StorageCopy(True, tuple(host_pages), tuple(keys), len(keys) * self.page_size))
+
+    def prefetched(self, keys: list, host_pages: list[int], tokens: np.ndarray) -> None:
+        self._moves.append(StorageCopy(False, tuple(host_pages), tuple(keys), len(tokens)))
+        if self._contents is not None:
+            self._host_contents[self._slots(host_pages)] = tokens
 
     def _take_moves(self, ops: list[CopyOp] | None) -> list | None:
         """The tier moves decided since the last hand-out, then `ops` (None stays None:
@@ -268,8 +409,18 @@ class HiRadixCache(RadixCache):
         limit = (len(seq) - 1) // ps * ps
         host = tree.host_continuation(node, seq.tokens, limit) if hit < limit else []
         host_len = sum(len(x.key) for x in host)
+        stored = 0
+        if tree.storage is not None and hit + host_len < limit:
+            # the request's arrival in SGLang (`_prefetch_kvcache`), done here: the pages
+            # after the device + host match come up from storage as a host-only node
+            fetched = tree.prefetch(host[-1] if host else node, seq.tokens, hit + host_len, limit)
+            if fetched is not None:
+                host.append(fetched)
+                stored = len(fetched.key)
+                host_len += stored
         # A chunk that ends inside the host hit (serving) recomputes it instead: the load
         # covers whole nodes, and the table must not pass what admit was asked for.
+        loaded_from_storage = 0
         if host and hit + host_len < num_tokens:
             loaded = self._load_back(host, host_len)
             if loaded is not None:
@@ -280,6 +431,12 @@ class HiRadixCache(RadixCache):
                 if self._timed:
                     ticket = self._ticket(True, node)
                     self._transfers.append(TierTransfer("host", "gpu", host_len, seq.request_id, ticket))
+                loaded_from_storage = stored
+        if tree.storage is not None:
+            # `split_cached_prefix_by_tier`: the storage span counts once it reached the
+            # device; a declined load-back leaves it in the host tier, counted nowhere
+            self._storage_hits[seq.request_id] = loaded_from_storage
+            self.storage_hit_tokens_total += loaded_from_storage
         need = self.pages_for(num_tokens) - hit // ps
         self._evict_for_extend(num_tokens - hit, need)
         table += self._take(need)
@@ -342,6 +499,12 @@ class HiRadixCache(RadixCache):
         super()._release(seq, held)
         if not self._timed:
             self.tree.finish_loads()
+        self._storage_hits.pop(seq.request_id, None)
+
+    def storage_hit_tokens(self, seq: Sequence) -> int:
+        """Of the tokens the last `admit` of `seq` loaded back, those that came up from
+        storage (SGLang's `cached_tokens_storage`); 0 without a storage tier."""
+        return self._storage_hits.get(seq.request_id, 0)
 
     def _evict_tokens(self, num_tokens: int) -> int:
         freed = self.tree.evict(num_tokens, self.give) // self.page_size
@@ -351,10 +514,16 @@ class HiRadixCache(RadixCache):
     def _evict(self, num_pages: int) -> int:
         return self._evict_tokens(num_pages * self.page_size)
 
-    # -- KV events: none ------------------------------------------------------------------
+    # -- KV events: both tiers, as SGLang's HiCache publishes them ------------------------
 
-    def page_keys(self) -> PageKeys:
-        raise InvalidRequestError("a radix-hicache cache publishes no KV events, hence no page keys")
+    def _kv_subscribed(self) -> None:
+        if self.tree.num_nodes:
+            raise InvalidRequestError(
+                "subscribe to a radix-hicache cache's KV events before it holds a page "
+                f"(it holds {self.tree.num_nodes} nodes)"
+            )
+        if self.tree.hi_events is None:
+            self.tree.hi_events = HiCacheEvents(self.tree, self._emit_kv_event)
 
     # -- observation ------------------------------------------------------------------
 
@@ -368,10 +537,19 @@ class HiRadixCache(RadixCache):
         out["host_to_gpu_bytes"] = tier.bytes_of(t.loaded)
         out["host_tokens"] = self.tree.host_used_tokens
         out["host_capacity_tokens"] = tier.capacity_tokens
+        storage = self.storage_tier
+        if storage is not None:
+            out["host_to_storage_bytes"] = storage.bytes_of(t.stored)
+            out["storage_to_host_bytes"] = storage.bytes_of(t.prefetched)
+            # the pool's own figures: shared by every replica of a cluster when `shared`
+            out.update(storage.stats())
         return out
 
     def tier_capacities(self) -> dict[str, int]:
-        return {"gpu": self.num_pages * self.page_size, "host": self.host_tier.capacity_tokens}
+        caps = {"gpu": self.num_pages * self.page_size, "host": self.host_tier.capacity_tokens}
+        storage = self.storage_tier
+        # an uncapped file backend (SGLang's default) holds everything: 0 says unbounded
+        return caps if storage is None else caps | {"storage": storage.capacity_tokens}
 
     def _occupancy(self) -> Occupancy:
         occ = super()._occupancy()
@@ -384,6 +562,12 @@ class HiRadixCache(RadixCache):
             host_leaves=len(tree.host_leaves),
             host_hit_tokens=self.host_hit_tokens,
         )
+        if self.storage_tier is not None:
+            extra.update(
+                storage_backend=self.storage_tier.backend,
+                storage_tokens=self.storage_tier.used_tokens,
+                storage_hit_tokens=self.storage_hit_tokens_total,
+            )
         return occ._replace(extra=extra)
 
     def _page_partition(self) -> PagePartition:

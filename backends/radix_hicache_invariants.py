@@ -27,6 +27,8 @@ def check_hicache(cache: HiRadixCache) -> None:
         _fail(f"free count {cache._num_free}, actual {len(cache._free_pages())} (or an empty run)")
     _check_tiers(cache)
     _check_sequences(cache, cache.backup_locked_nodes())
+    if cache.storage_tier is not None:
+        _check_storage(cache)
     if cache._contents is not None:
         _check_contents(cache)
 
@@ -125,3 +127,34 @@ def _check_contents(cache: HiRadixCache) -> None:
         pages = np.asarray(seq.page_table, dtype=np.int64)[t // ps] if t.size else t
         if not np.array_equal(cache._contents[pages * ps + t % ps], seq.tokens[: seq.num_computed]):
             _fail(f"{rid}: its table points at pages holding other tokens")
+
+
+def _check_storage(cache: HiRadixCache) -> None:
+    """The storage tier within its capacity with its counts adding up, and every node's page
+    keys the chain of its tokens from its parent's (what a prefetch looks up)."""
+    storage = cache.storage_tier
+    if cache.tree.storage is not storage:
+        _fail("the tree and the cache name different storage tiers")
+    used = storage.used_tokens
+    if storage.capacity_tokens and used > storage.capacity_tokens:
+        _fail(f"storage holds {used} tokens, above its capacity {storage.capacity_tokens}")
+    if len(storage.keys()) != storage.written_pages - storage.evicted_pages:
+        _fail(
+            f"storage holds {len(storage.keys())} pages, but {storage.written_pages} were written "
+            f"and {storage.evicted_pages} evicted"
+        )
+    tree = cache.tree
+    hasher = tree._hasher
+    ps = cache.page_size
+    for node in tree.nodes():
+        if node.page_keys is None:
+            continue
+        parent = node.parent
+        if parent.parent is not None and parent.page_keys is None:
+            _fail(f"{node} has page keys and its parent none")
+        prior = parent.page_keys[-1] if parent.parent is not None else None
+        extra = tree._extra_of(node.namespace)
+        if node.start:
+            extra = type(extra)(lora_id=extra.lora_id)
+        if hasher.hash_blocks(node.key, extra, 0, len(node.key) // ps, prior) != node.page_keys:
+            _fail(f"{node}: its page keys are not the chain of its tokens")

@@ -31,6 +31,18 @@ neither is removed from the tree. What SGLang 0.5.23 keeps in
   lazily, a first pass sparing device leaves), then host leaves in policy order.
 - An insert walking over a host-only node (a host hit the request recomputed) puts it
   back on the device with the request's own pages (`_unevict_node_on_insert`).
+- Storage (L3, optional: `storage`, a `cachelib.tiers.StorageTier`): every host backup is
+  written on to storage once acknowledged (`_finish_write_through_ack` ->
+  `write_backup_storage`, under every write policy: write_back's synchronous backup at
+  eviction goes through the same ack), page by page under the node's chained page keys
+  (`UnifiedTreeNode.hash_value`, here `page_keys`, computed from the parent's last key as
+  `compute_node_hash_values` chains them). `prefetch` is the storage read
+  (`prefetch_from_storage` -> the controller's hit query -> `_try_alloc_storage_hit` ->
+  `_handle_prefetch_result` -> `insert_host`): the pages after the match, if at least
+  the prefetch threshold, are looked up; a hit of at least the threshold gets host pages
+  (evicting host copies for the whole hit when short, then taking what is free if that
+  is still at least the threshold) and becomes a host-only node under the match's
+  anchor, which the load-back then brings to the device.
 - Transfers complete at once (the replay protocol's GPU-optimistic timing): a backup is
   acknowledged inside the call that issues it; a load-back is acknowledged at the next
   `finish_loads` (the cache calls it where SGLang's scheduler would poll, after the
@@ -51,6 +63,10 @@ import numpy as np
 
 from backends.radix_policy import EvictionPolicy
 from backends.radix_tree import RadixNode, RadixTree
+from cachelib.hashing import BlockHash, BlockHasher
+from cachelib.kv_events import DEVICE_MEDIUM, SGLANG_CPU_MEDIUM, PagesRemoved, PagesStored
+from cachelib.tiers import StorageTier
+from cachelib.types import ExtraKeys
 
 #: SGLang's write policies (`--hicache-write-policy`) and their hit-count thresholds
 #: (`init_hicache`: 1 for write_through, else 2; write_back never backs up at insert)
@@ -98,16 +114,33 @@ class TierMover(Protocol):
     def backup_issued(self, node: TieredNode | None, tokens: int, *, blocking: bool) -> None:
         """A timed backup of `tokens` tokens started (`hold_backups`): `node` (None for a
         blocking one) stays locked until the cache is told the copy completed."""
+    def stored_from_host(self, host_pages: list[int], keys: list[BlockHash]) -> None:
+        """A demoted node's host copy is in the executor now: its pages under their storage keys."""
+
+    def prefetched(self, keys: list[BlockHash], host_pages: list[int], tokens: np.ndarray) -> None:
+        """A prefetch read the stored pages of `keys` (holding `tokens`) into `host_pages`."""
 
 
 class TierTraffic:
     """What moved between the tiers, in tokens (the cache turns them into bytes)."""
 
-    __slots__ = ("backed_up", "loaded", "host_evicted", "host_reclaimed", "demoted", "deleted", "dropped")
+    __slots__ = (
+        "backed_up",
+        "loaded",
+        "host_evicted",
+        "host_reclaimed",
+        "demoted",
+        "deleted",
+        "dropped",
+        "stored",
+        "prefetched",
+    )
 
     def __init__(self) -> None:
         self.backed_up = 0  # GPU -> host
         self.loaded = 0  # host -> GPU
+        self.stored = 0  # host -> storage (pages newly written; a page already stored moves nothing)
+        self.prefetched = 0  # storage -> host
         self.host_evicted = 0  # host copies evicted with their node (host leaves)
         self.host_reclaimed = 0  # host copies freed of nodes also on the device (write_back)
         self.demoted = 0  # device copies freed, host copy kept
@@ -118,13 +151,50 @@ class TierTraffic:
         return {k: getattr(self, k) for k in self.__slots__}
 
 
+class HiCacheEvents:
+    """The KV events of SGLang 0.5.23's HiCache tree (`UnifiedTreeCore`, `kv_events.
+    record_store` / `record_remove`, one key per page): a node stored on the GPU when it is
+    created, put back at an insert or loaded back; removed from the GPU when its device
+    copy is freed (demoted or deleted); stored on the host (`CPU_PINNED`) when its backup is
+    acknowledged or a storage prefetch inserts it; removed from the host when its host copy
+    is evicted or reclaimed, or dropped with an unbackable node (write_back). Keys are the
+    node's page keys (`HiCacheTree.node_keys`, those of `RadixEvents`)."""
+
+    __slots__ = ("tree", "emit")
+
+    def __init__(self, tree: HiCacheTree, emit) -> None:
+        self.tree = tree
+        self.emit = emit  # the cache's listener call
+
+    def stored(self, x: TieredNode, medium: str) -> None:
+        parent = x.parent
+        prior = self.tree.node_keys(parent)[-1] if parent.parent is not None else None
+        self.emit(PagesStored(self.tree.node_keys(x), prior, medium))
+
+    def removed(self, x: TieredNode, medium: str) -> None:
+        self.emit(PagesRemoved(self.tree.node_keys(x), medium))
+
+
 class HiCacheTree(RadixTree):
     """A radix tree over two tiers: device pages (the cache's pool) and `host_pages` host pages."""
 
     node_class = TieredNode
 
-    def __init__(self, page_size: int, policy: EvictionPolicy, write_policy: str, host_pages: int) -> None:
+    def __init__(
+        self,
+        page_size: int,
+        policy: EvictionPolicy,
+        write_policy: str,
+        host_pages: int,
+        storage: StorageTier | None = None,
+        prefetch_threshold: int = 256,
+    ) -> None:
         super().__init__(page_size, policy)
+        self.storage = storage
+        #: SGLang's `max(prefetch_threshold, page_size)` (`attach_storage_backend`)
+        self.prefetch_threshold = max(prefetch_threshold, page_size)
+        self._hasher = BlockHasher(page_size)  # the keys `PageKeys(page_size, namespace_only=True)` names
+        self._extra: dict[tuple, ExtraKeys] = {}
         self.write_policy = write_policy
         self.write_back = write_policy == "write_back"
         self.threshold = 1 if write_policy == "write_through" else 2
@@ -141,6 +211,9 @@ class HiCacheTree(RadixTree):
         #: a serving clock times the transfers: a write-through backup keeps its node locked
         #: until the cache is told it completed (`time_transfers`); else it completes at once
         self.hold_backups = False
+        #: set while someone listens to the cache's KV events: told of every node stored on
+        #: or removed from a tier (`HiCacheEvents`)
+        self.hi_events: HiCacheEvents | None = None
 
     # -- status ------------------------------------------------------------------------
 
@@ -252,6 +325,9 @@ class HiCacheTree(RadixTree):
         if child.host_pages is not None:
             new.host_pages = child.host_pages[:cut]
             child.host_pages = child.host_pages[cut:]
+        if child.page_keys is not None:  # the pages keep their keys (`split_node_hash_value`)
+            new.page_keys = child.page_keys[:cut]
+            child.page_keys = child.page_keys[cut:]
         new.lock_ref = child.lock_ref
         new.hit_count = child.hit_count
         new.last_access = child.last_access
@@ -361,6 +437,8 @@ class HiCacheTree(RadixTree):
                     child.pages = pages[pos // ps : (pos + m) // ps]
                 self._to_device(child)
                 self._track_dup(child)
+                if self.hi_events is not None:
+                    self.hi_events.stored(child, DEVICE_MEDIUM)
             if pos + m > count_from and self._count_hit(child):
                 self._backup_chain(child)
             runs.append((self.pages_of(child), adopted))
@@ -376,6 +454,8 @@ class HiCacheTree(RadixTree):
             self.protected_tokens += end - pos
             node.dev_children += 1
             node = leaf
+            if self.hi_events is not None:
+                self.hi_events.stored(leaf, DEVICE_MEDIUM)
             if end > count_from and self._count_hit(leaf):
                 self._backup_chain(leaf)
         return node, matched, runs
@@ -424,6 +504,10 @@ class HiCacheTree(RadixTree):
         self.traffic.backed_up += len(y.key)
         self.mover.copied_to_host(self.pages_of(y), host)
         self._track_dup(y)  # acknowledged at once
+        if self.hi_events is not None:  # `finish_write_through`
+            self.hi_events.stored(y, SGLANG_CPU_MEDIUM)
+        if self.storage is not None:  # the ack's `write_backup_storage`, completed at once
+            self.traffic.stored += self.storage.write(self.node_keys(y)) * ps
         return True
 
     def evict(self, num_tokens: int, give: Callable[[list[int]], None]) -> int:
@@ -456,6 +540,12 @@ class HiCacheTree(RadixTree):
     def _demote(self, x: TieredNode, give: Callable[[list[int]], None]) -> None:
         """Free `x`'s device copy; its host copy stays (`_demote`)."""
         self.mover.demoted(x.pages, x.host_pages)
+        if self.hi_events is not None:
+            self.hi_events.removed(x, DEVICE_MEDIUM)
+        if self.storage is not None:
+            # the executor's bytes for the storage write decided at the backup: only now is
+            # the host copy in the executor (see `HiRadixCache.demoted`)
+            self.mover.stored_from_host(x.host_pages, self.node_keys(x))
         give(x.pages)
         x.pages = None
         self.traffic.demoted += len(x.key)
@@ -463,6 +553,8 @@ class HiCacheTree(RadixTree):
 
     def _delete_device_leaf(self, x: TieredNode, give: Callable[[list[int]], None]) -> None:
         """`x` has no host copy: it leaves the tree (`_delete_unbacked_device_leaf`)."""
+        if self.hi_events is not None:
+            self.hi_events.removed(x, DEVICE_MEDIUM)
         give(x.pages)
         x.pages = None
         self.traffic.deleted += len(x.key)
@@ -482,6 +574,8 @@ class HiCacheTree(RadixTree):
             below.append(d)
             stack.extend(d.children.values())
         for d in reversed(below):
+            if self.hi_events is not None:
+                self.hi_events.removed(d, SGLANG_CPU_MEDIUM)
             self.traffic.dropped += len(d.key)
             self._free_host(d)
             self._remove(d)
@@ -507,6 +601,8 @@ class HiCacheTree(RadixTree):
                 if x not in leaves:
                     continue
                 parent = x.parent
+                if self.hi_events is not None:
+                    self.hi_events.removed(x, SGLANG_CPU_MEDIUM)
                 n = self._free_host(x)
                 freed += n
                 self.traffic.host_evicted += n
@@ -533,6 +629,8 @@ class HiCacheTree(RadixTree):
                     continue
                 if x.host_lock or x.load_pending:
                     continue
+                if self.hi_events is not None:
+                    self.hi_events.removed(x, SGLANG_CPU_MEDIUM)
                 n = self._free_host(x)
                 freed += n
                 self.traffic.host_reclaimed += n
@@ -573,6 +671,8 @@ class HiCacheTree(RadixTree):
             if self.write_back:
                 x.load_pending = True
             self._to_device(x)
+            if self.hi_events is not None:  # `commit_load_back`
+                self.hi_events.stored(x, DEVICE_MEDIUM)
             self.traffic.loaded += len(x.key)
         self.pending_loads.append(nodes[-1])
 
@@ -595,3 +695,80 @@ class HiCacheTree(RadixTree):
                 x.load_pending = False
                 self._track_dup(x)
             x = x.parent
+    # -- storage (L3) ------------------------------------------------------------------
+
+    def _extra_of(self, namespace: tuple) -> ExtraKeys:
+        extra = self._extra.get(namespace)
+        if extra is None:
+            extra = self._extra[namespace] = ExtraKeys(cache_salt=namespace[0], lora_id=namespace[1])
+        return extra
+
+    def node_keys(self, x: TieredNode) -> list[BlockHash]:
+        """The chained page keys of `x`'s pages, computed once from its parent's last key
+        (`compute_node_hash_values`), ancestors first where they have none yet."""
+        keys = x.page_keys
+        if keys is not None:
+            return keys
+        path = []
+        y = x
+        while y.parent is not None and y.page_keys is None:
+            path.append(y)
+            y = y.parent
+        prior = y.page_keys[-1] if y.parent is not None and y.page_keys else None
+        ps = self.page_size
+        hasher = self._hasher
+        for y in reversed(path):
+            extra = self._extra_of(y.namespace)
+            if y.start:  # only the prefix's first page carries the salt
+                extra = ExtraKeys(lora_id=extra.lora_id)
+            y.page_keys = hasher.hash_blocks(y.key, extra, 0, len(y.key) // ps, prior)
+            prior = y.page_keys[-1]
+        return x.page_keys
+
+    def prefetch(self, anchor: RadixNode, tokens: np.ndarray, start: int, limit: int) -> TieredNode | None:
+        """The storage prefetch of `tokens[start:limit]` below `anchor` (the deepest node
+        the match reached, ending at `start`), completed at once. Returns the host-only
+        node holding what storage had, or None: a prefetch shorter than the threshold, no
+        backed-up anchor, a hit shorter than the threshold, or too little host room even
+        after evicting (SGLang revokes each of these and the request recomputes)."""
+        storage = self.storage
+        ps = self.page_size
+        if anchor.parent is not None and anchor.host_pages is None:
+            return None  # `_prefetch_kvcache`: the anchor must be backed up (or the root)
+        if limit - start < self.prefetch_threshold:
+            return None  # `prefetch_from_storage`: declined_too_short
+        prior = self.node_keys(anchor)[-1] if anchor.parent is not None else None
+        extra = self._extra_of(anchor.namespace)
+        keys = self._hasher.hash_blocks(tokens, extra, start // ps, limit // ps, prior)
+        hit = storage.hit_pages(keys) * ps
+        if hit < self.prefetch_threshold:
+            return None  # below_threshold
+        # `allocate_storage_hit`: the whole hit, else evict host copies for the whole hit
+        # (not the shortfall), else what is free if still at least the threshold
+        anchor.host_lock += 1  # `prefetch_from_storage`'s host lock on the anchor
+        self._refresh(anchor)
+        if len(self.host_free) * ps < hit:
+            self.evict_host(hit)
+        free = len(self.host_free) * ps
+        got = hit if free >= hit else free
+        anchor.host_lock -= 1
+        self._refresh(anchor)
+        if got < self.prefetch_threshold:
+            return None  # host_capacity
+        n = got // ps
+        storage.read(keys[:n])
+        self.traffic.prefetched += got
+        host = self.host_free[-n:]
+        del self.host_free[-n:]
+        # `insert_host`: the match stopped at `anchor`, so no child continues the key
+        edge = self._child_key(tokens, start)
+        assert edge not in anchor.children, "radix-hicache: a prefetch below a node that continues the key"
+        node = self._new_node(self._node_key(tokens, start, start + got), None, anchor, self.tick(), edge)
+        node.host_pages = host
+        node.page_keys = keys[:n]
+        self.mover.prefetched(node.page_keys, host, node.key)
+        if self.hi_events is not None:  # `insert_host`
+            self.hi_events.stored(node, SGLANG_CPU_MEDIUM)
+        self._refresh(node)
+        self._refresh(anchor)
+        return node

@@ -17,7 +17,7 @@ from cachelib.errors import (
 from cachelib.interface import PrefixCache
 from cachelib.kv_events import KvEvent, KvEventListener, PageKeys, PagesRemoved, PagesStored
 from cachelib.registry import available_backends, create_cache, default_backends, get_backend, register_backend
-from cachelib.types import CacheStats, CopyOp, ExtraKeys, Match, MultiModalSpan, Sequence, TierCopy
+from cachelib.types import CacheStats, CopyOp, ExtraKeys, Match, MultiModalSpan, Sequence, StorageCopy, TierCopy
 
 __all__ = [
     "CacheError",
@@ -36,6 +36,7 @@ __all__ = [
     "PrefixCache",
     "Sequence",
     "StaleMatchError",
+    "StorageCopy",
     "TierCopy",
     "UnknownBackendError",
     "UnknownSequenceError",

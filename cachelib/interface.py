@@ -107,6 +107,9 @@ class PrefixCache(ABC):
     #: with tiers: how its loads meet the forward pass (`cachelib.tiers.LOAD_TIMINGS`), read
     #: by a serving engine that charges transfer time (`take_transfers`); None: no tiers
     load_timing: ClassVar[str | None] = None
+    #: the L3 tier (`cachelib.tiers.StorageTier`) when `"storage"` is in `memory_tiers`
+    #: (an instance may add it: radix-hicache with `storage_backend`), else None
+    storage_tier: Any = None
     #: run by a comparison that names no backend (`cachelib.registry.default_backends`)
     compared_by_default: ClassVar[bool] = True
 
@@ -272,9 +275,11 @@ class PrefixCache(ABC):
         return {}
 
     def tier_capacities(self) -> dict[str, int]:
-        """The most tokens of KV each of `memory_tiers` holds, GPU first. Their sum is the
-        capacity the tiered Belady bound is taken at (experiments/runner.py `tiered_bounds`):
-        no policy moving KV between these tiers reuses more than one cache of that size."""
+        """The most tokens of KV each of `memory_tiers` holds, GPU first; 0 for a tier
+        without a cap (SGLang's file storage by default). Their sum is the capacity the
+        tiered Belady bound is taken at (experiments/runner.py `tiered_bounds`): no policy
+        moving KV between these tiers reuses more than one cache of that size; with an
+        uncapped tier the bound is the infinite cache's."""
         return {"gpu": self.num_pages * self.page_size}
 
     def storage_hit_tokens(self, seq: Sequence) -> int:
@@ -312,6 +317,11 @@ class PrefixCache(ABC):
         tier bandwidths (what a serving engine charges; the tier objects of
         `cachelib/tiers.py` hold the figures)."""
         raise InvalidRequestError(f"a {self.name} cache has no tier link {src} -> {dst}")
+    def use_storage_pool(self, pool: Any) -> None:
+        """Read and write `pool` (a `cachelib.tiers.StorageTier` of another replica) as this
+        cache's storage tier: a pool shared by a cluster. Only a cache whose `storage_tier`
+        is shared takes one."""
+        raise InvalidRequestError(f"a {self.name} cache has no storage tier to share")
 
     def pages_pinned(self) -> int:
         """Pages held by live sequences (or pinned registrations): `stats().pages_pinned`.

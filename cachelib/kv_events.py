@@ -20,9 +20,24 @@ each and a `BlockRemoved` for each). A listener that wants the set of keys a cac
 counts them (a multiset); one that keeps a plain set, as llm-d's index does, loses a key
 while its duplicate is still cached.
 
-Not modelled: vLLM's `AllBlocksCleared` (the contract has no reset), token ids, medium,
-LoRA names and the other metadata of vLLM's events (the keys already fold in what changes
-the KV), and the batching of events per engine step (a listener hears each event at once).
+Each event names its *medium*, the tier the pages are stored on or removed from (vLLM
+0.33's `BlockStored.medium` / `BlockRemoved.medium`, `MEDIUM_GPU` = "GPU", `MEDIUM_CPU` =
+"CPU"; SGLang 0.5.23's `StorageMedium`, `GPU` = "GPU", `CPU` = "CPU_PINNED"). A GPU-only
+cache publishes "GPU" events alone. A tiered one publishes its host tier too, as its
+reference does: radix-hicache as SGLang's HiCache (`unified_tree_core.py`: "CPU_PINNED"
+stores at a backup's ack and a storage prefetch's `insert_host`, removals at host
+eviction and duplicate reclaim; "GPU" stores at creation, re-insertion and load-back,
+removals at device eviction), apc with a host tier as vLLM's offloading connector
+(`kv_offload/cpu/manager.py`: "CPU" stores at `complete_store`, removals at
+`prepare_store`'s eviction). Neither reference publishes its storage tier (L3) writes.
+A page on two tiers is two entries: a listener that wants one tier's content keeps the
+events of that medium (`KvIndex` keeps the device's, `DEVICE_MEDIUM`: the routers here
+score what a request would find on the GPU; llm-d's indexer also records the tier of each
+entry, whose use in scoring is not modelled).
+
+Not modelled: vLLM's `AllBlocksCleared` (the contract has no reset), token ids, LoRA
+names and the other metadata of vLLM's events (the keys already fold in what changes the
+KV), and the batching of events per engine step (a listener hears each event at once).
 """
 
 from __future__ import annotations
@@ -35,22 +50,31 @@ import numpy as np
 from cachelib.hashing import BlockHash, BlockHasher, HashFn
 from cachelib.types import ExtraKeys
 
+#: the device tier's medium (vLLM's `MEDIUM_GPU`, SGLang's `StorageMedium.GPU`)
+DEVICE_MEDIUM = "GPU"
+#: vLLM 0.33's host medium (`MEDIUM_CPU`)
+VLLM_CPU_MEDIUM = "CPU"
+#: SGLang 0.5.23's host medium (`StorageMedium.CPU`, L2 pinned host memory)
+SGLANG_CPU_MEDIUM = "CPU_PINNED"
+
 
 @dataclass(frozen=True, slots=True)
 class PagesStored:
     """vLLM's `BlockStored`: full pages published, in prefix order. `keys[i]` is the key of
     one page; `parent` the key of the page just before the first (None: the first page of
-    its prefix), as vLLM's `parent_block_hash`."""
+    its prefix), as vLLM's `parent_block_hash`; `medium` the tier they are stored on."""
 
     keys: list[BlockHash]
     parent: BlockHash | None
+    medium: str = DEVICE_MEDIUM
 
 
 @dataclass(frozen=True, slots=True)
 class PagesRemoved:
-    """vLLM's `BlockRemoved`: published pages evicted (one key per page)."""
+    """vLLM's `BlockRemoved`: published pages evicted (one key per page) from `medium`."""
 
     keys: list[BlockHash]
+    medium: str = DEVICE_MEDIUM
 
 
 KvEvent = PagesStored | PagesRemoved

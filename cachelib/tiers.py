@@ -6,9 +6,14 @@ L1 is the backend's own GPU pages (`num_pages` x `page_size`, unchanged). Below 
 - L2, host memory (`HostTier`): a capacity in tokens and a read / write bandwidth. Built:
   the `radix-hicache` backend (`backends/radix_hicache.py`, SGLang 0.5.23 HiCache) keeps
   host copies in it.
-- L3, storage (local disk, or a pool shared by a cluster's replicas): declared here as a
-  name in `TIER_NAMES` so metrics carry its column from the start, *not built yet*: no
-  backend accepts one, and every storage figure reads 0.
+- L3, storage (`StorageTier`): SGLang 0.5.23's HiCache storage layer below the host tier,
+  a store of pages keyed by their chained page hash. `file` is `--hicache-storage-backend
+  file` (local disk, one file per page, `mem_cache/hicache_storage.py` `HiCacheFile` with
+  its `storage/file/lru_file_evictor.py` `LRUFileEvictor`); `shared` is one pool every
+  replica of a cluster reads and writes (Mooncake Store semantics: a put of a key already
+  stored is skipped). Built under `radix-hicache`. `apc-lmcache` keeps its own local disk
+  below its host store (`cachelib/storage_tier.py` `DiskTier`, LMCache's rules); the other
+  backends report 0 there.
 
 A tier never knows about tensors: it is capacities, bandwidths and the bytes one token of
 KV takes (to turn a capacity in GB into tokens and tokens moved into bytes).
@@ -23,13 +28,27 @@ bandwidths are not read. On the serving clock they cost time: a tiered cache rep
 transfer (`TierTransfer`) and the engine prices it at these bandwidths
 (experiments/engine/transfers.py), overlapping a load with the forward as its reference
 does (`LOAD_TIMINGS`, `pipelined_step_seconds`).
+
+Storage defaults (`StorageTier`). Capacity: unbounded, as SGLang's file backend is unless
+`max_size` (`--hicache-storage-backend-extra-config '{"max_size": ...}'` or
+`SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE`) is set; `storage_capacity_tokens` /
+`storage_capacity_gb` model that cap. Bandwidth: `file` is one local NVMe drive, the DGX
+H200's internal storage (NVIDIA DGX H200 datasheet: "8x 3.84 TB NVMe U.2"), PCIe Gen4 x4
+drives of the class of Samsung's PM1733 (datasheet: 7,000 MB/s sequential read, 3,800 MB/s
+sequential write at 3.84 TB): `FILE_READ_GBPS` 7.0, `FILE_WRITE_GBPS` 3.8 (SGLang writes
+one file per page through the page cache, so one drive is the honest ceiling). `shared`
+is Mooncake's transfer engine over RDMA, one ConnectX-7 NIC of the H200 host (400 Gb/s =
+50 GB/s each way, DGX H200 datasheet): `SHARED_READ_GBPS` = `SHARED_WRITE_GBPS` = 50.
+Measured figures should replace them (`storage_read_gbps`, `storage_write_gbps`).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from cachelib.errors import InvalidRequestError
+from cachelib.hashing import BlockHash
 
 #: the tiers metrics report, in order (`per_request_hits_by_tier` columns)
 TIER_NAMES = ("gpu", "host", "storage")
@@ -174,3 +193,261 @@ def pipelined_step_seconds(compute: float, load: float, layers: int) -> float:
     if load <= 0.0:
         return compute
     return max(compute + load / layers, load + compute / layers)
+#: GB/s of one PCIe Gen4 x4 NVMe drive (DGX H200's internal U.2 drives; PM1733 datasheet)
+FILE_READ_GBPS = 7.0
+FILE_WRITE_GBPS = 3.8
+#: GB/s each way of one 400 Gb/s ConnectX-7 NIC (Mooncake's RDMA transfer engine)
+SHARED_READ_GBPS = 50.0
+SHARED_WRITE_GBPS = 50.0
+
+#: `--hicache-storage-backend` choices modelled: local disk, a pool shared by a cluster
+STORAGE_BACKENDS = ("file", "shared")
+
+#: `--hicache-storage-prefetch-policy` (`unified_cache/storage_attachment.py`)
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+
+#: the file backend's eviction target: after an over-cap write it evicts least recently
+#: used pages until `used + new <= cap x ratio` (`LRUFileEvictor._evict_locked`; default
+#: `SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO` = 0.9)
+FILE_EVICTION_RATIO = 0.9
+#: the shared pool's: Mooncake's master evicts `eviction_ratio` (default 0.05) of the pool
+#: when it runs full, so a put that does not fit evicts down to 95% (see `StorageTier`)
+SHARED_EVICTION_RATIO = 0.95
+
+#: SGLang's `prefetch_threshold` default (`parse_storage_backend_extra_config`): a storage
+#: prefetch shorter than this is not issued, a hit shorter than this not fetched
+DEFAULT_PREFETCH_THRESHOLD = 256
+
+
+class StorageTier:
+    """L3: pages keyed by their chained page key, with a capacity and a bandwidth each way.
+
+    The store itself, not only its figures: one object is what replicas share when the
+    backend is `shared` (`experiments/engine/cluster.py` `share_storage`). What SGLang
+    0.5.23's backends do, per call (`mem_cache/hicache_storage.py`):
+
+    - `hit_pages(keys)`: `batch_exists`, the longest run of `keys` present from the first;
+      reads no recency (`HiCacheFile.exists` does not touch its LRU).
+    - `read(keys)`: `batch_get`; the file backend refreshes each page's recency
+      (`LRUFileEvictor.touch`), the shared pool too (a Mooncake get renews the object's
+      lease).
+    - `write(keys)`: `batch_set` page by page. A page already stored is skipped; the file
+      backend refreshes its recency (`HiCacheFile.set` fast path), the shared pool does not
+      (`MooncakeStore.batch_set_v1` filters existing keys before the put). A new page that
+      does not fit evicts least recently used pages down to `eviction_ratio` of the
+      capacity minus the page (`LRUFileEvictor.reserve` -> `_evict_locked`).
+
+    Capacity 0 is unbounded (SGLang's file backend without `max_size`). The shared pool's
+    eviction is an approximation: Mooncake's master (not part of SGLang's source) evicts
+    objects by lease in batches of `eviction_ratio` when the pool is above a watermark;
+    here it evicts by recency down to 95% when a put does not fit.
+    """
+
+    __slots__ = (
+        "backend",
+        "page_size",
+        "capacity_tokens",
+        "read_gbps",
+        "write_gbps",
+        "kv_bytes_per_token",
+        "eviction_ratio",
+        "_pages",
+        "written_pages",
+        "read_pages",
+        "evicted_pages",
+        "skipped_pages",
+    )
+
+    def __init__(
+        self,
+        backend: str,
+        page_size: int,
+        capacity_tokens: int,
+        read_gbps: float,
+        write_gbps: float,
+        kv_bytes_per_token: int,
+        eviction_ratio: float,
+    ) -> None:
+        self.backend = backend
+        self.page_size = page_size
+        self.capacity_tokens = capacity_tokens  # 0: unbounded
+        self.read_gbps = read_gbps
+        self.write_gbps = write_gbps
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.eviction_ratio = eviction_ratio
+        #: page key -> None, least recently used first
+        self._pages: OrderedDict[BlockHash, None] = OrderedDict()
+        self.written_pages = 0  # pages newly written
+        self.read_pages = 0  # pages read back (prefetched into a host tier)
+        self.evicted_pages = 0  # pages the capacity pushed out
+        self.skipped_pages = 0  # writes of pages already stored
+
+    @classmethod
+    def build(
+        cls,
+        page_size: int,
+        *,
+        backend: str = "file",
+        capacity_tokens: int = 0,
+        capacity_gb: float = 0.0,
+        read_gbps: float | None = None,
+        write_gbps: float | None = None,
+        kv_bytes_per_token: int = LLAMA3_8B_KV_BYTES_PER_TOKEN,
+    ) -> StorageTier:
+        """Check every figure and build the tier (`InvalidRequestError` naming the bad one,
+        before any work). `backend`: `file` or `shared`. At most one of `capacity_tokens`
+        and `capacity_gb`; neither (both 0) is unbounded; a capacity in GB becomes whole
+        pages. A bandwidth of None is the backend's default (module docstring); zero, a
+        negative or an infinite one is refused by name."""
+        if backend not in STORAGE_BACKENDS:
+            raise InvalidRequestError(
+                f"unknown storage_backend {backend!r}; choose one of {', '.join(STORAGE_BACKENDS)}"
+            )
+        if isinstance(kv_bytes_per_token, bool) or not isinstance(kv_bytes_per_token, int) or kv_bytes_per_token <= 0:
+            raise InvalidRequestError(f"kv_bytes_per_token must be a positive int, got {kv_bytes_per_token!r}")
+        defaults = {"file": (FILE_READ_GBPS, FILE_WRITE_GBPS), "shared": (SHARED_READ_GBPS, SHARED_WRITE_GBPS)}[backend]
+        speeds = []
+        for name, value, default in (
+            ("storage_read_gbps", read_gbps, defaults[0]),
+            ("storage_write_gbps", write_gbps, defaults[1]),
+        ):
+            if value is None:
+                value = default
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise InvalidRequestError(f"{name} must be a positive bandwidth in GB/s, got {value!r}")
+            speeds.append(float(value))
+        if isinstance(capacity_tokens, bool) or not isinstance(capacity_tokens, int) or capacity_tokens < 0:
+            raise InvalidRequestError(f"storage_capacity_tokens must be a non-negative int, got {capacity_tokens!r}")
+        if isinstance(capacity_gb, bool) or not isinstance(capacity_gb, (int, float)) or not capacity_gb >= 0:
+            raise InvalidRequestError(f"storage_capacity_gb must be a non-negative number, got {capacity_gb!r}")
+        if capacity_tokens and capacity_gb:
+            raise InvalidRequestError(
+                "give a storage tier's size once: storage_capacity_tokens or storage_capacity_gb "
+                f"(got {capacity_tokens!r} tokens and {capacity_gb!r} GB)"
+            )
+        if capacity_gb:
+            if capacity_gb == float("inf"):
+                raise InvalidRequestError("storage_capacity_gb must be finite (0 is unbounded)")
+            capacity_tokens = int(capacity_gb * 1e9) // kv_bytes_per_token // page_size * page_size
+            what = f"storage_capacity_gb={capacity_gb} ({capacity_tokens} tokens of {kv_bytes_per_token} bytes)"
+            if capacity_tokens < page_size:
+                raise InvalidRequestError(f"a storage tier smaller than one page of {page_size} tokens: {what}")
+        elif capacity_tokens:
+            if capacity_tokens < page_size:
+                raise InvalidRequestError(
+                    f"a storage tier smaller than one page: storage_capacity_tokens={capacity_tokens} "
+                    f"< page_size {page_size}"
+                )
+            if capacity_tokens % page_size:
+                raise InvalidRequestError(
+                    f"storage_capacity_tokens={capacity_tokens} is not a whole number of {page_size}-token pages"
+                )
+        ratio = FILE_EVICTION_RATIO if backend == "file" else SHARED_EVICTION_RATIO
+        return cls(backend, page_size, int(capacity_tokens), speeds[0], speeds[1], kv_bytes_per_token, ratio)
+
+    # -- figures ---------------------------------------------------------------------
+
+    @property
+    def shared(self) -> bool:
+        """Whether every replica of a cluster uses this one pool."""
+        return self.backend == "shared"
+
+    @property
+    def used_tokens(self) -> int:
+        return len(self._pages) * self.page_size
+
+    def bytes_of(self, tokens: int) -> int:
+        """Bytes of KV in `tokens` tokens."""
+        return tokens * self.kv_bytes_per_token
+
+    def transfer_seconds(self, tokens: int, *, to_storage: bool) -> float:
+        """Seconds to move `tokens` tokens of KV one way at this tier's bandwidth."""
+        gbps = self.write_gbps if to_storage else self.read_gbps
+        return self.bytes_of(tokens) / (gbps * 1e9)
+
+    def same_figures(self, other: StorageTier) -> bool:
+        """Whether `other` describes the same pool (what replicas sharing one must agree on)."""
+        return (
+            self.backend,
+            self.page_size,
+            self.capacity_tokens,
+            self.read_gbps,
+            self.write_gbps,
+            self.kv_bytes_per_token,
+        ) == (
+            other.backend,
+            other.page_size,
+            other.capacity_tokens,
+            other.read_gbps,
+            other.write_gbps,
+            other.kv_bytes_per_token,
+        )
+
+    def __contains__(self, key: BlockHash) -> bool:
+        return key in self._pages
+
+    def keys(self) -> list[BlockHash]:
+        """Every stored page's key, least recently used first (tests, invariants)."""
+        return list(self._pages)
+
+    # -- the backend's calls -----------------------------------------------------------
+
+    def hit_pages(self, keys: list[BlockHash]) -> int:
+        """`batch_exists`: how many of `keys`, from the first, are stored."""
+        pages = self._pages
+        for i, key in enumerate(keys):
+            if key not in pages:
+                return i
+        return len(keys)
+
+    def read(self, keys: list[BlockHash]) -> None:
+        """`batch_get` of stored pages: each becomes the most recently used."""
+        pages = self._pages
+        for key in keys:
+            pages.move_to_end(key)
+        self.read_pages += len(keys)
+
+    def write(self, keys: list[BlockHash]) -> int:
+        """`batch_set` page by page; returns the pages newly written."""
+        pages = self._pages
+        refresh = self.backend == "file"
+        new = 0
+        for key in keys:
+            if key in pages:
+                self.skipped_pages += 1
+                if refresh:
+                    pages.move_to_end(key)
+                continue
+            self._make_room()
+            pages[key] = None
+            new += 1
+        self.written_pages += new
+        return new
+
+    def _make_room(self) -> None:
+        """Room for one more page: over the cap, evict least recently used pages until
+        `used + page <= cap x ratio` (`LRUFileEvictor._evict_locked`, in bytes as there)."""
+        cap = self.capacity_tokens
+        if not cap:
+            return
+        page = self.page_size * self.kv_bytes_per_token
+        per_token = self.kv_bytes_per_token
+        pages = self._pages
+        if (len(pages) + 1) * page <= cap * per_token:
+            return
+        target = max(0, int(cap * per_token * self.eviction_ratio) - page)
+        while pages and len(pages) * page > target:
+            pages.popitem(last=False)
+            self.evicted_pages += 1
+
+    def stats(self) -> dict[str, int]:
+        """What the store did so far and holds now, in tokens and bytes."""
+        ps = self.page_size
+        return {
+            "storage_written_tokens": self.written_pages * ps,
+            "storage_read_tokens": self.read_pages * ps,
+            "storage_evicted_tokens": self.evicted_pages * ps,
+            "storage_skipped_tokens": self.skipped_pages * ps,
+            "storage_tokens": self.used_tokens,
+            "storage_capacity_tokens": self.capacity_tokens,
+        }

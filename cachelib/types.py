@@ -277,6 +277,22 @@ class TierCopy(NamedTuple):
     host_pages: tuple[int, ...]
 
 
+class StorageCopy(NamedTuple):
+    """Move pages of KV between host pages and a storage tier (L3) of a tiered cache:
+    `to_storage` writes `host_pages[i]` under page key `keys[i]`, else the stored page of
+    `keys[i]` is read into `host_pages[i]` (a prefetch). Page keys name the KV of a whole
+    prefix (cachelib/kv_events.py), so any page stored under a key holds that KV. Handed
+    out, in decision order, among a call's other ops as `TierCopy` is. `tokens`: the
+    tokens moved (what a serving clock charges at the storage bandwidth); with four fields
+    it is told from a `TierCopy` (three) and a `CopyOp` (two) by its length alone, so an
+    executor needs nothing of this module."""
+
+    to_storage: bool
+    host_pages: tuple[int, ...]
+    keys: tuple[bytes, ...]
+    tokens: int
+
+
 @dataclass(slots=True)
 class CacheStats:
     """Counters and occupancy of one cache. Pages are free, cached-unpinned or pinned."""

@@ -548,18 +548,23 @@ def tiered_bounds(workload: Workload, page_size: int, cells: Sequence[CellConfig
     tokens and, under the replay protocol, reuses no more than one cache of that size run
     by Belady. Keyed by the total in tokens (str), whole pages, with the cells' labels and
     their tiers' capacities."""
-    from experiments.oracle import belady_hits
+    from experiments.oracle import belady_hits, infinite_hits
 
     out: dict[str, Any] = {}
     for cfg in cells:
         caps = tier_capacities(cfg)
         if len(caps) < 2:
             continue
-        total = sum(caps.values()) // page_size * page_size
-        entry = out.setdefault(str(total), {"capacity_tokens": total, "cells": {}})
+        # an uncapped tier (0) makes the total unbounded: keyed "unbounded", the infinite cache
+        total = 0 if 0 in caps.values() else sum(caps.values()) // page_size * page_size
+        entry = out.setdefault(str(total or "unbounded"), {"capacity_tokens": total or None, "cells": {}})
         entry["cells"].setdefault(cfg.backend_label, caps)
     for entry in out.values():
-        b = belady_hits(workload.requests, page_size, entry["capacity_tokens"] // page_size, keys=keys)
+        total = entry["capacity_tokens"]
+        if total is None:
+            b = infinite_hits(workload.requests, page_size, keys=keys)
+        else:
+            b = belady_hits(workload.requests, page_size, total // page_size, keys=keys)
         entry["belady"] = {"hit_rate": b["hit_rate"], "hit_tokens": b["hit_tokens"]}
     return out
 

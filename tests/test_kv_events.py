@@ -11,6 +11,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from backends.radix_hicache_tree import on_device
 from cachelib import (
     ExtraKeys,
     InvalidRequestError,
@@ -22,40 +23,51 @@ from cachelib import (
     create_cache,
     get_backend,
 )
+from cachelib.kv_events import DEVICE_MEDIUM, SGLANG_CPU_MEDIUM
 
-EMITTING = ["apc", "radix", "radix-aged"]
+EMITTING = ["apc", "radix", "radix-aged", "radix-hicache"]
 EXTRAS = [ExtraKeys(), ExtraKeys(), ExtraKeys(cache_salt="t1"), ExtraKeys(lora_id=3)]
 
 
 class Rebuilt:
-    """A listener that rebuilds the cache's published pages from events alone (a multiset:
-    apc may hold two blocks under one hash), refusing a removal of a page it never heard of."""
+    """A listener that rebuilds the cache's published pages from events alone, one multiset
+    per medium (apc may hold two blocks under one hash; a tiered cache publishes its host
+    tier as another medium), refusing a removal of a page it never heard of."""
 
     def __init__(self) -> None:
-        self.pages: Counter[bytes] = Counter()
+        self.tiers: dict[str, Counter[bytes]] = {DEVICE_MEDIUM: Counter()}
         self.events: list = []
+
+    @property
+    def pages(self) -> Counter[bytes]:
+        """The device's pages."""
+        return self.tiers[DEVICE_MEDIUM]
 
     def on_kv_event(self, event) -> None:
         self.events.append(event)
+        pages = self.tiers.setdefault(event.medium, Counter())
         if isinstance(event, PagesStored):
-            self.pages.update(event.keys)
+            pages.update(event.keys)
             return
         assert isinstance(event, PagesRemoved)
         for key in event.keys:
-            assert self.pages[key] > 0, "removed a page that was never stored"
-            self.pages[key] -= 1
-            if not self.pages[key]:
-                del self.pages[key]
+            assert pages[key] > 0, "removed a page that was never stored"
+            pages[key] -= 1
+            if not pages[key]:
+                del pages[key]
 
 
-def published(cache) -> Counter[bytes]:
-    """The cache's published pages by key, read from its own structures."""
+def published(cache, host: bool = False) -> Counter[bytes]:
+    """The cache's published pages by key, read from its own structures (`host`: those of
+    radix-hicache's host tier, else the device's)."""
     if cache.name == "apc":
         blocks = np.flatnonzero(cache.index.cached)
         return Counter(cache.index.digests(blocks))
     keys = cache.page_keys()
     out: Counter[bytes] = Counter()
     for node in cache.tree.nodes():
+        if cache.name == "radix-hicache" and (node.host_pages is not None if host else on_device(node)) is False:
+            continue
         tokens = np.concatenate([x.key for x in cache.tree.path(node)])
         salt, lora = node.namespace
         out.update(keys.keys(tokens, ExtraKeys(cache_salt=salt, lora_id=lora))[node.start // cache.page_size :])
@@ -145,6 +157,35 @@ def test_rebuilt_pages_equal_the_published_pages_after_every_call(backend, page_
         assert any(isinstance(e, PagesRemoved) for e in listener.events), "the run never evicted"
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("write_policy", ["write_through", "write_through_selective", "write_back"])
+def test_radix_hicache_events_rebuild_both_tiers_after_every_call(write_policy, page_size):
+    """SGLang's HiCache events: the GPU-medium events rebuild the device's pages, the
+    CPU_PINNED ones the host's (a storage tier's prefetches among them), key for key."""
+    gpu = 48 if page_size == 16 else 300
+    for seed in range(4):
+        cache = create_cache(
+            "radix-hicache",
+            num_pages=gpu,
+            page_size=page_size,
+            write_policy=write_policy,
+            host_capacity_tokens=gpu // 2 * page_size,
+            storage_backend="file",
+            prefetch_threshold=0,
+        )
+        listener = Rebuilt()
+        cache.subscribe(listener)
+        driver = Driver(cache, seed)
+        for _ in range(250):
+            driver.step()
+            assert listener.pages == published(cache)
+            assert listener.tiers.get(SGLANG_CPU_MEDIUM, Counter()) == published(cache, host=True)
+        cache.check_invariants()
+        media = {(type(e).__name__, e.medium) for e in listener.events}
+        assert ("PagesRemoved", DEVICE_MEDIUM) in media and ("PagesStored", SGLANG_CPU_MEDIUM) in media
+        assert {m for _, m in media} == {DEVICE_MEDIUM, SGLANG_CPU_MEDIUM}
+
+
 @pytest.mark.parametrize("backend", ["apc", "radix"])
 def test_stored_keys_are_the_keys_a_router_computes(backend):
     """A whole prompt committed and released: the pages it published carry the keys
@@ -206,7 +247,7 @@ def test_a_listener_moves_no_decision(backend):
 
 def test_subscribing_late_or_to_a_silent_backend_is_refused():
     silent = [name for name in available_backends() if not get_backend(name).emits_kv_events]
-    assert sorted(silent) == ["none", "paged", "radix-hicache"]  # radix-hicache: host-tier events not built
+    assert sorted(silent) == ["none", "paged"]
     for name in silent:
         with pytest.raises(InvalidRequestError, match="publishes no KV events"):
             create_cache(name, num_pages=8, page_size=4).subscribe(Rebuilt())
@@ -243,3 +284,43 @@ def test_page_keys_compare_by_scheme():
     )
     assert create_cache("radix", num_pages=8, page_size=16).page_keys() == PageKeys(16, namespace_only=True)
     assert PageKeys(4).keys(np.arange(3, dtype=np.int32), ExtraKeys()) == []
+
+
+def test_a_router_index_keeps_the_device_tier_only():
+    """`KvIndex` (precise, kv_cost) scores GPU reuse: a radix-hicache replica's host-tier
+    events leave it as the replica's device pages, and a host-only removal never breaks it."""
+    from experiments.routers.kv_index import KvIndex
+
+    cache = create_cache("radix-hicache", num_pages=24, page_size=1, host_capacity_tokens=48)
+    index = KvIndex(1)
+    index.watch(0, cache.page_keys())
+
+    class Relay:
+        def on_kv_event(self, event) -> None:
+            index.apply(0, event)
+
+    listener = Rebuilt()
+    cache.subscribe(Relay())
+    cache.subscribe(listener)
+    driver = Driver(cache, seed=3)
+    for _ in range(200):
+        driver.step()
+        assert +index.pages[0] == published(cache)
+    assert listener.tiers[SGLANG_CPU_MEDIUM], "the run stored nothing on the host"
+
+
+@pytest.mark.parametrize("eviction", ["lru", "arc"])
+def test_apc_host_tier_events_rebuild_the_host_chunks(eviction):
+    """vLLM's offloading connector: "CPU" events (a store per chunk at `complete_store`, a
+    removal of the chunks `prepare_store` evicts) rebuild the host tier's chunks; the GPU
+    events still rebuild the GPU's blocks."""
+    for seed in range(4):
+        cache = create_cache("apc", num_pages=40, page_size=4, host_capacity_tokens=64, host_eviction=eviction)
+        listener = Rebuilt()
+        cache.subscribe(listener)
+        driver = Driver(cache, seed)
+        for _ in range(250):
+            driver.step()
+            assert listener.pages == published(cache)
+            assert listener.tiers.get("CPU", Counter()) == Counter(cache.host.cached_keys())
+        assert any(isinstance(e, PagesRemoved) and e.medium == "CPU" for e in listener.events), "no host eviction"

@@ -32,7 +32,16 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from cachelib import CacheError, ExtraKeys, Sequence, StaleMatchError, TierCopy, available_backends, create_cache
+from cachelib import (
+    CacheError,
+    ExtraKeys,
+    Sequence,
+    StaleMatchError,
+    StorageCopy,
+    TierCopy,
+    available_backends,
+    create_cache,
+)
 from tests.snapshots import deep_state, first_difference
 
 TOP = 2**31 - 1  # the largest int32 token id
@@ -116,6 +125,7 @@ class CacheMachine(RuleBasedStateMachine):
         )
         self.kv: dict[int, list[bytes | None]] = {}
         self.host_kv: dict[int, list[bytes | None]] = {}  # a tiered cache's host pages
+        self.storage_kv: dict[bytes, list[bytes | None]] = {}  # a storage tier's pages, by key
         self.live: dict[str, Sequence] = {}
         self.pending: list = []  # (sequence, match) made earlier, admitted later
         self.values: dict[str, tuple] = {}  # request id -> (seq, running hash, prefix values)
@@ -152,6 +162,12 @@ class CacheMachine(RuleBasedStateMachine):
                         self.host_kv[h] = list(self.kv.get(d, [None] * self.page_size))
                     else:
                         self.kv[d] = list(self.host_kv[h])
+            elif isinstance(op, StorageCopy):  # host <-> storage, by page key
+                for h, key in zip(op.host_pages, op.keys, strict=True):
+                    if op.to_storage:
+                        self.storage_kv[key] = list(self.host_kv[h])
+                    else:
+                        self.host_kv[h] = list(self.storage_kv[key])
             else:
                 self.kv[op.dst_page] = list(self.kv.get(op.src_page, [None] * self.page_size))
 
@@ -529,6 +545,15 @@ def _options(backend: str, page_size: int, num_pages: int) -> dict:
         return {"host_capacity_tokens": num_pages * page_size, "host_eviction": "lru"}
     if backend.startswith("radix"):
         name, _, policy = backend.partition(":")
+        if policy.endswith("+storage"):  # an L3 as small as the GPU, prefetching any hit
+            return {
+                "track_contents": True,
+                "write_policy": policy.removesuffix("+storage"),
+                "host_capacity_tokens": num_pages * page_size,
+                "storage_backend": "file",
+                "storage_capacity_tokens": num_pages * page_size,
+                "prefetch_threshold": 0,
+            }
         if policy:
             return {"track_contents": True, "write_policy": policy, "host_capacity_tokens": num_pages * page_size}
         return {"track_contents": True}
@@ -540,6 +565,8 @@ def _options(backend: str, page_size: int, num_pages: int) -> dict:
 SHAPES = [(1, 12, 1, 60, 50), (4, 10, 1, 60, 50), (4, 48, 3, 70, 60)]
 #: the tiered backend once more per other write policy (`radix-hicache:POLICY`), host-bound
 TIERED = ["radix-hicache:write_through_selective", "radix-hicache:write_back"]
+#: and with a storage tier (L3) below the host, per write policy
+TIERED += [f"radix-hicache:{p}+storage" for p in ("write_through", "write_through_selective", "write_back")]
 TIERED = [t for t in TIERED if t.partition(":")[0] in available_backends()]
 #: apc with a host tier (vLLM 0.33 CPU offloading), each host eviction policy
 TIERED += ["apc:lru", "apc:arc"]

@@ -31,6 +31,13 @@ events batched per engine step and a network hop later. The time a router spends
 is counted as the router's, not the cache's. A backend that publishes no events (`none`,
 `paged`) is refused for such a router before any work.
 
+A storage tier (L3) of `radix-hicache` given `storage_backend=shared` is one pool for the
+whole cluster (`share_storage`, before the first request): every replica writes its host
+backups into it and prefetches from it, as replicas sharing one Mooncake Store do, so a
+prefix one replica computed is a storage hit on another. `storage_backend=file` stays
+each replica's own local disk. A router does not see storage: SGLang's and the KV routers
+route on device state (see cachelib/kv_events.py).
+
 Async scheduling (two batches in flight, `serving.drive_async`) runs one replica only: the
 async loop processes a step's output and schedules the next at the same instant, which the
 event order above does not interleave with routing; `serve_cluster` refuses it for N > 1.
@@ -317,6 +324,7 @@ def serve_cluster(
     n = len(caches)
     clients = [c if isinstance(c, CacheClient) else CacheClient(c) for c in caches]
     _check_cluster([c.cache for c in clients], executors, router, config)
+    share_storage([c.cache for c in clients])
     refuse_beams(requests)
     relays = subscribe_router(router, [c.cache for c in clients])
     clock = ClusterClock(requests)
@@ -342,6 +350,23 @@ def serve_cluster(
         decisions=cluster.decisions,
         router_stats=router.stats(),
     )
+
+
+def share_storage(caches: Seq[PrefixCache]) -> None:
+    """Every replica whose storage tier is `shared` (radix-hicache `storage_backend=shared`,
+    Mooncake Store semantics) reads and writes the first such replica's pool from now on:
+    one L3 for the cluster, where a page one replica stored is a hit for every other. A
+    `file` tier stays each replica's own local disk. Refused (before any work) when the
+    replicas describe their shared pools differently."""
+    pool = None
+    for cache in caches:
+        tier = cache.storage_tier if "storage" in cache.memory_tiers else None
+        if tier is None or not tier.shared:
+            continue
+        if pool is None:
+            pool = tier
+        else:
+            cache.use_storage_pool(pool)
 
 
 def _check_cluster(caches: Seq[PrefixCache], executors: Seq[Executor], router: Router, config: ServingConfig) -> None:

@@ -44,7 +44,8 @@ def replay(
     `per_request_hits[i]` is the hit of request i (-1 when it was unschedulable): every
     prompt token not recomputed, whichever memory tier it came from; a tiered cache
     (`memory_tiers` beyond the GPU) adds `per_request_hits_by_tier` ([gpu, host, storage]
-    per request, host = tokens loaded back), their totals and `tier_traffic`. A request
+    per request, host = tokens loaded back from the host tier, storage = those loaded back
+    that came up from storage first), their totals and `tier_traffic`. A request
     with `n > 1` forks `n - 1` samples after its prompt (sample j decodes `sample_lens[j]`
     tokens); one with `beam_width > 1` follows its beam schedule (`beam_parents[t]`: the
     parent of each surviving beam at step t; a beam nobody picks is released, one picked k
@@ -144,8 +145,9 @@ class Replay:
         } | (self.tier_result(cache) if self.tiers else {})
 
     def tier_result(self, cache: PrefixCache) -> dict[str, Any]:
-        """What a tiered cache adds: hits per tier (GPU, host, storage: 0 without an L3) per
-        request and in total, and what moved between the tiers."""
+        """What a tiered cache adds: hits per tier (GPU, host, storage: what came up from
+        storage and was loaded back counts as storage, not host) per request and in total,
+        and what moved between the tiers."""
         totals = [sum(h[i] for h in self.hits_by_tier if h[0] >= 0) for i in range(3)]
         return {
             "memory_tiers": list(cache.memory_tiers),

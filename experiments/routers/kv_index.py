@@ -8,7 +8,8 @@ takes one off, and a key is cached while its count is positive. Counting, not a 
 it exact when a cache holds two pages under one key (apc's duplicates, which vLLM stores
 and removes one by one): llm-d's index keeps a set of pods per key and would drop the key at
 the first removal. So the index is the replica's cache, exactly, at every event
-(tests/test_kv_events.py proves the events say so).
+(tests/test_kv_events.py proves the events say so). A tiered cache's host-tier events
+(another `medium`) are skipped: the index is each replica's GPU.
 
 A request's page keys are computed as the replica's backend computes them
 (`PrefixCache.page_keys`, handed over when the router is subscribed): llm-d's token
@@ -21,7 +22,7 @@ from __future__ import annotations
 from collections import Counter
 from itertools import takewhile
 
-from cachelib.kv_events import KvEvent, PageKeys, PagesStored
+from cachelib.kv_events import DEVICE_MEDIUM, KvEvent, PageKeys, PagesStored
 from experiments.routers.base import Router
 from experiments.workloads.spec import RequestSpec
 
@@ -42,7 +43,11 @@ class KvIndex:
 
     def apply(self, replica: int, event: KvEvent) -> None:
         """One event of `replica`'s cache. A removal of a key never stored is a broken event
-        stream: it raises (KeyError) instead of being ignored."""
+        stream: it raises (KeyError) instead of being ignored. Only the device's events
+        count (`DEVICE_MEDIUM`): the index is what a request would find on the GPU, and a
+        tiered cache's host pages are not (cachelib/kv_events.py)."""
+        if event.medium != DEVICE_MEDIUM:
+            return
         pages = self.pages[replica]
         if event.__class__ is PagesStored:
             pages.update(event.keys)  # counted in one C loop

@@ -56,4 +56,18 @@ $RUN --trace jsonl:$OUT/shared_doc_qa_s7.jsonl.gz --capacity 1024 --host-capacit
 $RUN --trace jsonl:$OUT/multi_turn_chat_s11.jsonl.gz --capacity 2048 --host-capacity 8192 --hicache \
      --policies lfu,fifo,mru,filo --concurrency 1 --trace-meta "$(cat $OUT/multi_turn_chat_s11.meta.json)" \
      --out $OUT/multi_turn_chat_s11.cap2048.host8192.policies.hicache-golden.json.gz
+# HiCache with the file storage backend under the host (--storage: a real HiCacheFile with
+# its LRU evictor capped at --storage-capacity tokens; every write policy)
+$RUN --trace jsonl:$OUT/multi_turn_chat_s11.jsonl.gz --capacity 2048 --host-capacity 2048 --hicache --storage \
+     --storage-capacity 8192 --prefetch-threshold 64 --policies lru --concurrency 1 \
+     --trace-meta "$(cat $OUT/multi_turn_chat_s11.meta.json)" \
+     --out $OUT/multi_turn_chat_s11.cap2048.host2048.file8192.hicache-storage-golden.json.gz
+$RUN --trace jsonl:$OUT/shared_doc_qa_s7.jsonl.gz --capacity 1024 --host-capacity 1024 --hicache --storage \
+     --storage-capacity 4096 --prefetch-threshold 64 --policies lru --concurrency 1 \
+     --trace-meta "$(cat $OUT/shared_doc_qa_s7.meta.json)" \
+     --out $OUT/shared_doc_qa_s7.cap1024.host1024.file4096.hicache-storage-golden.json.gz
+$RUN --trace jsonl:"$TMP/mooncake1000.jsonl" --name mooncake_conversation_2000_first1000 --trace-meta "$META" \
+     --capacity 200000 --host-capacity 2000000 --hicache --storage --storage-capacity 16000000 \
+     --policies lru --concurrency 1 --page-sizes 16 \
+     --out $OUT/mooncake_conversation_1000.cap200000.host2000000.file16000000.ps16.hicache-storage-golden.json.gz
 rm -r "$TMP"

@@ -136,6 +136,25 @@ config: `per_request_hits` (the GPU prefix at match), `per_request_host_loaded` 
 loaded back; -1 if unschedulable), `backup_tokens`, `load_back_tokens`,
 `host_evicted_tokens`, `host_tokens_end`, besides the usual fields.
 
+HiCache storage (--hicache ... --storage [--storage-capacity TOKENS] [--prefetch-threshold N])
+-------------------------------------------------------------------------------------------
+The L3 under the host tier with `--hicache-storage-backend file`: a real `HiCacheFile`
+(and its `LRUFileEvictor`, `max_size` = the storage capacity, pages of one byte per token so
+bytes are tokens) in a temporary directory, attached as `StorageAttachment.
+apply_runtime_config` attaches one (node hashing on, the prefetch threshold and policy).
+The controller is `storage_controller`: the stub above mixed into the real
+`HybridCacheController` class (built without its constructor), whose storage threads run
+inline (`StorageControllerStub`: the hit query at submission, the page reads when the cache
+has allocated the hit, the page writes at `write_storage`), acks passed on as one rank's
+sync thread does. Per request, before the match: the scheduler's `_prefetch_kvcache`
+(`init_next_round_input`, then `prefetch_from_storage` when the match ends at the root or a
+backed-up node), the storage queues drained until every transfer completed
+(`_drain_storage_control_queues_impl`), `check_prefetch_progress` and
+`pop_prefetch_loaded_span`; after the load-back, `split_cached_prefix_by_tier` gives the
+request's storage tokens. Recorded per config besides the HiCache fields:
+`per_request_storage_loaded`, `total_storage_loaded_tokens`, `storage_written_pages`
+(pages offered to the backend's set, stored or already there), `storage_fetched_tokens`.
+
 Output: one gzip'd JSON per trace, see tests/fixtures/sglang_0_5_23/README.md.
 """
 
@@ -223,7 +242,7 @@ def bootstrap_sglang() -> None:
 
     import sglang
     import torch
-    from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req, split_cached_prefix_by_tier
     from sglang.srt.mem_cache import radix_cache
     from sglang.srt.mem_cache.allocation import (
         alloc_paged_token_slots_decode,
@@ -249,6 +268,7 @@ def bootstrap_sglang() -> None:
         version=sglang.__version__,
         Req=Req,
         FINISH_LENGTH=FINISH_LENGTH,
+        split_cached_prefix_by_tier=split_cached_prefix_by_tier,
         radix_cache=radix_cache,
         RadixCache=radix_cache.RadixCache,
         UnifiedRadixCache=UnifiedRadixCache,
@@ -754,6 +774,266 @@ class HiCacheReplay(Replay):
 
 
 # --------------------------------------------------------------------------------------
+# HiCache storage (--storage-backend file): the L3 layer under the host tier
+# --------------------------------------------------------------------------------------
+
+
+class StorageHostPoolStub(HostPoolStub):
+    """`HostPoolStub` with the data-page calls the controller's generic storage get / set
+    make (`_generic_page_get` / `_generic_page_set`): a page of `page_size` bytes (one
+    byte per token, so the file backend's `max_size` in bytes is a capacity in tokens)."""
+
+    def get_data_page(self, index, flat: bool = True):
+        return SG.torch.zeros(self.page_size, dtype=SG.torch.uint8)
+
+    def get_dummy_flat_data_page(self):
+        return SG.torch.empty(self.page_size, dtype=SG.torch.uint8)
+
+    def set_from_flat_data_page(self, index, data) -> None:
+        pass
+
+    @property
+    def logical_size(self) -> int:
+        return self.size
+
+
+def storage_controller(host, allocator, write_policy: str, directory: str, capacity_tokens: int):
+    """A `StorageControllerStub` that is also a `HybridCacheController` (its methods call
+    `super()`), built without the real constructor (no threads, no device)."""
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+
+    cls = type("StorageController", (StorageControllerStub, HybridCacheController), {})
+    obj = object.__new__(cls)
+    StorageControllerStub.__init__(obj, host, allocator, write_policy, directory, capacity_tokens)
+    return obj
+
+
+class StorageControllerStub(ControllerStub):
+    """`ControllerStub` plus the storage half of `HybridCacheController` as the cache
+    calls it (mixed into the real class by `storage_controller`, so the real methods run
+    unchanged), with a real `HiCacheFile` (and its `LRUFileEvictor`) in a temporary
+    directory. The controller's storage threads are run inline, in the order their queues
+    give: `prefetch` runs `prefetch_thread_func`'s body (the real `_storage_hit_query` and
+    `_sync_prefetch_hit_query`, a no-op reduce at one rank) and queues the hit;
+    `run_prefetch_io` runs `prefetch_io_aux_func` (the real `_page_transfer`) for every
+    allocated hit and passes its acks on as `prefetch_sync_thread_func` does at one rank;
+    `write_storage` runs `backup_thread_func` (the real `_page_backup`). Every transfer is
+    complete when the cache next drains its queues (the replay protocol's timing)."""
+
+    def __init__(self, host, allocator, write_policy: str, directory: str, capacity_tokens: int) -> None:
+        from queue import Queue
+
+        from sglang.srt.managers import cache_controller as base
+        from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
+        from sglang.srt.mem_cache.hybrid_cache import hybrid_cache_controller as hybrid
+
+        super().__init__(host, allocator, write_policy)
+        self._base, self._hybrid = base.HiCacheController, hybrid.HybridCacheController
+        self._ack_class = base.PrefetchAck
+        self.page_size = host.page_size
+        self.enable_storage = True
+        self.host_memory_mode = "cache"
+        self.storage_host_pool = host
+        extra = {"max_size": capacity_tokens} if capacity_tokens else None
+        self.storage_config = HiCacheStorageConfig(
+            tp_rank=0,
+            tp_size=1,
+            pp_rank=0,
+            pp_size=1,
+            attn_cp_rank=0,
+            attn_cp_size=1,
+            is_mla_model=False,
+            enable_storage_metrics=False,
+            is_page_first_layout=True,
+            model_name=None,
+            extra_config=extra,
+        )
+        self.storage_backend = HiCacheFile(self.storage_config, file_path=directory)
+        self.storage_backend_type = "file"
+        self.prefetch_capacity_limit = int(0.5 * host.size)  # attach_storage_backend, cache mode
+        self.prefetch_tokens_occupied = 0
+        self.prefetch_hits_sync_groups: list = []
+        self.prefetch_completion_sync_groups: list = []
+        self.pp_prefetch_decisions: dict = {}
+        self.extra_host_mem_release_queues: dict = {}
+        for name in (
+            "prefetch_queue",
+            "prefetch_hit_queue",
+            "prefetch_buffer",
+            "prefetch_sync_queue",
+            "ack_prefetch_queue",
+            "backup_queue",
+            "ack_backup_queue",
+            "host_mem_release_queue",
+        ):
+            setattr(self, name, Queue())
+        self.stored_pages = 0
+        self.fetched_tokens = 0
+
+    backup_skip = False  # one rank: the storage writer
+
+    def _page_transfer(self, operation):
+        return self._base._page_transfer(self, operation)  # KV only: no sidecar pools
+
+    def page_get_func(self, operation, hash_values, host_indices, extra_info=None):
+        return self._base._generic_page_get(self, operation, hash_values, host_indices, extra_info)
+
+    def page_set_func(self, hash_values, host_indices, extra_info=None):
+        self.stored_pages += len(hash_values)
+        return self._base._generic_page_set(self, hash_values, host_indices, extra_info)
+
+    def prefetch(
+        self, handle, new_input_tokens, last_hash=None, prefix_keys=None, extra_pools=None, assume_stored=False
+    ):
+        operation = self._hybrid.prefetch(
+            self, handle, new_input_tokens, last_hash, prefix_keys, extra_pools, assume_stored
+        )
+        # prefetch_thread_func
+        op = self.prefetch_queue.get()
+        assert op is operation
+        if op.is_terminated():
+            hash_value, hit = [], 0
+        else:
+            hash_value, hit = self._storage_hit_query(op)
+        hit = self._sync_prefetch_hit_query(op, hit)
+        op.hash_value = hash_value[: hit // self.page_size]
+        op.storage_hit_count = hit
+        self.prefetch_hit_queue.put(op)
+        return operation
+
+    def run_prefetch_io(self) -> None:
+        """prefetch_io_aux_func for every allocated hit, then the sync thread's pass-on."""
+        while not self.prefetch_buffer.empty():
+            op = self.prefetch_buffer.get()
+            try:
+                self.fetched_tokens += self._page_transfer(op) * self.page_size
+            finally:
+                self.prefetch_sync_queue.put(self._ack_class(rid=op.request_id, completed_req=True, operation=op))
+        while not self.prefetch_sync_queue.empty():
+            self.ack_prefetch_queue.put(self.prefetch_sync_queue.get())  # one rank: nothing to reduce
+
+    def write_storage(self, host_indices, token_ids, hash_value=None, prefix_keys=None, extra_pools=None):
+        op_id = self._hybrid.write_storage(self, host_indices, token_ids, hash_value, prefix_keys, extra_pools)
+        op = self.backup_queue.get()  # backup_thread_func
+        if not self.backup_skip:
+            self._page_backup_or_log(op)
+        self.ack_backup_queue.put(op)
+        return op_id
+
+    def _page_backup_or_log(self, operation):
+        self._base._page_backup(self, operation)  # KV only: no sidecar pools
+
+
+class HiCacheStorageReplay(HiCacheReplay):
+    """`HiCacheReplay` with an L3 under the host: the file backend (`HiCacheFile`, with
+    `max_size` = the storage capacity when given), attached as `init_hicache` ->
+    `StorageAttachment.apply_runtime_config` attaches one (hashing turned on, the prefetch
+    threshold and policy set). Per request, before the match of (1): the scheduler's
+    `_prefetch_kvcache` (a match, then `prefetch_from_storage` when the match ends at the
+    root or at a backed-up node), the storage queues drained (`_drain_storage_control_
+    queues_impl`: the hit is allocated and read, the result inserted into the tree), then
+    `check_prefetch_progress` and `pop_prefetch_loaded_span` as the scheduler does at
+    admission; after the load-back the request's storage tokens are
+    `split_cached_prefix_by_tier`'s (SGLang's `cached_tokens_storage`)."""
+
+    def __init__(self, *args, storage_capacity: int, prefetch_threshold: int, prefetch_policy: str) -> None:
+        import tempfile
+
+        from sglang.srt.mem_cache.unified_cache.storage_attachment import StorageAttachment
+
+        super().__init__(*args)
+        tree = self.tree
+        self.host = StorageHostPoolStub(self.host.size, self.host.page_size)
+        self._dir = tempfile.TemporaryDirectory(prefix="hicache-file-")
+        cc = storage_controller(self.host, self.allocator, self.cc.write_policy, self._dir.name, storage_capacity)
+        self.cc = cc
+        tree.cache_controller = cc
+        tree.host_pool_group = self.host
+        tree.components[SG.ComponentType.FULL]._full_kv_pool_host = self.host
+        tree.prefetch_stop_policy = prefetch_policy
+        StorageAttachment(tree).apply_runtime_config(
+            storage_backend="file",
+            prefetch_threshold=max(prefetch_threshold, self.ps),  # attach_storage_backend
+            prefetch_timeout_base=1.0,
+            prefetch_timeout_per_ki_token=0.25,
+            hicache_storage_pass_prefix_keys=False,
+            enable_storage=True,
+            enable_storage_metrics=False,
+            extra_metric_labels=None,
+        )
+        self.storage_per_request: list[int] = []
+
+    def drain(self) -> None:
+        super().drain()
+        self.drain_storage()
+
+    def drain_storage(self) -> None:
+        """check_hicache_events' storage part: every queued storage transfer completes."""
+        tree, cc = self.tree, self.cc
+        while True:
+            tree._drain_storage_control_queues_impl(
+                n_storage_hit=None,
+                n_ack_prefetch=None,
+                n_backup=None,
+                n_release=None,
+                extra_release_counts={},
+                log_metrics=False,
+            )
+            if cc.prefetch_buffer.empty() and cc.ack_prefetch_queue.empty() and cc.prefetch_hit_queue.empty():
+                return
+            cc.run_prefetch_io()
+
+    def admit_match(self, req, prompt_len: int) -> bool:
+        tree = self.tree
+        # Scheduler._prefetch_kvcache, at the request's arrival
+        req.init_next_round_input(tree, cow_mamba=False)
+        last_host_node = req.last_host_node
+        matched_len = req.prefix_len + req.host_hit_length
+        if tree.is_backuped(last_host_node) or tree.is_root(last_host_node):
+            match_end = req._compute_max_prefix_len(len(req.full_untruncated_fill_ids))
+            tree.prefetch_from_storage(
+                req.cache_request_handle,
+                last_host_node,
+                req.full_untruncated_fill_ids[matched_len:match_end],
+                tree.get_last_hash_value(last_host_node),
+                None,
+                matched_prefix_tokens=req.full_untruncated_fill_ids[:matched_len],
+                extra_key=req.extra_key,
+                cache_salt=req.cache_salt,
+            )
+        self.drain_storage()
+        # get_new_batch_prefill: the prefetch is done; pop the L3-loaded span
+        assert tree.check_prefetch_progress(req.cache_request_handle)
+        loaded, start = tree.pop_prefetch_loaded_span(req.cache_request_handle)
+        req.storage_hit_length, req.storage_hit_start = (loaded, start) if loaded > 0 else (0, None)
+        ok = super().admit_match(req, prompt_len)
+        self.storage = 0
+        if ok:
+            _, _, self.storage = SG.split_cached_prefix_by_tier(
+                prefix_len=req.prefix_len,
+                host_hit_len=self.loaded,
+                storage_hit_len=req.storage_hit_length,
+                storage_hit_start=req.storage_hit_start,
+            )
+        return ok
+
+    def request(self, idx: int, prompt: list[int], output_len: int) -> int:
+        self.storage = 0
+        total = super().request(idx, prompt, output_len)
+        self.storage_per_request.append(self.storage if total >= 0 else -1)
+        return total
+
+    def run(self, requests):
+        out = super().run(requests)
+        out["per_request_storage_loaded"] = self.storage_per_request
+        out["total_storage_loaded_tokens"] = sum(x for x in self.storage_per_request if x > 0)
+        out["storage_written_pages"] = self.cc.stored_pages
+        out["storage_fetched_tokens"] = self.cc.fetched_tokens
+        self._dir.cleanup()
+        return out
+
+
+# --------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------
 
@@ -779,7 +1059,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--write-policies", default=",".join(WRITE_POLICIES), help="with --hicache")
     ap.add_argument("--host-capacity", type=int, help="with --hicache: host tier size in tokens")
+    ap.add_argument(
+        "--storage",
+        action="store_true",
+        help="with --hicache: an L3 under the host, the file backend (see HiCacheStorageReplay)",
+    )
+    ap.add_argument(
+        "--storage-capacity",
+        type=int,
+        default=0,
+        help="with --storage: the file backend's max_size in tokens (0: none)",
+    )
+    ap.add_argument("--prefetch-threshold", type=int, default=256, help="with --storage: SGLang's prefetch_threshold")
+    ap.add_argument("--prefetch-policy", default="best_effort", help="with --storage")
     args = ap.parse_args(argv)
+    if args.storage and not args.hicache:
+        ap.error("--storage needs --hicache")
     if args.hicache:
         if not args.host_capacity or args.host_capacity <= 0:
             ap.error("--hicache needs --host-capacity TOKENS > 0")
@@ -801,6 +1096,19 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.perf_counter()
                 if wp is None:
                     result = Replay(policy, ps, args.capacity, c, max_len, args.cache).run(requests)
+                elif args.storage:
+                    result = HiCacheStorageReplay(
+                        policy,
+                        ps,
+                        args.capacity,
+                        c,
+                        max_len,
+                        wp,
+                        args.host_capacity,
+                        storage_capacity=args.storage_capacity,
+                        prefetch_threshold=args.prefetch_threshold,
+                        prefetch_policy=args.prefetch_policy,
+                    ).run(requests)
                 else:
                     result = HiCacheReplay(policy, ps, args.capacity, c, max_len, wp, args.host_capacity).run(requests)
                 dt = time.perf_counter() - t0
@@ -809,6 +1117,12 @@ def main(argv: list[str] | None = None) -> int:
                     cfg["cache"] = "unified:python+hicache"
                     cfg["write_policy"] = wp
                     cfg["host_capacity_tokens"] = args.host_capacity
+                    if args.storage:
+                        cfg["cache"] = "unified:python+hicache+file"
+                        cfg["storage_capacity_tokens"] = args.storage_capacity
+                        cfg["prefetch_threshold"] = args.prefetch_threshold
+                        cfg["prefetch_policy"] = args.prefetch_policy
+                        print(f"  storage loaded={result['total_storage_loaded_tokens']:,}", flush=True)
                     print(
                         f"  {wp}: host loaded={result['total_host_loaded_tokens']:,} "
                         f"backup={result['backup_tokens']:,} host_evicted={result['host_evicted_tokens']:,}",
