@@ -42,6 +42,21 @@ from experiments.engine.vllm_scheduler import MAX_WINDOW, StepPlan, VllmSchedule
 EXCUSED, FILLS, NEW_PAGE, CALLS = 0, 1, 2, 3
 
 
+def row_kind(n: int, end: int, capacity: int, page: int) -> int:
+    """What a scheduled row's step of `n` tokens, to `end`, asks of the cache under the lazy
+    rule, its table covering `capacity` tokens: a one-token step that fills a held page
+    needs only the commit that publishes it (FILLS: the object loop's flush and grow around
+    it are no-ops); one that needs a new page, only the grow (NEW_PAGE: its commit would
+    publish nothing); any other, the calls of the object loop (CALLS). A one-token step
+    inside a held page that fills nothing needs none (EXCUSED)."""
+    if n != 1:
+        return CALLS
+    fills = end % page == 0
+    if end <= capacity:
+        return FILLS if fills else EXCUSED
+    return CALLS if fills else NEW_PAGE
+
+
 class RunningRows:
     """The running list's counters, one row per request in running order.
 
@@ -206,28 +221,32 @@ class VllmRowScheduler(VllmScheduler):
         need = rows.known - rows.computed
         budget = self.config.token_budget
         before = np.cumsum(need) - need  # budget the rows ahead of each would take
-        n = np.clip(budget - before, 0, need)
+        # np.clip(budget - before, 0, need), as two ufuncs (np.clip's wrapper costs more
+        # than the work on a few hundred rows, every step)
+        n = np.minimum(np.maximum(budget - before, 0), need)
         plan = RowPlan(n, start)
         end = start + n
         page = self.cache.page_size
         if self.lazy:
             # the lazy rule, by the cache's promise (`decode_steps_are_noops`): a one-token
-            # step inside a held page needs no call; one that fills a held page needs only the
-            # commit that publishes it (the object loop's flush and grow around it are no-ops);
-            # one that needs a new page, only the grow (its commit would publish nothing)
-            one, inside, fills = n == 1, end <= rows.capacity, end % page == 0
-            kind = np.where(
-                one & inside & ~fills, EXCUSED, np.where(one & inside, FILLS, np.where(one & ~fills, NEW_PAGE, CALLS))
-            )
+            # step inside a held page needs no call (EXCUSED); the others are classified
+            # below, row by row, for the few that need a call
+            one = n == 1
+            excused = one & (end <= rows.capacity) & (end % page != 0)
+            todo = np.flatnonzero((n > 0) & ~excused)
         else:
-            kind = np.full(len(n), CALLS)
-        for i in np.flatnonzero((n > 0) & (kind != EXCUSED)).tolist():
+            todo = np.flatnonzero(n > 0)
+        # each row's values before any call of this step (a call changes only its own row's
+        # table; a preemption ends the loop at the rows it removed)
+        calls = zip(todo.tolist(), n[todo].tolist(), end[todo].tolist(), rows.capacity[todo].tolist(), strict=True)
+        for i, ni, ei, cap in calls:
             if i >= len(self.running):
                 break  # preempted by an earlier row's allocation
+            kind = row_kind(ni, ei, cap, page) if self.lazy else CALLS
             r = self.sync_for_cache(i, self.running[i])
-            if kind[i] == FILLS:
-                self.publish(r, int(end[i]))
-            elif not self.allocate(r, int(n[i]), plan, publish=kind[i] == CALLS):  # type: ignore[arg-type]
+            if kind == FILLS:
+                self.publish(r, ei)
+            elif not self.allocate(r, ni, plan, publish=kind == CALLS):  # type: ignore[arg-type]
                 plan.n = plan.n[:i]  # it preempted itself: the running pass stops there
                 plan.start = plan.start[:i]
                 break
