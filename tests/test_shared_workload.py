@@ -21,7 +21,9 @@ TRACE = ROOT / "experiments" / "data" / "mooncake_conversation_2000.jsonl"
 
 
 def _cells() -> list[CellConfig]:
-    template = CellConfig(backend="apc", workload="mooncake", capacity_tokens=0, knobs={"path": str(TRACE), "limit": 120})
+    template = CellConfig(
+        backend="apc", workload="mooncake", capacity_tokens=0, knobs={"path": str(TRACE), "limit": 120}
+    )
     variants = [BackendVariant("apc"), BackendVariant("radix"), BackendVariant("none")]
     return cells_for(template, variants, [130_000, 600_000], page_size=16)
 
