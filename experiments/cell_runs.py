@@ -17,6 +17,7 @@ from experiments.backend_options import BackendVariant
 from experiments.cell_pool import CellPool, Failure, Task, TasksFailed
 from experiments.cell_store import CellStore
 from experiments.runner import CellConfig, bounds, build_workload, run_cell
+from experiments.workloads.generators import Workload
 
 
 def cells_for(
@@ -49,17 +50,32 @@ def cell_label(cfg: CellConfig) -> str:
 
 
 def bounds_of(
-    cfg: CellConfig, page_size: int, capacities: list[int], cells: Sequence[CellConfig] = ()
+    cfg: CellConfig,
+    page_size: int,
+    capacities: list[int],
+    cells: Sequence[CellConfig] = (),
+    workload: Workload | None = None,
 ) -> dict[str, Any]:
-    """The bounds of `cfg`'s workload, with the pooled caches of the cluster cells and the
-    tiered bound of the tiered cells among `cells` (a picklable task for `run_cells`'s `side`)."""
-    return bounds(build_workload(cfg), page_size, capacities, cells)
+    """The bounds of `cfg`'s workload (`workload` when the caller built it already), with
+    the pooled caches of the cluster cells and the tiered bound of the tiered cells among
+    `cells` (a picklable task for `run_cells`'s `side`)."""
+    return bounds(workload or build_workload(cfg), page_size, capacities, cells)
 
 
 def run_cells(
-    cells: list[CellConfig], jobs: int, store: CellStore, progress: bool, side: Task | None = None
+    cells: list[CellConfig],
+    jobs: int,
+    store: CellStore,
+    progress: bool,
+    side: Task | None = None,
+    workload: Workload | None = None,
 ) -> tuple[list[dict[str, Any]], Any]:
     """Results of `cells` in input order, and of `side` (the bounds, run beside them).
+
+    `workload`: the workload every cell runs on, built by the caller (`compare`'s cells all
+    share one); each cell then takes it instead of re-reading and re-parsing its trace (a
+    child process gets it pickled, a few times cheaper than parsing the trace again).
+    None: each cell builds its own (a sweep's cells differ in workload).
 
     Cells already in `store` are reused; each cell that runs is saved there as it finishes.
     `jobs` > 1 runs each cell in its own process (experiments/cell_pool.py); then a cell
@@ -68,8 +84,8 @@ def run_cells(
     results: list[dict[str, Any] | None] = [store.load(c) for c in cells]
     todo = [i for i, r in enumerate(results) if r is None]
     if jobs <= 1 or len(todo) <= 1:
-        return _run_here(cells, todo, results, store, progress), (side.fn(*side.args) if side else None)
-    tasks = [Task(cell_label(cells[i]), run_cell, (cells[i],)) for i in todo]
+        return _run_here(cells, todo, results, store, progress, workload), (side.fn(*side.args) if side else None)
+    tasks = [Task(cell_label(cells[i]), run_cell, (cells[i], workload)) for i in todo]
     if side is not None:
         tasks.insert(0, side)  # first: it is the longest
     side_result, done = None, 0
@@ -86,11 +102,16 @@ def run_cells(
 
 
 def _run_here(
-    cells: list[CellConfig], todo: list[int], results: list[dict[str, Any] | None], store: CellStore, progress: bool
+    cells: list[CellConfig],
+    todo: list[int],
+    results: list[dict[str, Any] | None],
+    store: CellStore,
+    progress: bool,
+    workload: Workload | None = None,
 ) -> list[dict[str, Any]]:
     for n, i in enumerate(todo, 1):
         try:
-            results[i] = run_cell(cells[i], progress=progress)
+            results[i] = run_cell(cells[i], workload, progress=progress)
         except Exception as exc:
             raise TasksFailed([Failure(cell_label(cells[i]), error=exc, trace=traceback.format_exc())]) from exc
         store.save(cells[i], results[i])

@@ -190,3 +190,18 @@ def test_extend_ids_refuses_what_append_refuses(bad):
     assert len(s) == 4
     s.extend_ids([7, 8])
     assert s.tokens.tolist() == [0, 1, 2, 3, 7, 8]
+
+
+def test_row_kind_is_the_lazy_rule_of_the_vectorised_classification():
+    """`row_kind` (one row, Python ints) classifies a step as the vector formula it replaced."""
+    from experiments.engine.vllm_rows import CALLS, EXCUSED, FILLS, NEW_PAGE, row_kind
+
+    page = 16
+    n, end, cap = (a.ravel() for a in np.meshgrid(np.arange(0, 4), np.arange(1, 70), np.arange(0, 80, 16)))
+    one, inside, fills = n == 1, end <= cap, end % page == 0
+    want = np.where(
+        one & inside & ~fills, EXCUSED, np.where(one & inside, FILLS, np.where(one & ~fills, NEW_PAGE, CALLS))
+    )
+    got = [row_kind(a, b, c, page) for a, b, c in zip(n.tolist(), end.tolist(), cap.tolist(), strict=True)]
+    assert got == want.tolist()
+    assert {EXCUSED, FILLS, NEW_PAGE, CALLS} <= set(got)

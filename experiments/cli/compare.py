@@ -148,9 +148,12 @@ def _compare_locked(plan: Comparison) -> int:
     reused = sum(store.load(c) is not None for c in cells)
     if reused:
         print(f"compare: {reused} of {len(cells)} cells reused from {store.directory}", file=sys.stderr)
-    side = Task("bounds", bounds_of, (cells[0], page_size, plan.capacities, cells)) if plan.with_bounds else None
+    # the workload built once travels with each task: no cell re-reads the trace
+    side = (
+        Task("bounds", bounds_of, (cells[0], page_size, plan.capacities, cells, workload)) if plan.with_bounds else None
+    )
     try:
-        results, bound = run_cells(cells, plan.jobs, store, plan.progress, side)
+        results, bound = run_cells(cells, plan.jobs, store, plan.progress, side, workload)
     except TasksFailed as exc:
         kept = sum(store.load(c) is not None for c in cells)
         raise TasksFailed(

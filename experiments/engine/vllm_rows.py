@@ -43,6 +43,21 @@ from experiments.engine.vllm_scheduler import MAX_WINDOW, StepPlan, VllmSchedule
 EXCUSED, FILLS, NEW_PAGE, CALLS = 0, 1, 2, 3
 
 
+def row_kind(n: int, end: int, capacity: int, page: int) -> int:
+    """What a scheduled row's step of `n` tokens, to `end`, asks of the cache under the lazy
+    rule, its table covering `capacity` tokens: a one-token step that fills a held page
+    needs only the commit that publishes it (FILLS: the object loop's flush and grow around
+    it are no-ops); one that needs a new page, only the grow (NEW_PAGE: its commit would
+    publish nothing); any other, the calls of the object loop (CALLS). A one-token step
+    inside a held page that fills nothing needs none (EXCUSED)."""
+    if n != 1:
+        return CALLS
+    fills = end % page == 0
+    if end <= capacity:
+        return FILLS if fills else EXCUSED
+    return CALLS if fills else NEW_PAGE
+
+
 class RunningRows:
     """The running list's counters, one row per request in running order.
 
@@ -62,6 +77,8 @@ class RunningRows:
         "committed",
         "work",
     )
+    #: every row field, in `append`'s order
+    FIELDS: ClassVar[tuple[str, ...]] = (*INT_FIELDS, "last", "has_first", "timed")
 
     def __init__(self) -> None:
         empty = np.zeros(0, dtype=np.int64)
@@ -81,21 +98,31 @@ class RunningRows:
 
     def append(self, r: Request, computed: int, capacity: int) -> None:
         """A request joins the end of the running list with its object's current state."""
-        self.computed = np.append(self.computed, computed)
-        self.known = np.append(self.known, r.vllm.known)
-        self.generated = np.append(self.generated, r.generated)
-        self.target = np.append(self.target, r.target)
-        self.capacity = np.append(self.capacity, capacity)
-        self.committed = np.append(self.committed, r.seq.num_computed)
-        self.work = np.append(self.work, r.computed_tokens)
-        self.last = np.append(self.last, math.nan if r.last_token_at is None else r.last_token_at)
-        self.has_first = np.append(self.has_first, r.first_token_at is not None)
-        self.timed = np.append(self.timed, r.sample_of is None)
+        values = (
+            computed,
+            r.vllm.known,
+            r.generated,
+            r.target,
+            capacity,
+            r.seq.num_computed,
+            r.computed_tokens,
+            math.nan if r.last_token_at is None else r.last_token_at,
+            r.first_token_at is not None,
+            r.sample_of is None,
+        )
+        # one `np.concatenate` per field: `np.append`'s ravel and dispatch cost more than
+        # the copy for a few hundred rows, once per admission
+        for name, value in zip(self.FIELDS, values, strict=True):
+            arr = getattr(self, name)
+            setattr(self, name, np.concatenate((arr, np.array((value,), dtype=arr.dtype))))
 
     def delete(self, where: int | np.ndarray) -> None:
-        """Rows leave (finished or preempted); the others keep their order."""
-        for name in (*self.INT_FIELDS, "last", "has_first", "timed"):
-            setattr(self, name, np.delete(getattr(self, name), where))
+        """Rows leave (finished or preempted); the others keep their order (one mask for
+        every field, instead of `np.delete` working it out once per field)."""
+        keep = np.ones(len(self), dtype=bool)
+        keep[where] = False
+        for name in self.FIELDS:
+            setattr(self, name, getattr(self, name)[keep])
 
 
 @dataclass(slots=True)
@@ -202,28 +229,32 @@ class VllmRowScheduler(VllmScheduler):
         need = rows.known - rows.computed
         budget = self.config.token_budget
         before = np.cumsum(need) - need  # budget the rows ahead of each would take
-        n = np.clip(budget - before, 0, need)
+        # np.clip(budget - before, 0, need), as two ufuncs (np.clip's wrapper costs more
+        # than the work on a few hundred rows, every step)
+        n = np.minimum(np.maximum(budget - before, 0), need)
         plan = RowPlan(n, start)
         end = start + n
         page = self.cache.page_size
         if self.lazy:
             # the lazy rule, by the cache's promise (`decode_steps_are_noops`): a one-token
-            # step inside a held page needs no call; one that fills a held page needs only the
-            # commit that publishes it (the object loop's flush and grow around it are no-ops);
-            # one that needs a new page, only the grow (its commit would publish nothing)
-            one, inside, fills = n == 1, end <= rows.capacity, end % page == 0
-            kind = np.where(
-                one & inside & ~fills, EXCUSED, np.where(one & inside, FILLS, np.where(one & ~fills, NEW_PAGE, CALLS))
-            )
+            # step inside a held page needs no call (EXCUSED); the others are classified
+            # below, row by row, for the few that need a call
+            one = n == 1
+            excused = one & (end <= rows.capacity) & (end % page != 0)
+            todo = np.flatnonzero((n > 0) & ~excused)
         else:
-            kind = np.full(len(n), CALLS)
-        for i in np.flatnonzero((n > 0) & (kind != EXCUSED)).tolist():
+            todo = np.flatnonzero(n > 0)
+        # each row's values before any call of this step (a call changes only its own row's
+        # table; a preemption ends the loop at the rows it removed)
+        calls = zip(todo.tolist(), n[todo].tolist(), end[todo].tolist(), rows.capacity[todo].tolist(), strict=True)
+        for i, ni, ei, cap in calls:
             if i >= len(self.running):
                 break  # preempted by an earlier row's allocation
+            kind = row_kind(ni, ei, cap, page) if self.lazy else CALLS
             r = self.sync_for_cache(i, self.running[i])
-            if kind[i] == FILLS:
-                self.publish(r, int(end[i]))
-            elif not self.allocate(r, int(n[i]), plan, publish=kind[i] == CALLS):  # type: ignore[arg-type]
+            if kind == FILLS:
+                self.publish(r, ei)
+            elif not self.allocate(r, ni, plan, publish=kind == CALLS):  # type: ignore[arg-type]
                 plan.n = plan.n[:i]  # it preempted itself: the running pass stops there
                 plan.start = plan.start[:i]
                 break
