@@ -18,7 +18,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 TRACE ?= traces/conversation_trace.jsonl
 NOTORCH := .venv-notorch
 
-.PHONY: setup test compare replay mooncake bench lint clean check-no-torch
+.PHONY: setup test compare replay mooncake tiers bench lint clean check-no-torch
 
 setup: $(STAMP)
 
@@ -42,6 +42,27 @@ replay: setup
 mooncake: setup
 	@test -f '$(TRACE)' || { echo "no trace at $(TRACE): download conversation_trace.jsonl from the Mooncake repository (FAST25-release/traces/) and give TRACE=path"; exit 1; }
 	$(BIN)/python -m experiments compare --trace $(TRACE) --capacity-tokens 200000 1000000 3000000 10000000 --jobs 2 --output-dir reports/mooncake
+
+# memory tiers on the full trace (reports/tiers, reports/tiers-cluster): GPU 1M tokens with no
+# host tier, a 4M and a 16M host tier under every tiered design, storage below the host, and a
+# 2-replica cluster sharing one storage pool
+H4 := host_capacity_tokens=4000000
+H16 := host_capacity_tokens=16000000
+# one variable per design, joined without spaces (a backend list is one shell word)
+TIERS_NONE := apc,radix
+TIERS_OFFLOAD := apc[$(H4)],apc[$(H16)],apc[$(H4),host_eviction=arc],apc[$(H16),host_eviction=arc]
+TIERS_HICACHE := radix-hicache[$(H4)],radix-hicache[$(H16)]
+TIERS_SELECTIVE := radix-hicache[$(H4),write_policy=write_through_selective],radix-hicache[$(H16),write_policy=write_through_selective]
+TIERS_BACK := radix-hicache[$(H4),write_policy=write_back],radix-hicache[$(H16),write_policy=write_back]
+TIERS_LMCACHE := apc-lmcache[$(H4)],apc-lmcache[$(H16)]
+L3 := storage_capacity_tokens=64000000
+TIERS_STORAGE := radix-hicache[$(H4),storage_backend=file,$(L3)],apc-lmcache[$(H4),disk_capacity_tokens=64000000]
+TIER_BACKENDS := $(TIERS_NONE),$(TIERS_OFFLOAD),$(TIERS_HICACHE),$(TIERS_SELECTIVE),$(TIERS_BACK),$(TIERS_LMCACHE),$(TIERS_STORAGE)
+TIER_CLUSTER_BACKENDS := radix,radix-hicache[$(H4)],radix-hicache[$(H4),storage_backend=file,$(L3)],radix-hicache[$(H4),storage_backend=shared,$(L3)]
+tiers: setup
+	@test -f '$(TRACE)' || { echo "no trace at $(TRACE): download conversation_trace.jsonl from the Mooncake repository (FAST25-release/traces/) and give TRACE=path"; exit 1; }
+	$(BIN)/python -m experiments compare --trace $(TRACE) --capacity-tokens 1000000 --backend '$(TIER_BACKENDS)' --jobs 2 --no-progress --output-dir reports/tiers
+	$(BIN)/python -m experiments compare --trace $(TRACE) --capacity-tokens 1000000 --replicas 2 --router cache_aware --backend '$(TIER_CLUSTER_BACKENDS)' --jobs 2 --no-progress --output-dir reports/tiers-cluster
 
 bench: setup
 	$(BIN)/python -m experiments.bench.replay_bench --backend apc radix --output bench-results/replay_bench.json
