@@ -288,6 +288,19 @@ class PrefixCache(ABC):
         rest came from host memory. 0 for a cache without a storage tier."""
         return 0
 
+    def storage_prefetch_tokens(self, seq: Sequence, match: Match) -> int:
+        """The tokens a storage (L3) prefetch for `seq` would read now, past `match` and
+        whatever lower tier continues it; changes nothing. A serving engine times that read
+        from the request's arrival and tells `limit_prefetch` what arrived. 0 for a cache
+        without a storage tier."""
+        return 0
+
+    def limit_prefetch(self, seq: Sequence, tokens: int) -> None:
+        """The next `admit` of `seq` takes at most `tokens` tokens (whole pages) of its
+        storage prefetch: what arrived by the time the engine scheduled it. Without a call
+        the whole prefetch is taken (the replay protocol: transfers are instantaneous)."""
+        raise InvalidRequestError(f"a {self.name} cache has no storage tier to prefetch from")
+
     # -- transfer timing (serving): the cache says what moved, the engine prices it -------
 
     def time_transfers(self) -> None:

@@ -206,6 +206,13 @@ STORAGE_BACKENDS = ("file", "shared")
 #: `--hicache-storage-prefetch-policy` (`unified_cache/storage_attachment.py`)
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
+#: a `timeout` prefetch waits at most base + per-1024-token x the tokens it asked for,
+#: counted from the first admission poll it blocked (`storage_attachment.py`:
+#: `prefetch_timeout_base` 1 s, `prefetch_timeout_per_ki_token` 0.25 s, their defaults in
+#: `hybrid_cache_controller.py`; `_start_storage_prefetch_wait`)
+PREFETCH_TIMEOUT_BASE_S = 1.0
+PREFETCH_TIMEOUT_PER_KI_TOKEN_S = 0.25
+
 #: the file backend's eviction target: after an over-cap write it evicts least recently
 #: used pages until `used + new <= cap x ratio` (`LRUFileEvictor._evict_locked`; default
 #: `SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO` = 0.9)
