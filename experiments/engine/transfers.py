@@ -103,9 +103,12 @@ class TransferClock:
 
     def drain(self) -> None:
         """The run is over: every transfer decided or in flight completes (what it held is
-        released)."""
-        self.issue_all(max([0.0, *self.link_free.values()]))
-        if self._in_flight:
+        released). A completion may start another transfer (a storage write after its
+        backup's acknowledgement): drained too."""
+        while True:
+            self.issue_all(max([0.0, *self.link_free.values()]))
+            if not self._in_flight:
+                break
             tickets = [entry[2] for entry in sorted(self._in_flight)]
             self._in_flight = []
             self.cache.finish_transfers(tickets)

@@ -482,6 +482,8 @@ class VllmScheduler(Scheduler):
         self._step_transfers = []
         tc.issue_all(now)
         tc.poll(now)
+        # the poll's acknowledgements may start storage writes (a backup's ack): from now
+        self._step_transfers += tc.issue_all(now)
         if self.held:
             keep = []
             for done, seq in self.held:
