@@ -146,9 +146,10 @@ def test_instant_transfers_take_the_whole_prefetch_for_every_policy():
     """`time_transfers` off: the prefetch completes at once, whatever the policy (the
     replay protocol's timing); no prefetch waits."""
     for policy in ("best_effort", "wait_complete", "timeout"):
-        recs, res, _ = _serve(policy, busy=True, timed=False)
+        recs, res, cache = _serve(policy, busy=True, timed=False)
         assert res.transfers is None
         assert all(r["prefetch_wait_s"] == 0.0 for r in recs.values())
+        assert sum(r["storage_hit_tokens"] for r in recs.values()) == cache.storage_hit_tokens_total
 
 
 def test_serving_tiers_report_storage_traffic():
@@ -162,6 +163,7 @@ def test_serving_tiers_report_storage_traffic():
     assert tiers["prefetch_wait_s"] == pytest.approx(64 * KV / 10e9, rel=1e-9)
     # every page written was timed: the clock's writes are the tree's
     assert res.transfers["host_to_storage_tokens"] == cache.tier_traffic()["stored"]
+    assert tiers["storage_hit_tokens"] == cache.storage_hit_tokens_total
 
 
 def test_storage_write_follows_the_backup_ack_and_holds_the_host_copy():

@@ -285,6 +285,8 @@ class VllmScheduler(Scheduler):
                 r.first_admit_hit = hit
             r.hit_tokens += hit
             r.host_hit_tokens += hit - m.num_tokens
+            if hit > m.num_tokens:  # of those loaded back, from storage (L3)
+                r.storage_hit_tokens += self.cache.storage_hit_tokens(seq)
             plan.items.append((r, n, hit))
             plan.admitted = True
             budget -= n
@@ -664,14 +666,13 @@ class VllmScheduler(Scheduler):
 
     def prefetch_admitted(self, r: Request) -> None:
         """`r` was admitted: its prefetch ends (what did not arrive is not read: the stream
-        is freed if nothing queued behind it), its wait and storage reuse are recorded."""
+        is freed if nothing queued behind it), its wait is recorded."""
         p = self._prefetches.pop(r.spec.request_id, None)
         if p is None:
             return
         tc, now = self.transfers, self.clock.now
         if p.blocked is not None:
             r.prefetch_wait_s += now - p.blocked
-        r.storage_hit_tokens += self.cache.storage_hit_tokens(r.seq)
         if p.arrived < p.size:  # terminated early (`terminate_prefetch`)
             tc.tokens_moved["storage_to_host"] -= p.size - p.arrived
             link = ("storage", "host")
