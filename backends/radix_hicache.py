@@ -35,10 +35,9 @@ overlap its forward layer by layer. The bytes move in the executor: each node de
 (its host copy written when its GPU pages are freed) or loaded is a `TierCopy` handed out,
 in decision order, with the next `admit`, `grow` or `fork`'s copies
 (attention/kv_cache.py keeps the host pages). KV events: both tiers, as SGLang publishes
-them (`HiCacheEvents`: medium "GPU" and "CPU_PINNED"). What is not built: SGLang's Rust
-TreeCore (this follows the Python TreeCore, which the goldens run), and storage transfers
-on the serving clock (a prefetch and a write to storage complete at once there too; the
-host <-> GPU ones are timed). Golden runs of the real code:
+them (`HiCacheEvents`: medium "GPU" and "CPU_PINNED"). Storage transfers are timed too (see
+Storage below). What is not built: SGLang's Rust TreeCore (this follows the Python
+TreeCore, which the goldens run). Golden runs of the real code:
 `tests/test_radix_hicache_sglang.py` (host tier) and `tests/test_radix_hicache_storage_sglang.py`
 (with storage).
 
@@ -60,7 +59,20 @@ is SGLang's `cached_tokens_storage`: those tokens once loaded back (a prefetch u
 Under the replay protocol transfers complete before the request is admitted, so the
 prefetch policies (`best_effort`: take what has arrived when the request is scheduled;
 `wait_complete`; `timeout`) all see the whole prefetch; they differ only once transfers
-take time. SGLang's rate limit (no new prefetch while prefetches in flight hold half the
+take time. Under serving (`time_transfers`) the engine times the read: it asks
+`storage_prefetch_tokens` (what storage would give, changing nothing) when it first
+considers the request, queues that read on the storage -> host stream from the request's
+arrival, applies the policy (experiments/engine/vllm_scheduler.py
+`storage_prefetch_ready`) and tells `limit_prefetch` how many tokens arrived; `admit`
+then keeps those whole pages of the prefetch (SGLang's `terminate_prefetch` keeps the
+completed pages and frees the rest of the host pages it allocated). A storage write is
+reported (`TierTransfer` host -> storage) when its backup is acknowledged, and its node's
+host copy stays locked (`ongoing_backup` holds `inc_host_lock_ref`) until its ticket
+completes; the store's contents change at once. Deviations there: the prefetch is
+decided when the request is first considered, not at its arrival (its size is what
+storage and the tree give then; the read is still placed from the arrival on the FIFO
+stream); its size is the storage hit, not what the host has room for; `timeout`'s budget
+is counted from the hit, not the span asked for. SGLang's rate limit (no new prefetch while prefetches in flight hold half the
 host) never binds here for the same reason, nor do its prefetch retries. The executor
 gets `StorageCopy` ops: a prefetch's read when it is decided, and a node's storage write
 when it is demoted (the host copy reaches the executor then, see `demoted`); equal keys

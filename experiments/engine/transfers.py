@@ -23,6 +23,13 @@ How a load meets the forward pass is the reference's (`PrefixCache.load_timing`)
   request whose stores are still in flight keeps its blocks until they complete (vLLM's
   `request_finished` -> `delay_free_blocks`).
 
+Storage (L3, `radix-hicache` with a storage tier): a request's prefetch is read on the
+storage -> host stream from its arrival and the scheduler applies SGLang's prefetch
+policy before it schedules the request (`VllmScheduler.storage_prefetch_ready`:
+`best_effort` takes the whole pages arrived, `wait_complete` waits for all, `timeout` up
+to its deadline); a storage write starts at its backup's acknowledgement on the
+host -> storage stream, its host copy locked until its ticket completes.
+
 Under the replay protocol none of this runs: transfers complete at once.
 """
 

@@ -656,6 +656,8 @@ class VllmScheduler(Scheduler):
             page = self.cache.page_size
             per_page = self.cache.tier_link_seconds("storage", "host", page)
             p.arrived = min(p.size, int((now - p.start) / per_page + 1e-9) * page)
+        if p.blocked is not None and p.released is None:
+            p.released = now  # what it waited for the prefetch (not for room after it)
         self.cache.limit_prefetch(r.seq, p.arrived)
         return True
 
@@ -672,7 +674,7 @@ class VllmScheduler(Scheduler):
             return
         tc, now = self.transfers, self.clock.now
         if p.blocked is not None:
-            r.prefetch_wait_s += now - p.blocked
+            r.prefetch_wait_s += p.released - p.blocked
         if p.arrived < p.size:  # terminated early (`terminate_prefetch`)
             tc.tokens_moved["storage_to_host"] -= p.size - p.arrived
             link = ("storage", "host")
@@ -693,16 +695,17 @@ class VllmScheduler(Scheduler):
 
 class _Prefetch:
     """One request's storage prefetch on the serving clock: when its read started and
-    completes, its tokens, when it first held the request back, what had arrived when the
-    request was let go."""
+    completes, its tokens, when it first held the request back and when it let it go,
+    what had arrived then."""
 
-    __slots__ = ("start", "done", "size", "blocked", "arrived")
+    __slots__ = ("start", "done", "size", "blocked", "released", "arrived")
 
     def __init__(self, start: float, done: float, size: int) -> None:
         self.start = start
         self.done = done
         self.size = size
         self.blocked: float | None = None
+        self.released: float | None = None
         self.arrived = size
 
 
