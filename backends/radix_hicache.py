@@ -130,7 +130,6 @@ from cachelib.tiers import (
 )
 from cachelib.types import CopyOp, Match, Sequence, StorageCopy, TierCopy
 
-
 #: what a transfer ticket holds until it completes: a load-back's anchor, a backup's locked
 #: node, a storage write's host-locked node
 _LOAD, _BACKUP, _STORE = 0, 1, 2
@@ -411,6 +410,7 @@ class HiRadixCache(RadixCache):
     def backup_locked_nodes(self) -> list[TieredNode]:
         """The nodes whose backup is in flight (each holds a lock on its path)."""
         return [node for kind, node in self._tickets.values() if kind == _BACKUP]
+
     def stored_from_host(self, host_pages: list[int], keys: list) -> None:
         self._moves.append(StorageCopy(True, tuple(host_pages), tuple(keys), len(keys) * self.page_size))
 

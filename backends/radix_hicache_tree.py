@@ -114,6 +114,7 @@ class TierMover(Protocol):
     def backup_issued(self, node: TieredNode | None, tokens: int, *, blocking: bool) -> None:
         """A timed backup of `node` (`tokens` tokens) started (`hold_backups`): a
         non-blocking one keeps `node` locked until the cache is told the copy completed."""
+
     def storage_write_issued(self, node: TieredNode, tokens: int) -> None:
         """A timed storage write of `tokens` new tokens of `node`'s host copy was decided."""
 
@@ -703,6 +704,7 @@ class HiCacheTree(RadixTree):
                 x.load_pending = False
                 self._track_dup(x)
             x = x.parent
+
     # -- storage (L3) ------------------------------------------------------------------
 
     def _extra_of(self, namespace: tuple) -> ExtraKeys:

@@ -330,6 +330,7 @@ class PrefixCache(ABC):
         tier bandwidths (what a serving engine charges; the tier objects of
         `cachelib/tiers.py` hold the figures)."""
         raise InvalidRequestError(f"a {self.name} cache has no tier link {src} -> {dst}")
+
     def use_storage_pool(self, pool: Any) -> None:
         """Read and write `pool` (a `cachelib.tiers.StorageTier` of another replica) as this
         cache's storage tier: a pool shared by a cluster. Only a cache whose `storage_tier`

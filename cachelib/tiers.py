@@ -193,6 +193,8 @@ def pipelined_step_seconds(compute: float, load: float, layers: int) -> float:
     if load <= 0.0:
         return compute
     return max(compute + load / layers, load + compute / layers)
+
+
 #: GB/s of one PCIe Gen4 x4 NVMe drive (DGX H200's internal U.2 drives; PM1733 datasheet)
 FILE_READ_GBPS = 7.0
 FILE_WRITE_GBPS = 3.8

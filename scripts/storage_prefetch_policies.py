@@ -22,7 +22,9 @@ from experiments.workloads.mooncake import load_mooncake
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     ap.add_argument("--limit", type=int, default=300, help="requests of the trace served")
     ap.add_argument("--gpu-tokens", type=int, default=200_000, help="GPU KV capacity in tokens")
     ap.add_argument("--host-tokens", type=int, default=400_000, help="host tier capacity in tokens")
@@ -50,7 +52,9 @@ def main() -> None:
             storage_capacity_tokens=args.storage_tokens,
             prefetch_policy=policy,
         )
-        res = serve(cache, specs, CostModelExecutor(), ServingConfig(time_transfers=timed, token_budget=args.token_budget))
+        res = serve(
+            cache, specs, CostModelExecutor(), ServingConfig(time_transfers=timed, token_budget=args.token_budget)
+        )
         ttft = np.array([r["ttft"] for r in res.requests if not r["aborted"]])
         t = tier_section(res)
         print(

@@ -206,7 +206,10 @@ def test_limit_prefetch_refuses_bad_input():
     seq = Sequence("x", np.arange(10, dtype=np.int32))
     with pytest.raises(InvalidRequestError, match="non-negative"):
         with_storage.limit_prefetch(seq, -1)
-    for other in (create_cache("radix-hicache", num_pages=8, page_size=PAGE), create_cache("radix", num_pages=8, page_size=PAGE)):
+    for other in (
+        create_cache("radix-hicache", num_pages=8, page_size=PAGE),
+        create_cache("radix", num_pages=8, page_size=PAGE),
+    ):
         with pytest.raises(InvalidRequestError, match="storage tier"):
             other.limit_prefetch(seq, 16)
         assert other.storage_prefetch_tokens(seq, CacheClient(other).match(seq)) == 0
