@@ -60,7 +60,7 @@ Under the replay protocol transfers complete before the request is admitted, so 
 prefetch policies (`best_effort`: take what has arrived when the request is scheduled;
 `wait_complete`; `timeout`) all see the whole prefetch; they differ only once transfers
 take time. Under serving (`time_transfers`) the engine times the read: it asks
-`storage_prefetch_tokens` (what storage would give, changing nothing) when it first
+`storage_prefetch` (what storage would give, changing nothing) when it first
 considers the request, queues that read on the storage -> host stream from the request's
 arrival, applies the policy (experiments/engine/vllm_scheduler.py
 `storage_prefetch_ready`) and tells `limit_prefetch` how many tokens arrived; `admit`
@@ -71,8 +71,8 @@ host copy stays locked (`ongoing_backup` holds `inc_host_lock_ref`) until its ti
 completes; the store's contents change at once. Deviations there: the prefetch is
 decided when the request is first considered, not at its arrival (its size is what
 storage and the tree give then; the read is still placed from the arrival on the FIFO
-stream); its size is the storage hit, not what the host has room for; `timeout`'s budget
-is counted from the hit, not the span asked for. SGLang's rate limit (no new prefetch while prefetches in flight hold half the
+stream); its size is the storage hit, not what the host has room for. Under replay,
+SGLang's rate limit (no new prefetch while prefetches in flight hold half the
 host) never binds here for the same reason, nor do its prefetch retries. The executor
 gets `StorageCopy` ops: a prefetch's read when it is decided, and a node's storage write
 when it is demoted (the host copy reaches the executor then, see `demoted`); equal keys
@@ -122,9 +122,11 @@ from cachelib.tiers import (
     H200_HOST_READ_GBPS,
     H200_HOST_WRITE_GBPS,
     LLAMA3_8B_KV_BYTES_PER_TOKEN,
+    NO_PREFETCH,
     PREFETCH_POLICIES,
     STORAGE_BACKENDS,
     HostTier,
+    StoragePrefetch,
     StorageTier,
     TierTransfer,
 )
@@ -552,26 +554,28 @@ class HiRadixCache(RadixCache):
 
     # -- storage prefetch on the serving clock ----------------------------------------
 
-    def storage_prefetch_tokens(self, seq: Sequence, match: Match) -> int:
-        """The tokens a storage prefetch for `seq` would read now (what storage holds past
-        its device + host match, from the first page; 0 when SGLang issues none), changing
-        nothing: what a serving engine times from the request's arrival. The host room the
-        prefetch will find at admission is not looked at (the read is the hit's size)."""
+    def storage_prefetch(self, seq: Sequence, match: Match) -> StoragePrefetch:
+        """The storage prefetch `seq` would issue now: the span past its device + host
+        match up to `len - 1` (whole pages) and what storage holds of it from the first
+        page (`NO_PREFETCH` when SGLang issues none), changing nothing: what a serving
+        engine times from the request's arrival. The host room the prefetch will find at
+        admission is not looked at (the read is the hit's size)."""
         if self.storage_tier is None:
-            return 0
+            return NO_PREFETCH
         ps = self.page_size
         limit = (len(seq) - 1) // ps * ps
         hit = match.num_tokens
         if hit >= limit:
-            return 0
+            return NO_PREFETCH
         tree = self.tree
         namespace = self._namespace(seq)
         node = match.handle if match.handle is not None else tree.root(namespace, create=False)
         host = tree.host_continuation(node, seq.tokens, limit) if node is not None else []
         start = hit + sum(len(x.key) for x in host)
         if start >= limit:
-            return 0
-        return tree.prefetch_hit(host[-1] if host else node, namespace, seq.tokens, start, limit)[1]
+            return NO_PREFETCH
+        tokens = tree.prefetch_hit(host[-1] if host else node, namespace, seq.tokens, start, limit)[1]
+        return StoragePrefetch(limit - start, tokens) if tokens else NO_PREFETCH
 
     def limit_prefetch(self, seq: Sequence, tokens: int) -> None:
         """The next `admit` of `seq` keeps at most the whole pages of `tokens` tokens of its

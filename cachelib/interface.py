@@ -43,6 +43,7 @@ import numpy as np
 
 from cachelib.errors import InvalidRequestError, StaleMatchError, UnknownSequenceError
 from cachelib.kv_events import KvEvent, KvEventFanout, KvEventListener, PageKeys
+from cachelib.tiers import NO_PREFETCH, StoragePrefetch
 from cachelib.types import CacheStats, CopyOp, Match, Sequence
 
 
@@ -288,12 +289,12 @@ class PrefixCache(ABC):
         rest came from host memory. 0 for a cache without a storage tier."""
         return 0
 
-    def storage_prefetch_tokens(self, seq: Sequence, match: Match) -> int:
-        """The tokens a storage (L3) prefetch for `seq` would read now, past `match` and
-        whatever lower tier continues it; changes nothing. A serving engine times that read
-        from the request's arrival and tells `limit_prefetch` what arrived. 0 for a cache
-        without a storage tier."""
-        return 0
+    def storage_prefetch(self, seq: Sequence, match: Match) -> StoragePrefetch:
+        """The storage (L3) prefetch `seq` would issue now, past `match` and whatever lower
+        tier continues it (`cachelib.tiers.StoragePrefetch`: tokens asked, tokens read);
+        changes nothing. A serving engine times that read from the request's arrival and
+        tells `limit_prefetch` what arrived. (0, 0) for a cache without a storage tier."""
+        return NO_PREFETCH
 
     def limit_prefetch(self, seq: Sequence, tokens: int) -> None:
         """The next `admit` of `seq` takes at most `tokens` tokens (whole pages) of its

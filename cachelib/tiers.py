@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from cachelib.errors import InvalidRequestError
 from cachelib.hashing import BlockHash
@@ -214,6 +215,20 @@ PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 #: `hybrid_cache_controller.py`; `_start_storage_prefetch_wait`)
 PREFETCH_TIMEOUT_BASE_S = 1.0
 PREFETCH_TIMEOUT_PER_KI_TOKEN_S = 0.25
+
+
+class StoragePrefetch(NamedTuple):
+    """A storage prefetch a cache would issue for a request now (`PrefixCache.
+    storage_prefetch`): `asked`, the tokens past its match it asks storage for (what
+    SGLang's `timeout` budget counts); `tokens`, those storage holds from the first page,
+    what is read. (0, 0): none would be issued."""
+
+    asked: int
+    tokens: int
+
+
+NO_PREFETCH = StoragePrefetch(0, 0)
+
 
 #: the file backend's eviction target: after an over-cap write it evicts least recently
 #: used pages until `used + new <= cap x ratio` (`LRUFileEvictor._evict_locked`; default

@@ -41,18 +41,18 @@ def _spec(rid: str, tokens, at: float) -> RequestSpec:
     return RequestSpec(rid, np.asarray(tokens, dtype=np.int32), 2, at)
 
 
-def _requests(busy: bool) -> list[RequestSpec]:
+def _requests(busy: bool, b_extra: int = 16) -> list[RequestSpec]:
     """The scenario; `busy`: D (16 tokens) arrives 5 ms before B, so B is first considered
     at the end of D's step, 5 ms after its arrival."""
     out = [_spec("a", np.concatenate([DOC, np.arange(2000, 2016)]), 0.0)]
     out += [_spec(f"f{i}", np.arange(5000 + 1000 * i, 5120 + 1000 * i), 1.0 + i) for i in range(4)]
     if busy:
         out.append(_spec("d", np.arange(20000, 20016), B_AT - 0.005))
-    out.append(_spec("b", np.concatenate([DOC, np.arange(3000, 3016)]), B_AT))
+    out.append(_spec("b", np.concatenate([DOC, np.arange(3000, 3000 + b_extra)]), B_AT))
     return out
 
 
-def _serve(policy: str, busy: bool, *, read_gbps: float = 10.0, timed: bool = True):
+def _serve(policy: str, busy: bool, *, read_gbps: float = 10.0, timed: bool = True, b_extra: int = 16):
     cache = create_cache(
         "radix-hicache",
         num_pages=8,
@@ -68,7 +68,7 @@ def _serve(policy: str, busy: bool, *, read_gbps: float = 10.0, timed: bool = Tr
         prefetch_policy=policy,
     )
     config = ServingConfig(token_budget=512, max_running=16, time_transfers=timed)
-    res = serve(cache, _requests(busy), FixedStepExecutor(STEP), config)
+    res = serve(cache, _requests(busy, b_extra), FixedStepExecutor(STEP), config)
     cache.check_invariants()
     return {r["request_id"]: r for r in res.requests}, res, cache
 
@@ -134,6 +134,15 @@ def test_timeout_takes_what_arrived_at_the_deadline():
     done, _, _ = _serve("wait_complete", busy=False, read_gbps=0.016)
     assert done["b"]["storage_hit_tokens"] == 64
     assert done["b"]["prefetch_wait_s"] == pytest.approx(4.0, rel=1e-9)
+
+
+def test_timeout_counts_the_tokens_asked_for():
+    """B asks storage for the 96 tokens past its match (112 - 1, whole pages) and storage
+    holds 64: the budget counts the 96 asked (SGLang's `stats_requested_tokens`)."""
+    recs, _, _ = _serve("timeout", busy=False, read_gbps=0.016, b_extra=48)
+    deadline = PREFETCH_TIMEOUT_BASE_S + 96 / 1024 * PREFETCH_TIMEOUT_PER_KI_TOKEN_S
+    assert recs["b"]["prefetch_wait_s"] == pytest.approx(deadline, rel=1e-9)
+    assert recs["b"]["storage_hit_tokens"] == 16
 
 
 def test_timeout_before_the_deadline_is_wait_complete():
@@ -212,4 +221,4 @@ def test_limit_prefetch_refuses_bad_input():
     ):
         with pytest.raises(InvalidRequestError, match="storage tier"):
             other.limit_prefetch(seq, 16)
-        assert other.storage_prefetch_tokens(seq, CacheClient(other).match(seq)) == 0
+        assert other.storage_prefetch(seq, CacheClient(other).match(seq)) == (0, 0)

@@ -625,7 +625,7 @@ class VllmScheduler(Scheduler):
         """Whether `r` may be scheduled now as far as its storage prefetch goes (SGLang's
         `check_prefetch_progress`, `_can_terminate_prefetch`), telling the cache what
         arrived (`limit_prefetch`). The prefetch is the read the cache reports for `r`
-        (`storage_prefetch_tokens`) queued on the one storage -> host stream from `r`'s
+        (`storage_prefetch`) queued on the one storage -> host stream from `r`'s
         arrival, when SGLang issues it (`_prefetch_kvcache`); it is placed when `r` is
         first considered, so its size is the one storage gives then. `best_effort` takes
         the whole pages arrived; `wait_complete` waits for all; `timeout` waits until
@@ -635,14 +635,14 @@ class VllmScheduler(Scheduler):
         rid = r.spec.request_id
         p = self._prefetches.get(rid)
         if p is None:
-            size = self.cache.storage_prefetch_tokens(r.seq, m)
+            asked, size = self.cache.storage_prefetch(r.seq, m)
             if not size:
                 return True
             at = now if rid in self._prefetched else r.arrival
             self._prefetched.add(rid)
             seconds = self.cache.tier_link_seconds("storage", "host", size)
             done = tc.issue(TierTransfer("storage", "host", size), at)
-            p = self._prefetches[rid] = _Prefetch(done - seconds, done, size)
+            p = self._prefetches[rid] = _Prefetch(done - seconds, done, size, asked)
         if now >= p.done:
             p.arrived = p.size
         else:
@@ -651,7 +651,7 @@ class VllmScheduler(Scheduler):
                 p.blocked = now
             if policy == "wait_complete":
                 return False
-            if policy == "timeout" and now < p.blocked + self.prefetch_timeout(p.size):
+            if policy == "timeout" and now < p.blocked + self.prefetch_timeout(p.asked):
                 return False
             page = self.cache.page_size
             per_page = self.cache.tier_link_seconds("storage", "host", page)
@@ -663,7 +663,7 @@ class VllmScheduler(Scheduler):
 
     @staticmethod
     def prefetch_timeout(tokens: int) -> float:
-        """SGLang's `timeout` budget for a prefetch of `tokens` tokens."""
+        """SGLang's `timeout` budget for a prefetch asking for `tokens` tokens."""
         return PREFETCH_TIMEOUT_BASE_S + tokens / 1024 * PREFETCH_TIMEOUT_PER_KI_TOKEN_S
 
     def prefetch_admitted(self, r: Request) -> None:
@@ -689,21 +689,22 @@ class VllmScheduler(Scheduler):
         for p in self._prefetches.values():
             out.append(p.done)
             if timeout and p.blocked is not None:
-                out.append(p.blocked + self.prefetch_timeout(p.size))
+                out.append(p.blocked + self.prefetch_timeout(p.asked))
         return out
 
 
 class _Prefetch:
     """One request's storage prefetch on the serving clock: when its read started and
-    completes, its tokens, when it first held the request back and when it let it go,
+    completes, its tokens (and those it asked for), when it first held the request back and when it let it go,
     what had arrived then."""
 
-    __slots__ = ("start", "done", "size", "blocked", "released", "arrived")
+    __slots__ = ("start", "done", "size", "asked", "blocked", "released", "arrived")
 
-    def __init__(self, start: float, done: float, size: int) -> None:
+    def __init__(self, start: float, done: float, size: int, asked: int) -> None:
         self.start = start
         self.done = done
         self.size = size
+        self.asked = asked
         self.blocked: float | None = None
         self.released: float | None = None
         self.arrived = size
