@@ -35,10 +35,9 @@ overlap its forward layer by layer. The bytes move in the executor: each node de
 (its host copy written when its GPU pages are freed) or loaded is a `TierCopy` handed out,
 in decision order, with the next `admit`, `grow` or `fork`'s copies
 (attention/kv_cache.py keeps the host pages). KV events: both tiers, as SGLang publishes
-them (`HiCacheEvents`: medium "GPU" and "CPU_PINNED"). What is not built: SGLang's Rust
-TreeCore (this follows the Python TreeCore, which the goldens run), and storage transfers
-on the serving clock (a prefetch and a write to storage complete at once there too; the
-host <-> GPU ones are timed). Golden runs of the real code:
+them (`HiCacheEvents`: medium "GPU" and "CPU_PINNED"). Storage transfers are timed too (see
+Storage below). What is not built: SGLang's Rust TreeCore (this follows the Python
+TreeCore, which the goldens run). Golden runs of the real code:
 `tests/test_radix_hicache_sglang.py` (host tier) and `tests/test_radix_hicache_storage_sglang.py`
 (with storage).
 
@@ -60,7 +59,20 @@ is SGLang's `cached_tokens_storage`: those tokens once loaded back (a prefetch u
 Under the replay protocol transfers complete before the request is admitted, so the
 prefetch policies (`best_effort`: take what has arrived when the request is scheduled;
 `wait_complete`; `timeout`) all see the whole prefetch; they differ only once transfers
-take time. SGLang's rate limit (no new prefetch while prefetches in flight hold half the
+take time. Under serving (`time_transfers`) the engine times the read: it asks
+`storage_prefetch` (what storage would give, changing nothing) when it first
+considers the request, queues that read on the storage -> host stream from the request's
+arrival, applies the policy (experiments/engine/vllm_scheduler.py
+`storage_prefetch_ready`) and tells `limit_prefetch` how many tokens arrived; `admit`
+then keeps those whole pages of the prefetch (SGLang's `terminate_prefetch` keeps the
+completed pages and frees the rest of the host pages it allocated). A storage write is
+reported (`TierTransfer` host -> storage) when its backup is acknowledged, and its node's
+host copy stays locked (`ongoing_backup` holds `inc_host_lock_ref`) until its ticket
+completes; the store's contents change at once. Deviations there: the prefetch is
+decided when the request is first considered, not at its arrival (its size is what
+storage and the tree give then; the read is still placed from the arrival on the FIFO
+stream); its size is the storage hit, not what the host has room for. Under replay,
+SGLang's rate limit (no new prefetch while prefetches in flight hold half the
 host) never binds here for the same reason, nor do its prefetch retries. The executor
 gets `StorageCopy` ops: a prefetch's read when it is decided, and a node's storage write
 when it is demoted (the host copy reaches the executor then, see `demoted`); equal keys
@@ -110,13 +122,19 @@ from cachelib.tiers import (
     H200_HOST_READ_GBPS,
     H200_HOST_WRITE_GBPS,
     LLAMA3_8B_KV_BYTES_PER_TOKEN,
+    NO_PREFETCH,
     PREFETCH_POLICIES,
     STORAGE_BACKENDS,
     HostTier,
+    StoragePrefetch,
     StorageTier,
     TierTransfer,
 )
 from cachelib.types import CopyOp, Match, Sequence, StorageCopy, TierCopy
+
+#: what a transfer ticket holds until it completes: a load-back's anchor, a backup's locked
+#: node, a storage write's host-locked node
+_LOAD, _BACKUP, _STORE = 0, 1, 2
 
 
 @register_backend("radix-hicache")
@@ -203,8 +221,13 @@ class HiRadixCache(RadixCache):
         #: ticket holds until `finish_transfers` (a backup's locked node, a load's anchor)
         self._timed = False
         self._transfers: list[TierTransfer] = []
-        self._tickets: dict[int, tuple[bool, TieredNode]] = {}  # ticket -> (is a load, node)
+        self._tickets: dict[int, tuple[int, TieredNode]] = {}  # ticket -> (_LOAD/_BACKUP/_STORE, node)
         self._next_ticket = 0
+        #: timed storage writes decided, waiting for their node's backup to be acknowledged
+        self._store_after: dict[TieredNode, int] = {}
+        #: request id -> the tokens of its storage prefetch that arrived before the engine
+        #: scheduled it (`limit_prefetch`; serving only: under replay it all arrives)
+        self._prefetch_budget: dict[str, int] = {}
 
     @staticmethod
     def _build_storage(
@@ -300,16 +323,33 @@ class HiRadixCache(RadixCache):
         KV was written."""
         self._moves.append(TierCopy(True, tuple(device_pages), tuple(host_pages)))
 
-    def backup_issued(self, node: TieredNode | None, tokens: int, *, blocking: bool) -> None:
+    def backup_issued(self, node: TieredNode, tokens: int, *, blocking: bool) -> None:
         ticket = None
-        if node is not None:
-            ticket = self._ticket(False, node)
+        if not blocking:
+            ticket = self._ticket(_BACKUP, node)
         self._transfers.append(TierTransfer("gpu", "host", tokens, None, ticket, blocking))
+        if blocking and node in self._store_after:
+            self._issue_store(node)  # waited for at once: its storage write starts now
 
-    def _ticket(self, load: bool, node: TieredNode) -> int:
+    def storage_write_issued(self, node: TieredNode, tokens: int) -> None:
+        """A timed storage write of `node`'s host copy: SGLang starts it at the backup's
+        acknowledgement (`_finish_write_through_ack` -> `write_backup_storage`), so it is
+        reported once the backup's ticket completes (a blocking backup's: at once), and the
+        host copy stays locked until its own ticket completes (`ongoing_backup` holds
+        `inc_host_lock_ref`). The store's contents changed at once (`StorageTier.write`):
+        a lookup while the write is in flight already sees it."""
+        self._store_after[node] = tokens
+        node.host_lock += 1
+        self.tree._refresh(node)
+
+    def _issue_store(self, node: TieredNode) -> None:
+        tokens = self._store_after.pop(node)
+        self._transfers.append(TierTransfer("host", "storage", tokens, None, self._ticket(_STORE, node)))
+
+    def _ticket(self, kind: int, node: TieredNode) -> int:
         ticket = self._next_ticket
         self._next_ticket += 1
-        self._tickets[ticket] = (load, node)
+        self._tickets[ticket] = (kind, node)
         return ticket
 
     # -- transfer timing (serving) ------------------------------------------------------
@@ -335,17 +375,25 @@ class HiRadixCache(RadixCache):
             raise InvalidRequestError(f"finish_transfers: no transfer in flight has ticket(s) {unknown[:8]}")
         tree = self.tree
         for t in tickets:
-            load, node = self._tickets.pop(t)
-            if load:
+            kind, node = self._tickets.pop(t)
+            if kind == _LOAD:
                 tree.finish_load(node)
-            else:
+            elif kind == _BACKUP:
                 tree.unlock(node)  # `_finish_write_through_ack` -> `dec_lock_ref`
+                if node in self._store_after:
+                    self._issue_store(node)  # ... -> `write_backup_storage`
+            else:
+                node.host_lock -= 1  # the storage write's ack: `dec_host_lock_ref`
+                tree._refresh(node)
 
     def tier_link_seconds(self, src: str, dst: str, tokens: int) -> float:
         if (src, dst) == ("host", "gpu"):
             return self.host_tier.transfer_seconds(tokens, to_host=False)
         if (src, dst) == ("gpu", "host"):
             return self.host_tier.transfer_seconds(tokens, to_host=True)
+        storage = self.storage_tier
+        if storage is not None and (src, dst) in (("storage", "host"), ("host", "storage")):
+            return storage.transfer_seconds(tokens, to_storage=dst == "storage")
         return super().tier_link_seconds(src, dst, tokens)
 
     def tier_bytes(self, tokens: int) -> int:
@@ -355,15 +403,16 @@ class HiRadixCache(RadixCache):
         """Device pages a backup in flight holds (its node's locked path)."""
         tree = self.tree
         pages: set[int] = set()
-        for load, node in self._tickets.values():
-            if not load:
+        for kind, node in self._tickets.values():
+            if kind == _BACKUP:
                 for x in tree.path(node):
                     pages.update(tree.pages_of(x))
         return sorted(pages)
 
     def backup_locked_nodes(self) -> list[TieredNode]:
         """The nodes whose backup is in flight (each holds a lock on its path)."""
-        return [node for load, node in self._tickets.values() if not load]
+        return [node for kind, node in self._tickets.values() if kind == _BACKUP]
+
     def stored_from_host(self, host_pages: list[int], keys: list) -> None:
         self._moves.append(StorageCopy(True, tuple(host_pages), tuple(keys), len(keys) * self.page_size))
 
@@ -413,7 +462,8 @@ class HiRadixCache(RadixCache):
         if tree.storage is not None and hit + host_len < limit:
             # the request's arrival in SGLang (`_prefetch_kvcache`), done here: the pages
             # after the device + host match come up from storage as a host-only node
-            fetched = tree.prefetch(host[-1] if host else node, seq.tokens, hit + host_len, limit)
+            budget = self._prefetch_budget.pop(seq.request_id, None)
+            fetched = tree.prefetch(host[-1] if host else node, seq.tokens, hit + host_len, limit, budget)
             if fetched is not None:
                 host.append(fetched)
                 stored = len(fetched.key)
@@ -429,7 +479,7 @@ class HiRadixCache(RadixCache):
                 node = host[-1]
                 self.host_hit_tokens += host_len
                 if self._timed:
-                    ticket = self._ticket(True, node)
+                    ticket = self._ticket(_LOAD, node)
                     self._transfers.append(TierTransfer("host", "gpu", host_len, seq.request_id, ticket))
                 loaded_from_storage = stored
         if tree.storage is not None:
@@ -500,6 +550,42 @@ class HiRadixCache(RadixCache):
         if not self._timed:
             self.tree.finish_loads()
         self._storage_hits.pop(seq.request_id, None)
+        self._prefetch_budget.pop(seq.request_id, None)
+
+    # -- storage prefetch on the serving clock ----------------------------------------
+
+    def storage_prefetch(self, seq: Sequence, match: Match) -> StoragePrefetch:
+        """The storage prefetch `seq` would issue now: the span past its device + host
+        match up to `len - 1` (whole pages) and what storage holds of it from the first
+        page (`NO_PREFETCH` when SGLang issues none), changing nothing: what a serving
+        engine times from the request's arrival. The host room the prefetch will find at
+        admission is not looked at (the read is the hit's size)."""
+        if self.storage_tier is None:
+            return NO_PREFETCH
+        ps = self.page_size
+        limit = (len(seq) - 1) // ps * ps
+        hit = match.num_tokens
+        if hit >= limit:
+            return NO_PREFETCH
+        tree = self.tree
+        namespace = self._namespace(seq)
+        node = match.handle if match.handle is not None else tree.root(namespace, create=False)
+        host = tree.host_continuation(node, seq.tokens, limit) if node is not None else []
+        start = hit + sum(len(x.key) for x in host)
+        if start >= limit:
+            return NO_PREFETCH
+        tokens = tree.prefetch_hit(host[-1] if host else node, namespace, seq.tokens, start, limit)[1]
+        return StoragePrefetch(limit - start, tokens) if tokens else NO_PREFETCH
+
+    def limit_prefetch(self, seq: Sequence, tokens: int) -> None:
+        """The next `admit` of `seq` keeps at most the whole pages of `tokens` tokens of its
+        storage prefetch: what arrived before the engine scheduled it (SGLang's
+        `terminate_prefetch` under `best_effort` / `timeout`)."""
+        if self.storage_tier is None:
+            raise InvalidRequestError(f"limit_prefetch: a {self.name} cache without a storage tier prefetches nothing")
+        if isinstance(tokens, bool) or not isinstance(tokens, (int, np.integer)) or tokens < 0:
+            raise InvalidRequestError(f"limit_prefetch: tokens must be a non-negative int, got {tokens!r}")
+        self._prefetch_budget[seq.request_id] = int(tokens)
 
     def storage_hit_tokens(self, seq: Sequence) -> int:
         """Of the tokens the last `admit` of `seq` loaded back, those that came up from

@@ -112,8 +112,12 @@ class TierMover(Protocol):
         """A load-back wrote `host_pages` into `device_pages`."""
 
     def backup_issued(self, node: TieredNode | None, tokens: int, *, blocking: bool) -> None:
-        """A timed backup of `tokens` tokens started (`hold_backups`): `node` (None for a
-        blocking one) stays locked until the cache is told the copy completed."""
+        """A timed backup of `node` (`tokens` tokens) started (`hold_backups`): a
+        non-blocking one keeps `node` locked until the cache is told the copy completed."""
+
+    def storage_write_issued(self, node: TieredNode, tokens: int) -> None:
+        """A timed storage write of `tokens` new tokens of `node`'s host copy was decided."""
+
     def stored_from_host(self, host_pages: list[int], keys: list[BlockHash]) -> None:
         """A demoted node's host copy is in the executor now: its pages under their storage keys."""
 
@@ -507,7 +511,12 @@ class HiCacheTree(RadixTree):
         if self.hi_events is not None:  # `finish_write_through`
             self.hi_events.stored(y, SGLANG_CPU_MEDIUM)
         if self.storage is not None:  # the ack's `write_backup_storage`, completed at once
-            self.traffic.stored += self.storage.write(self.node_keys(y)) * ps
+            stored = self.storage.write(self.node_keys(y)) * ps
+            self.traffic.stored += stored
+            if self.hold_backups and stored:
+                # serving: the write takes time on the host -> storage stream, the host copy
+                # locked meanwhile (`write_backup_storage`: `inc_host_lock_ref` in `ongoing_backup`)
+                self.mover.storage_write_issued(y, stored)
         return True
 
     def evict(self, num_tokens: int, give: Callable[[list[int]], None]) -> int:
@@ -528,7 +537,7 @@ class HiCacheTree(RadixTree):
                     if self.hold_backups:
                         # write_back's backup at eviction is waited for at once
                         # (`writing_check(write_back=True)` blocks): nothing stays locked
-                        self.mover.backup_issued(None, n, blocking=True)
+                        self.mover.backup_issued(x, n, blocking=True)
                     self._demote(x, give)
                 else:
                     self._drop_subtree(x, give)
@@ -695,6 +704,7 @@ class HiCacheTree(RadixTree):
                 x.load_pending = False
                 self._track_dup(x)
             x = x.parent
+
     # -- storage (L3) ------------------------------------------------------------------
 
     def _extra_of(self, namespace: tuple) -> ExtraKeys:
@@ -725,7 +735,25 @@ class HiCacheTree(RadixTree):
             prior = y.page_keys[-1]
         return x.page_keys
 
-    def prefetch(self, anchor: RadixNode, tokens: np.ndarray, start: int, limit: int) -> TieredNode | None:
+    def prefetch_hit(
+        self, anchor: RadixNode | None, namespace: tuple, tokens: np.ndarray, start: int, limit: int
+    ) -> tuple[list[BlockHash], int]:
+        """The page keys of `tokens[start:limit]` below `anchor` (None: a root not built yet)
+        and the tokens storage holds of them from the first (`batch_exists`), 0 when SGLang
+        would issue no prefetch (the anchor not backed up, the span shorter than the
+        threshold). Changes nothing: it reads no recency."""
+        ps = self.page_size
+        if anchor is not None and anchor.parent is not None and anchor.host_pages is None:
+            return [], 0  # `_prefetch_kvcache`: the anchor must be backed up (or the root)
+        if limit - start < self.prefetch_threshold:
+            return [], 0  # `prefetch_from_storage`: declined_too_short
+        prior = self.node_keys(anchor)[-1] if anchor is not None and anchor.parent is not None else None
+        keys = self._hasher.hash_blocks(tokens, self._extra_of(namespace), start // ps, limit // ps, prior)
+        return keys, self.storage.hit_pages(keys) * ps
+
+    def prefetch(
+        self, anchor: RadixNode, tokens: np.ndarray, start: int, limit: int, budget: int | None = None
+    ) -> TieredNode | None:
         """The storage prefetch of `tokens[start:limit]` below `anchor` (the deepest node
         the match reached, ending at `start`), completed at once. Returns the host-only
         node holding what storage had, or None: a prefetch shorter than the threshold, no
@@ -733,16 +761,9 @@ class HiCacheTree(RadixTree):
         after evicting (SGLang revokes each of these and the request recomputes)."""
         storage = self.storage
         ps = self.page_size
-        if anchor.parent is not None and anchor.host_pages is None:
-            return None  # `_prefetch_kvcache`: the anchor must be backed up (or the root)
-        if limit - start < self.prefetch_threshold:
-            return None  # `prefetch_from_storage`: declined_too_short
-        prior = self.node_keys(anchor)[-1] if anchor.parent is not None else None
-        extra = self._extra_of(anchor.namespace)
-        keys = self._hasher.hash_blocks(tokens, extra, start // ps, limit // ps, prior)
-        hit = storage.hit_pages(keys) * ps
+        keys, hit = self.prefetch_hit(anchor, anchor.namespace, tokens, start, limit)
         if hit < self.prefetch_threshold:
-            return None  # below_threshold
+            return None  # declined_too_short, below_threshold, or no backed-up anchor
         # `allocate_storage_hit`: the whole hit, else evict host copies for the whole hit
         # (not the shortfall), else what is free if still at least the threshold
         anchor.host_lock += 1  # `prefetch_from_storage`'s host lock on the anchor
@@ -755,6 +776,13 @@ class HiCacheTree(RadixTree):
         self._refresh(anchor)
         if got < self.prefetch_threshold:
             return None  # host_capacity
+        if budget is not None:
+            # serving: the engine ended the prefetch (`best_effort` / `timeout`) with only
+            # `budget` tokens arrived; SGLang keeps every completed page (`completed_tokens`
+            # > 0, no threshold there) and releases the rest of the host pages it allocated
+            got = min(got, budget // ps * ps)
+            if got == 0:
+                return None  # nothing arrived: the prefetch is revoked
         n = got // ps
         storage.read(keys[:n])
         self.traffic.prefetched += got

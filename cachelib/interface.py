@@ -43,6 +43,7 @@ import numpy as np
 
 from cachelib.errors import InvalidRequestError, StaleMatchError, UnknownSequenceError
 from cachelib.kv_events import KvEvent, KvEventFanout, KvEventListener, PageKeys
+from cachelib.tiers import NO_PREFETCH, StoragePrefetch
 from cachelib.types import CacheStats, CopyOp, Match, Sequence
 
 
@@ -288,6 +289,19 @@ class PrefixCache(ABC):
         rest came from host memory. 0 for a cache without a storage tier."""
         return 0
 
+    def storage_prefetch(self, seq: Sequence, match: Match) -> StoragePrefetch:
+        """The storage (L3) prefetch `seq` would issue now, past `match` and whatever lower
+        tier continues it (`cachelib.tiers.StoragePrefetch`: tokens asked, tokens read);
+        changes nothing. A serving engine times that read from the request's arrival and
+        tells `limit_prefetch` what arrived. (0, 0) for a cache without a storage tier."""
+        return NO_PREFETCH
+
+    def limit_prefetch(self, seq: Sequence, tokens: int) -> None:
+        """The next `admit` of `seq` takes at most `tokens` tokens (whole pages) of its
+        storage prefetch: what arrived by the time the engine scheduled it. Without a call
+        the whole prefetch is taken (the replay protocol: transfers are instantaneous)."""
+        raise InvalidRequestError(f"a {self.name} cache has no storage tier to prefetch from")
+
     # -- transfer timing (serving): the cache says what moved, the engine prices it -------
 
     def time_transfers(self) -> None:
@@ -317,6 +331,7 @@ class PrefixCache(ABC):
         tier bandwidths (what a serving engine charges; the tier objects of
         `cachelib/tiers.py` hold the figures)."""
         raise InvalidRequestError(f"a {self.name} cache has no tier link {src} -> {dst}")
+
     def use_storage_pool(self, pool: Any) -> None:
         """Read and write `pool` (a `cachelib.tiers.StorageTier` of another replica) as this
         cache's storage tier: a pool shared by a cluster. Only a cache whose `storage_tier`

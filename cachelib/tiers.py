@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from cachelib.errors import InvalidRequestError
 from cachelib.hashing import BlockHash
@@ -193,6 +194,8 @@ def pipelined_step_seconds(compute: float, load: float, layers: int) -> float:
     if load <= 0.0:
         return compute
     return max(compute + load / layers, load + compute / layers)
+
+
 #: GB/s of one PCIe Gen4 x4 NVMe drive (DGX H200's internal U.2 drives; PM1733 datasheet)
 FILE_READ_GBPS = 7.0
 FILE_WRITE_GBPS = 3.8
@@ -205,6 +208,27 @@ STORAGE_BACKENDS = ("file", "shared")
 
 #: `--hicache-storage-prefetch-policy` (`unified_cache/storage_attachment.py`)
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+
+#: a `timeout` prefetch waits at most base + per-1024-token x the tokens it asked for,
+#: counted from the first admission poll it blocked (`storage_attachment.py`:
+#: `prefetch_timeout_base` 1 s, `prefetch_timeout_per_ki_token` 0.25 s, their defaults in
+#: `hybrid_cache_controller.py`; `_start_storage_prefetch_wait`)
+PREFETCH_TIMEOUT_BASE_S = 1.0
+PREFETCH_TIMEOUT_PER_KI_TOKEN_S = 0.25
+
+
+class StoragePrefetch(NamedTuple):
+    """A storage prefetch a cache would issue for a request now (`PrefixCache.
+    storage_prefetch`): `asked`, the tokens past its match it asks storage for (what
+    SGLang's `timeout` budget counts); `tokens`, those storage holds from the first page,
+    what is read. (0, 0): none would be issued."""
+
+    asked: int
+    tokens: int
+
+
+NO_PREFETCH = StoragePrefetch(0, 0)
+
 
 #: the file backend's eviction target: after an over-cap write it evicts least recently
 #: used pages until `used + new <= cap x ratio` (`LRUFileEvictor._evict_locked`; default

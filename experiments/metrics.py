@@ -147,20 +147,24 @@ def serving_metrics(res: ServingResult, stats: CacheStats, *, setup_seconds: flo
 
 def tier_section(res: ServingResult) -> dict[str, Any]:
     """A tiered cache's serving run: prompt tokens reused per tier over every admission of
-    the requests that finished (GPU, loaded from the host, storage: no tier built yet), and
+    the requests that finished (GPU, loaded from a lower tier, of those from storage), and
     the timed transfers (`ServingResult.transfers`: tokens and bytes per direction, the
     steps' stall on layer-by-layer loads, requests' waits for async loads, scheduling held
-    up by blocking backups; all 0 when transfers were instant)."""
+    up by blocking backups, storage reads and writes, requests' waits for storage
+    prefetches; all 0 when transfers were instant)."""
     rows = [r for r in res.requests if not r["aborted"]]
     moved = res.transfers or {}
     return {
         "gpu_hit_tokens": sum(r["gpu_hit_tokens"] for r in rows),
         "host_hit_tokens": sum(r["host_hit_tokens"] for r in rows),
-        "storage_hit_tokens": 0,
+        "storage_hit_tokens": sum(r.get("storage_hit_tokens", 0) for r in rows),
         "timed_transfers": res.transfers is not None,
         "host_to_gpu_bytes": moved.get("host_to_gpu_bytes", 0),
         "gpu_to_host_bytes": moved.get("gpu_to_host_bytes", 0),
         "load_stall_s": moved.get("load_stall_s", 0.0),
         "load_wait_s": sum(r["load_wait_s"] for r in rows),
+        "storage_to_host_bytes": moved.get("storage_to_host_bytes", 0),
+        "host_to_storage_bytes": moved.get("host_to_storage_bytes", 0),
+        "prefetch_wait_s": sum(r.get("prefetch_wait_s", 0.0) for r in rows),
         "backup_blocked_s": moved.get("backup_blocked_s", 0.0),
     }

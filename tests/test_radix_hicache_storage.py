@@ -283,6 +283,9 @@ def test_a_served_cluster_shares_one_pool_between_its_replicas():
                 host_capacity_tokens=512,
                 storage_backend=backend,
                 prefetch_threshold=16,
+                # serving times the prefetch: under best_effort a request scheduled the
+                # instant it arrives takes none of it (tests/test_storage_clock.py)
+                prefetch_policy="wait_complete",
             )
             for _ in range(2)
         ]

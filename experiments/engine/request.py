@@ -66,6 +66,10 @@ class Request:
     #: list (`async`); experiments/engine/transfers.py
     load_stall_s: float = 0.0
     load_wait_s: float = 0.0
+    #: of `host_hit_tokens`, those its storage prefetches brought up (L3), and the seconds
+    #: it was held back waiting for a prefetch (`wait_complete`, `timeout`; serving, timed)
+    storage_hit_tokens: int = 0
+    prefetch_wait_s: float = 0.0
     computed_tokens: int = 0
     first_token_at: float | None = None
     finished_at: float | None = None
@@ -144,7 +148,14 @@ def request_record(r: Request, aborted: bool) -> dict[str, Any]:
 
 
 #: what a request record adds when its cache has memory tiers below the GPU
-TIER_RECORD_KEYS = ("gpu_hit_tokens", "host_hit_tokens", "load_stall_s", "load_wait_s")
+TIER_RECORD_KEYS = (
+    "gpu_hit_tokens",
+    "host_hit_tokens",
+    "load_stall_s",
+    "load_wait_s",
+    "storage_hit_tokens",
+    "prefetch_wait_s",
+)
 
 
 def tier_record(r: Request) -> dict[str, Any]:
@@ -155,4 +166,6 @@ def tier_record(r: Request) -> dict[str, Any]:
         "host_hit_tokens": r.host_hit_tokens,
         "load_stall_s": r.load_stall_s,
         "load_wait_s": r.load_wait_s,
+        "storage_hit_tokens": r.storage_hit_tokens,
+        "prefetch_wait_s": r.prefetch_wait_s,
     }

@@ -23,6 +23,13 @@ How a load meets the forward pass is the reference's (`PrefixCache.load_timing`)
   request whose stores are still in flight keeps its blocks until they complete (vLLM's
   `request_finished` -> `delay_free_blocks`).
 
+Storage (L3, `radix-hicache` with a storage tier): a request's prefetch is read on the
+storage -> host stream from its arrival and the scheduler applies SGLang's prefetch
+policy before it schedules the request (`VllmScheduler.storage_prefetch_ready`:
+`best_effort` takes the whole pages arrived, `wait_complete` waits for all, `timeout` up
+to its deadline); a storage write starts at its backup's acknowledgement on the
+host -> storage stream, its host copy locked until its ticket completes.
+
 Under the replay protocol none of this runs: transfers complete at once.
 """
 
@@ -103,9 +110,12 @@ class TransferClock:
 
     def drain(self) -> None:
         """The run is over: every transfer decided or in flight completes (what it held is
-        released)."""
-        self.issue_all(max([0.0, *self.link_free.values()]))
-        if self._in_flight:
+        released). A completion may start another transfer (a storage write after its
+        backup's acknowledgement): drained too."""
+        while True:
+            self.issue_all(max([0.0, *self.link_free.values()]))
+            if not self._in_flight:
+                break
             tickets = [entry[2] for entry in sorted(self._in_flight)]
             self._in_flight = []
             self.cache.finish_transfers(tickets)

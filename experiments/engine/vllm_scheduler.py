@@ -50,6 +50,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from cachelib.tiers import PREFETCH_TIMEOUT_BASE_S, PREFETCH_TIMEOUT_PER_KI_TOKEN_S, TierTransfer
 from cachelib.types import Sequence
 from experiments.engine.request import Request
 from experiments.engine.scheduler import Scheduler, _new_pages, _pages_limit
@@ -111,6 +112,10 @@ class VllmScheduler(Scheduler):
         self.loading: deque[Request] = deque()  # vLLM's kv_holding_waiting: admitted, loading
         self.held: list[tuple[float, Sequence]] = []  # finished, blocks kept until stores end
         self._step_transfers: list = []  # decided while scheduling this step, not yet issued
+        #: request id -> its storage prefetch in flight (`storage_prefetch_ready`); ids that
+        #: prefetched once (a re-admission's prefetch starts when it is considered again)
+        self._prefetches: dict[str, _Prefetch] = {}
+        self._prefetched: set[str] = set()
         if self.prices_transfers and self.config.time_transfers and self.tiered and self.cache.load_timing is not None:
             self.transfers = TransferClock(self.cache, self.executor.num_layers)
 
@@ -254,6 +259,9 @@ class VllmScheduler(Scheduler):
                 continue
             seq = r.seq
             m = client.match(seq)
+            if self.transfers is not None and not self.storage_prefetch_ready(r, m):
+                skipped.append(waiting.popleft())  # SGLang skips it this round (prefetching)
+                continue
             if not client.can_admit(seq, m, len(seq)):
                 break
             n = min(len(seq) - m.num_tokens, budget)
@@ -262,6 +270,8 @@ class VllmScheduler(Scheduler):
                 raise RuntimeError(f"{self.cache.name}: admit refused what can_admit accepted")
             self.executor.apply_copies(ops)
             waiting.popleft()
+            if self._prefetches:
+                self.prefetch_admitted(r)
             # a tiered cache may have loaded part of the hit back inside admit
             hit = seq.num_computed
             if self.transfers is not None and self.loads_async(r, hit - m.num_tokens):
@@ -275,6 +285,8 @@ class VllmScheduler(Scheduler):
                 r.first_admit_hit = hit
             r.hit_tokens += hit
             r.host_hit_tokens += hit - m.num_tokens
+            if hit > m.num_tokens:  # of those loaded back, from storage (L3)
+                r.storage_hit_tokens += self.cache.storage_hit_tokens(seq)
             plan.items.append((r, n, hit))
             plan.admitted = True
             budget -= n
@@ -472,6 +484,8 @@ class VllmScheduler(Scheduler):
         self._step_transfers = []
         tc.issue_all(now)
         tc.poll(now)
+        # the poll's acknowledgements may start storage writes (a backup's ack): from now
+        self._step_transfers += tc.issue_all(now)
         if self.held:
             keep = []
             for done, seq in self.held:
@@ -574,6 +588,8 @@ class VllmScheduler(Scheduler):
         times = [t for t in (arrival, tc.next_completion()) if t is not None]
         times += [tc.load_ready[r.spec.request_id] for r in self.loading]
         times += [done for done, _ in self.held]
+        if self._prefetches:
+            times += self.prefetch_wake_times()
         return min(times) if times else None
 
     def wake_time(self, now: float) -> float:
@@ -602,6 +618,96 @@ class VllmScheduler(Scheduler):
         for t in self._step_transfers:
             self.transfers.issue(t, self.clock.now)
         self._step_transfers = []
+
+    # -- storage prefetches on the serving clock (SGLang 0.5.23 HiCache storage) -----------
+
+    def storage_prefetch_ready(self, r: Request, m) -> bool:
+        """Whether `r` may be scheduled now as far as its storage prefetch goes (SGLang's
+        `check_prefetch_progress`, `_can_terminate_prefetch`), telling the cache what
+        arrived (`limit_prefetch`). The prefetch is the read the cache reports for `r`
+        (`storage_prefetch`) queued on the one storage -> host stream from `r`'s
+        arrival, when SGLang issues it (`_prefetch_kvcache`); it is placed when `r` is
+        first considered, so its size is the one storage gives then. `best_effort` takes
+        the whole pages arrived; `wait_complete` waits for all; `timeout` waits until
+        `PREFETCH_TIMEOUT_BASE_S` + `PREFETCH_TIMEOUT_PER_KI_TOKEN_S` per 1024 tokens after
+        the first poll it blocked, then takes what arrived."""
+        tc, now = self.transfers, self.clock.now
+        rid = r.spec.request_id
+        p = self._prefetches.get(rid)
+        if p is None:
+            asked, size = self.cache.storage_prefetch(r.seq, m)
+            if not size:
+                return True
+            at = now if rid in self._prefetched else r.arrival
+            self._prefetched.add(rid)
+            seconds = self.cache.tier_link_seconds("storage", "host", size)
+            done = tc.issue(TierTransfer("storage", "host", size), at)
+            p = self._prefetches[rid] = _Prefetch(done - seconds, done, size, asked)
+        if now >= p.done:
+            p.arrived = p.size
+        else:
+            policy = self.cache.prefetch_policy
+            if p.blocked is None:
+                p.blocked = now
+            if policy == "wait_complete":
+                return False
+            if policy == "timeout" and now < p.blocked + self.prefetch_timeout(p.asked):
+                return False
+            page = self.cache.page_size
+            per_page = self.cache.tier_link_seconds("storage", "host", page)
+            p.arrived = min(p.size, int((now - p.start) / per_page + 1e-9) * page)
+        if p.blocked is not None and p.released is None:
+            p.released = now  # what it waited for the prefetch (not for room after it)
+        self.cache.limit_prefetch(r.seq, p.arrived)
+        return True
+
+    @staticmethod
+    def prefetch_timeout(tokens: int) -> float:
+        """SGLang's `timeout` budget for a prefetch asking for `tokens` tokens."""
+        return PREFETCH_TIMEOUT_BASE_S + tokens / 1024 * PREFETCH_TIMEOUT_PER_KI_TOKEN_S
+
+    def prefetch_admitted(self, r: Request) -> None:
+        """`r` was admitted: its prefetch ends (what did not arrive is not read: the stream
+        is freed if nothing queued behind it), its wait is recorded."""
+        p = self._prefetches.pop(r.spec.request_id, None)
+        if p is None:
+            return
+        tc, now = self.transfers, self.clock.now
+        if p.blocked is not None:
+            r.prefetch_wait_s += p.released - p.blocked
+        if p.arrived < p.size:  # terminated early (`terminate_prefetch`)
+            tc.tokens_moved["storage_to_host"] -= p.size - p.arrived
+            link = ("storage", "host")
+            if tc.link_free.get(link) == p.done:
+                tc.link_free[link] = now
+
+    def prefetch_wake_times(self) -> list[float]:
+        """When a prefetch a waiting request is held for lets it go: its completion, or
+        under `timeout` its deadline once it blocked."""
+        timeout = self.cache.prefetch_policy == "timeout"
+        out = []
+        for p in self._prefetches.values():
+            out.append(p.done)
+            if timeout and p.blocked is not None:
+                out.append(p.blocked + self.prefetch_timeout(p.asked))
+        return out
+
+
+class _Prefetch:
+    """One request's storage prefetch on the serving clock: when its read started and
+    completes, its tokens (and those it asked for), when it first held the request back and when it let it go,
+    what had arrived then."""
+
+    __slots__ = ("start", "done", "size", "asked", "blocked", "released", "arrived")
+
+    def __init__(self, start: float, done: float, size: int, asked: int) -> None:
+        self.start = start
+        self.done = done
+        self.size = size
+        self.asked = asked
+        self.blocked: float | None = None
+        self.released: float | None = None
+        self.arrived = size
 
 
 #: longest decode window taken in one go (bounds the per-step time vector)
