@@ -163,4 +163,6 @@ def tier_section(res: ServingResult) -> dict[str, Any]:
         "load_stall_s": moved.get("load_stall_s", 0.0),
         "load_wait_s": sum(r["load_wait_s"] for r in rows),
         "backup_blocked_s": moved.get("backup_blocked_s", 0.0),
+        # LMCache's connector: the disk's traffic and the steps' wait on stores, when timed
+        **{k: moved[k] for k in ("storage_to_host_bytes", "host_to_storage_bytes", "store_stall_s") if k in moved},
     }
