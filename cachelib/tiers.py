@@ -213,6 +213,8 @@ def pipelined_store_step_seconds(compute: float, load: float, store: float, laye
         return pipelined_step_seconds(compute, load, layers)
     t, c, s = load / layers, compute / layers, store / layers
     return t + c + s + (layers - 1) * max(t, c, s)
+
+
 #: GB/s of one PCIe Gen4 x4 NVMe drive (DGX H200's internal U.2 drives; PM1733 datasheet)
 FILE_READ_GBPS = 7.0
 FILE_WRITE_GBPS = 3.8

@@ -150,7 +150,9 @@ class TransferClock:
 
     # -- LMCache's connector: loads before, stores after the forward -------------------
 
-    def connector_step_seconds(self, compute: float, decided: list[TierTransfer], start: float) -> tuple[float, float, float]:
+    def connector_step_seconds(
+        self, compute: float, decided: list[TierTransfer], start: float
+    ) -> tuple[float, float, float]:
         """(seconds, load stall, store stall) of a step of `compute` seconds starting at
         `start` under LMCache's connector, with `decided` the transfers its scheduling
         decided (module docstring): disk reads from `start`, host -> GPU loads once they are
