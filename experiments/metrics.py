@@ -147,7 +147,8 @@ def serving_metrics(res: ServingResult, stats: CacheStats, *, setup_seconds: flo
 
 def tier_section(res: ServingResult) -> dict[str, Any]:
     """A tiered cache's serving run: prompt tokens reused per tier over every admission of
-    the requests that finished (GPU, loaded from the host, storage: no tier built yet), and
+    the requests that finished (GPU; loaded from below the GPU, `host_hit_tokens`; of those,
+    from the storage tier, `storage_hit_tokens`), and
     the timed transfers (`ServingResult.transfers`: tokens and bytes per direction, the
     steps' stall on layer-by-layer loads, requests' waits for async loads, scheduling held
     up by blocking backups; all 0 when transfers were instant)."""
@@ -156,7 +157,7 @@ def tier_section(res: ServingResult) -> dict[str, Any]:
     return {
         "gpu_hit_tokens": sum(r["gpu_hit_tokens"] for r in rows),
         "host_hit_tokens": sum(r["host_hit_tokens"] for r in rows),
-        "storage_hit_tokens": 0,
+        "storage_hit_tokens": sum(r["storage_hit_tokens"] for r in rows),
         "timed_transfers": res.transfers is not None,
         "host_to_gpu_bytes": moved.get("host_to_gpu_bytes", 0),
         "gpu_to_host_bytes": moved.get("gpu_to_host_bytes", 0),

@@ -60,7 +60,7 @@ def test_blocking_load_and_store_add_their_transfer_time_to_the_step():
     assert recs["a"]["ttft"] == pytest.approx(STEP + 80 * KV / 1e9, rel=1e-9)
     assert recs["c"]["ttft"] == pytest.approx(STEP + 112 * KV / 1e9, rel=1e-9)
     b = recs["b"]
-    assert b["host_hit_tokens"] == 64 and b["gpu_hit_tokens"] == 0
+    assert b["host_hit_tokens"] == 64 and b["gpu_hit_tokens"] == 0 and b["storage_hit_tokens"] == 0
     # B's step: its 64-token load, then its compute; nothing stored
     assert b["ttft"] == pytest.approx(64 * KV / 1e9 + STEP, rel=1e-9)
     assert b["load_stall_s"] == pytest.approx(0.064, rel=1e-9)
@@ -88,6 +88,7 @@ def test_a_disk_hit_is_read_from_disk_then_copied_from_host():
     recs, res = _serve(True, **DISK)
     b = recs["b"]
     assert b["host_hit_tokens"] == 64  # loaded, from whichever tier below the GPU
+    assert b["storage_hit_tokens"] == 64 and recs["a"]["storage_hit_tokens"] == 0
     assert b["ttft"] == pytest.approx(64 * KV / 0.5e9 + 64 * KV / 1e9 + STEP, rel=1e-9)
     assert b["load_stall_s"] == pytest.approx(0.128 + 0.064, rel=1e-9)
     # the disk's writes run after each store, at its write bandwidth, and hold no step up
@@ -96,8 +97,10 @@ def test_a_disk_hit_is_read_from_disk_then_copied_from_host():
     assert (t["storage_to_host_tokens"], t["storage_to_host_bytes"]) == (64, 64 * KV)
     assert (t["host_to_storage_tokens"], t["host_to_storage_bytes"]) == (192, 192 * KV)
     assert tier_section(res)["storage_to_host_bytes"] == 64 * KV
+    assert tier_section(res)["storage_hit_tokens"] == 64
     instant, _ = _serve(False, **DISK)
     assert instant["b"]["ttft"] == pytest.approx(STEP, rel=1e-9) and instant["b"]["host_hit_tokens"] == 64
+    assert instant["b"]["storage_hit_tokens"] == 64
 
 
 def test_layerwise_pipelines_loads_compute_and_stores():

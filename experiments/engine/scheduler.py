@@ -203,6 +203,8 @@ class Scheduler:
                 r.first_admit_hit = hit
             r.hit_tokens += hit
             r.host_hit_tokens += hit - m.num_tokens
+            if hit > m.num_tokens:  # loaded from below the GPU: how much of it from storage
+                r.storage_hit_tokens += self.cache.storage_hit_tokens(r.seq)
             batch.append((r, n))
             budget -= n
 
@@ -442,6 +444,8 @@ class Scheduler:
         r.first_admit_hit = hit
         r.hit_tokens += hit
         r.host_hit_tokens += hit - m.num_tokens
+        if hit > m.num_tokens:  # loaded from below the GPU: how much of it from storage
+            r.storage_hit_tokens += self.cache.storage_hit_tokens(seq)
         r.computed_tokens += len(seq) - hit
         client.commit(seq, len(seq))
         return True

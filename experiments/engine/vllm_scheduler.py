@@ -275,6 +275,8 @@ class VllmScheduler(Scheduler):
                 r.first_admit_hit = hit
             r.hit_tokens += hit
             r.host_hit_tokens += hit - m.num_tokens
+            if hit > m.num_tokens:  # loaded from below the GPU: how much of it from storage
+                r.storage_hit_tokens += self.cache.storage_hit_tokens(seq)
             plan.items.append((r, n, hit))
             plan.admitted = True
             budget -= n
@@ -499,6 +501,7 @@ class VllmScheduler(Scheduler):
             r.first_admit_hit = v.computed
         r.hit_tokens += v.computed
         r.host_hit_tokens += loaded
+        r.storage_hit_tokens += self.cache.storage_hit_tokens(r.seq)
         r.load_wait_s -= start  # + the time it is scheduled (`admit_loaded`)
         self.loading.append(r)
         return True
