@@ -170,3 +170,31 @@ def test_lmcache_use_layerwise_must_be_a_bool_and_timing_starts_on_an_empty_cach
     client.admit(seq, client.match(seq), 32)
     with pytest.raises(InvalidRequestError, match="before the first request"):
         cache.time_transfers()
+
+
+@pytest.mark.parametrize(
+    "opts", [{"host_capacity_tokens": 256}, DISK | {"host_capacity_tokens": 64}, DISK | {"lmcache_use_layerwise": True}]
+)
+def test_timed_serving_moves_what_the_tiers_count(opts):
+    """A busy mix (shared prefixes, chunked prefill, preemption on a small GPU): the cache
+    stays sound, and the clock priced exactly the tokens LMCache's counters say moved."""
+    rng = np.random.default_rng(7)
+    prefixes = [rng.integers(0, 5000, 48).astype(np.int32) for _ in range(6)]
+    requests = []
+    for i in range(40):
+        own = rng.integers(0, 5000, int(rng.integers(1, 40)))
+        prompt = np.concatenate([prefixes[int(rng.integers(0, 6))], own]).astype(np.int32)
+        requests.append(RequestSpec(f"r{i}", prompt, int(rng.integers(1, 6)), i * 0.02))
+    cache = create_cache("apc-lmcache", **(BASE | opts))
+    res = serve(cache, requests, FixedStepExecutor(STEP), ServingConfig(token_budget=64, max_running=4))
+    cache.check_invariants()
+    assert all(not r["aborted"] for r in res.requests)
+    traffic, moved = cache.tier_traffic(), res.transfers
+    for name in ("host_to_gpu", "gpu_to_host", "storage_to_host", "host_to_storage"):
+        assert moved.get(f"{name}_tokens", 0) == traffic.get(f"{name}_tokens", 0)
+    assert moved["host_to_gpu_tokens"] > 0 and moved["store_stall_s"] > 0
+    if "disk_capacity_tokens" in opts:
+        assert moved["storage_to_host_tokens"] > 0 and moved["host_to_storage_tokens"] > 0
+    loaded = sum(r["host_hit_tokens"] for r in res.requests)
+    assert loaded == traffic["host_loaded_tokens"] + traffic["storage_loaded_tokens"]
+    assert sum(r["storage_hit_tokens"] for r in res.requests) == traffic["storage_loaded_tokens"]
