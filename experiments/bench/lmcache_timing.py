@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(
                 f"{name:20s} timed={timed!s:5s} TTFT p50 {row['ttft_p50']:.3f} s p99 {row['ttft_p99']:.3f} s  "
-                f"GPU {row['gpu_hit_tokens']} lower tiers {row['host_hit_tokens']} tokens  load stall "
+                f"GPU {row['gpu_hit_tokens']} lower tiers {row['host_hit_tokens']} (disk {row['storage_hit_tokens']}) tokens  load stall "
                 f"{row['load_stall_s']:.3f} s store stall {row.get('store_stall_s', 0.0):.3f} s",
                 flush=True,
             )
