@@ -83,8 +83,32 @@ A chunk's host pages are `object id x pages per chunk + page in the chunk`, an i
 while host or disk holds it: the executor's host memory stands for both, so a disk write, a
 promotion or an eviction moves nothing there (its bytes are in `tier_traffic`).
 
-Transfers are instantaneous (the replay protocol's optimistic timing): pins live only inside
-`admit`. Not modelled: layerwise and asynchronous loading, `min_retrieve_tokens`, priorities,
+Under the replay protocol transfers are instantaneous (the optimistic timing): pins live
+only inside `admit`. Under serving (`time_transfers`, called by the `vllm` scheduler) each
+admission's load and each step's store is reported as `TierTransfer`s the engine prices
+(experiments/engine/transfers.py `connector_step_seconds`), as LMCache's vLLM v1 connector
+runs them (vllm_v1_adapter.py as vendored in vLLM 0.33, read for this):
+T1  `start_load_kv` without `use_layerwise` calls `LMCacheEngine.retrieve` for each request
+    of the step before the forward, synchronously; `wait_for_save` calls `store` after it,
+    synchronously (the step ends when the store has copied its chunks to host memory):
+    `load_timing = "blocking"`, step = loads + compute + stores.
+T2  With `lmcache_use_layerwise=True` (LMCache's `use_layerwise`, default False) the load is
+    `retrieve_layer` (two layers before the forward, then one per layer in
+    `wait_for_layer_load`) and the store `store_layer` (one layer per `save_kv_layer`):
+    `load_timing = "layerwise"`, loads, compute and stores pipelined layer by layer
+    (`cachelib.tiers.pipelined_store_step_seconds`; no store: `pipelined_step_seconds`).
+T3  A load reports the chunks read from disk (`storage` -> `host`, every chunk read, at the
+    disk's read bandwidth) and the chunks retrieved (`host` -> `gpu`, L4's whole chunks, at
+    the host's read bandwidth): a disk hit pays its disk read, then its host-to-GPU copy.
+    Taken from memory of LMCache 0.3.x's storage manager (not installed here): the disk
+    read is blocking (`get_blocking`) and comes before the first layer in layerwise mode.
+T4  A store reports `gpu` -> `host` for the chunks given host buffers (L7) and `host` ->
+    `storage` for the chunks the disk takes, the latter from the store's end on the disk's
+    own stream, waited for by nothing (LMCache's `LocalDiskBackend.submit_put_task` hands
+    the write to a worker thread: from memory of 0.3.x, not re-read). Not modelled: a chunk
+    whose disk write is in flight is visible to lookups at once (in LMCache it is found
+    only once written), and a disk's reads and writes do not share its bandwidth.
+Not modelled: async saving and async loading (`enable_async_loading`), `min_retrieve_tokens`, priorities,
 `skip_last_n_tokens`, the allocator's fragmentation, blending, remote / P2P / GDS backends,
 KV events of the LMCache tiers (apc's GPU events are emitted as apc emits them), and
 preemption (a released request is finished; a re-admitted one is new, its lookup over its
@@ -109,7 +133,13 @@ from cachelib.errors import InvalidRequestError
 from cachelib.interface import Occupancy
 from cachelib.registry import register_backend
 from cachelib.storage_tier import NVME_READ_GBPS, NVME_WRITE_GBPS, DiskTier
-from cachelib.tiers import H200_HOST_READ_GBPS, H200_HOST_WRITE_GBPS, LLAMA3_8B_KV_BYTES_PER_TOKEN, HostTier
+from cachelib.tiers import (
+    H200_HOST_READ_GBPS,
+    H200_HOST_WRITE_GBPS,
+    LLAMA3_8B_KV_BYTES_PER_TOKEN,
+    HostTier,
+    TierTransfer,
+)
 from cachelib.types import CopyOp, Match, Sequence, TierCopy
 
 #: LMCache's `chunk_size` default (lmcache/v1/config.py)
@@ -521,6 +551,8 @@ class APCLMCacheCache(APCCache):
     """apc over `num_pages` blocks of `page_size` tokens with LMCache's host and disk stores below."""
 
     compared_by_default = False  # holds KV beyond the GPU capacity the others get
+    load_timing = "blocking"  # LMCache's connector retrieves before, stores after the forward (T1)
+    connector_steps = True  # a step waits for its loads and its stores (T1, T2)
 
     def __init__(
         self,
@@ -540,8 +572,15 @@ class APCLMCacheCache(APCCache):
         disk_read_gbps: float = NVME_READ_GBPS,
         disk_write_gbps: float = NVME_WRITE_GBPS,
         kv_bytes_per_token: int = LLAMA3_8B_KV_BYTES_PER_TOKEN,
+        lmcache_use_layerwise: bool = False,
     ) -> None:
+        if not isinstance(lmcache_use_layerwise, bool):
+            raise InvalidRequestError(f"lmcache_use_layerwise must be a bool, got {lmcache_use_layerwise!r}")
         super().__init__(num_pages, page_size, hash_algorithm=hash_algorithm)
+        if lmcache_use_layerwise:
+            self.load_timing = "layerwise"  # T2
+        #: serving's transfer clock (`time_transfers`): the loads and stores not yet taken
+        self._lmc_transfers: list[TierTransfer] | None = None
         spec = LMCacheSpec.from_options(
             page_size,
             num_pages * page_size,
@@ -593,7 +632,16 @@ class APCLMCacheCache(APCCache):
             return None
         held, ops = admitted
         prompt = min(seq.prompt_len, len(seq))
+        c = self.lmc.counters
+        read, retrieved = c["storage_to_host_tokens"], c["host_to_gpu_tokens"]
         tracker = self.lmc.admit(self.chunk_keys(seq, prompt), len(seq), match.num_tokens, num_tokens, seq.page_table)
+        if self._lmc_transfers is not None:  # T3: what this admission read and retrieved
+            if c["storage_to_host_tokens"] > read:
+                self._lmc_transfers.append(TierTransfer("storage", "host", c["storage_to_host_tokens"] - read))
+            if c["host_to_gpu_tokens"] > retrieved:
+                self._lmc_transfers.append(
+                    TierTransfer("host", "gpu", c["host_to_gpu_tokens"] - retrieved, seq.request_id)
+                )
         seq.num_computed = match.num_tokens + tracker.host_tokens + tracker.storage_tokens
         self._trackers[seq.request_id] = tracker
         return held, [*self.lmc.take_moves(), *ops]
@@ -615,8 +663,16 @@ class APCLMCacheCache(APCCache):
             return
         first, upto = decided
         chunks = [c for c in self.chunk_keys(seq, upto) if c[1] >= first]
-        if chunks:
-            self.lmc.store(chunks, seq.page_table)
+        if not chunks:
+            return
+        c = self.lmc.counters
+        stored, written = c["gpu_to_host_tokens"], c["host_to_storage_tokens"]
+        self.lmc.store(chunks, seq.page_table)
+        if self._lmc_transfers is not None:  # T4: the step's store, then the disk's writes
+            if c["gpu_to_host_tokens"] > stored:
+                self._lmc_transfers.append(TierTransfer("gpu", "host", c["gpu_to_host_tokens"] - stored))
+            if c["host_to_storage_tokens"] > written:
+                self._lmc_transfers.append(TierTransfer("host", "storage", c["host_to_storage_tokens"] - written))
 
     def _fork(self, parent: Sequence, held, child: Sequence):
         forked = super()._fork(parent, held, child)
@@ -628,6 +684,32 @@ class APCLMCacheCache(APCCache):
     def _release(self, seq: Sequence, held) -> None:
         super()._release(seq, held)
         self._trackers.pop(seq.request_id, None)
+
+    # -- transfer timing (serving): T1-T4 ---------------------------------------------------
+
+    def time_transfers(self) -> None:
+        """Record each admission's load and each store for the serving clock (T1-T4). No
+        ticket: a load is done when its step's forward starts, a store when its step ends."""
+        if self._live:
+            raise InvalidRequestError("time_transfers: call it before the first request")
+        self._lmc_transfers = []
+
+    def take_transfers(self) -> list[TierTransfer]:
+        if not self._lmc_transfers:
+            return []
+        out, self._lmc_transfers = self._lmc_transfers, []
+        return out
+
+    def tier_link_seconds(self, src: str, dst: str, tokens: int) -> float:
+        spec = self.lmc.spec
+        if (src, dst) in (("host", "gpu"), ("gpu", "host")):
+            return spec.host.transfer_seconds(tokens, to_host=dst == "host")
+        if spec.disk is not None and (src, dst) in (("storage", "host"), ("host", "storage")):
+            return spec.disk.transfer_seconds(tokens, to_disk=dst == "storage")
+        return super().tier_link_seconds(src, dst, tokens)
+
+    def tier_bytes(self, tokens: int) -> int:
+        return self.lmc.spec.host.bytes_of(tokens)
 
     # -- observation ----------------------------------------------------------------------
 

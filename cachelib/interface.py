@@ -108,6 +108,10 @@ class PrefixCache(ABC):
     #: with tiers: how its loads meet the forward pass (`cachelib.tiers.LOAD_TIMINGS`), read
     #: by a serving engine that charges transfer time (`take_transfers`); None: no tiers
     load_timing: ClassVar[str | None] = None
+    #: its loads and stores are those of LMCache's vLLM connector: a step waits for the loads
+    #: and stores decided in it, whatever its `load_timing` (experiments/engine/transfers.py
+    #: `connector_step_seconds`)
+    connector_steps: ClassVar[bool] = False
     #: the L3 tier (`cachelib.tiers.StorageTier`) when `"storage"` is in `memory_tiers`
     #: (an instance may add it: radix-hicache with `storage_backend`), else None
     storage_tier: Any = None

@@ -149,8 +149,11 @@ class HostTier:
 #: `layerwise` -- SGLang 0.5.23 HiCache: the step's load-backs are copied layer by layer on
 #: their own stream while the prefill runs, each layer's attention waiting for its layer
 #: (`pipelined_step_seconds`); `async` -- vLLM 0.33's offloading connector: a request whose
-#: hit needs a load waits (WAITING_FOR_REMOTE_KVS) until the load completes, then is scheduled
-LOAD_TIMINGS = ("layerwise", "async")
+#: hit needs a load waits (WAITING_FOR_REMOTE_KVS) until the load completes, then is scheduled;
+#: `blocking` -- LMCache's vLLM v1 connector without `use_layerwise`: `start_load_kv` retrieves
+#: before the forward and `wait_for_save` stores after it, both synchronously, so a step takes
+#: its loads + its compute + its stores (experiments/engine/transfers.py `connector_step_seconds`)
+LOAD_TIMINGS = ("layerwise", "async", "blocking")
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +197,23 @@ def pipelined_step_seconds(compute: float, load: float, layers: int) -> float:
     if load <= 0.0:
         return compute
     return max(compute + load / layers, load + compute / layers)
+
+
+def pipelined_store_step_seconds(compute: float, load: float, store: float, layers: int) -> float:
+    """`pipelined_step_seconds` with a third stage: each layer's KV is also stored once its
+    compute ends, on a stream of its own (LMCache 0.3.x with `use_layerwise`: the connector's
+    `save_kv_layer` steps a layerwise storer after every layer's attention, and
+    `wait_for_save` waits for the last layer's store).
+
+    Three stages (load, compute, store) of equal per-layer times t, c, s over L layers, each
+    stage in layer order, form a flow shop of L identical jobs: the makespan is
+    t + c + s + (L - 1) max(t, c, s) (the slowest stage runs without a gap once fed, the
+    others add one layer's time each). With no store this is `pipelined_step_seconds`
+    (returned as that, so the two agree to the last bit)."""
+    if store <= 0.0:
+        return pipelined_step_seconds(compute, load, layers)
+    t, c, s = load / layers, compute / layers, store / layers
+    return t + c + s + (layers - 1) * max(t, c, s)
 
 
 #: GB/s of one PCIe Gen4 x4 NVMe drive (DGX H200's internal U.2 drives; PM1733 datasheet)

@@ -167,4 +167,6 @@ def tier_section(res: ServingResult) -> dict[str, Any]:
         "host_to_storage_bytes": moved.get("host_to_storage_bytes", 0),
         "prefetch_wait_s": sum(r.get("prefetch_wait_s", 0.0) for r in rows),
         "backup_blocked_s": moved.get("backup_blocked_s", 0.0),
+        # LMCache's connector: the steps' wait on synchronous stores, when timed
+        **({"store_stall_s": moved["store_stall_s"]} if "store_stall_s" in moved else {}),
     }

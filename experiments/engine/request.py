@@ -61,6 +61,8 @@ class Request:
     hit_tokens: int = 0  # over every admission, re-admissions after preemption included
     #: of `hit_tokens`, those loaded back from a lower memory tier (the rest were on the GPU)
     host_hit_tokens: int = 0
+    #: of `host_hit_tokens`, those loaded from the storage tier (L3; `storage_hit_tokens`)
+    storage_hit_tokens: int = 0
     #: serving with timed tier transfers: seconds its steps took beyond their compute waiting
     #: on load-backs (`layerwise`), and seconds it waited for its load out of the running
     #: list (`async`); experiments/engine/transfers.py
@@ -159,8 +161,9 @@ TIER_RECORD_KEYS = (
 
 
 def tier_record(r: Request) -> dict[str, Any]:
-    """A request's reuse by tier over its admissions (GPU hit, loaded from the host) and the
-    time it lost to loads (`Request.load_stall_s`, `load_wait_s`)."""
+    """A request's reuse by tier over its admissions (GPU hit; loaded from below the GPU, and
+    of that from storage) and the time it lost to loads (`Request.load_stall_s`,
+    `load_wait_s`)."""
     return {
         "gpu_hit_tokens": r.hit_tokens - r.host_hit_tokens,
         "host_hit_tokens": r.host_hit_tokens,

@@ -22,6 +22,16 @@ How a load meets the forward pass is the reference's (`PrefixCache.load_timing`)
   then is scheduled (`VllmScheduler`); what it waited is its `load_wait_s`. A finished
   request whose stores are still in flight keeps its blocks until they complete (vLLM's
   `request_finished` -> `delay_free_blocks`).
+- `blocking` (LMCache 0.3.x's vLLM v1 connector, `use_layerwise` off): `start_load_kv`
+  retrieves every load of the step before the forward (a chunk found on disk is read disk ->
+  host, then host -> GPU), and `wait_for_save` stores the step's chunks GPU -> host after it;
+  the step is loads + compute + stores (`connector_step_seconds`). What the loads add is the
+  step's `load_stall_s` (charged to each request that loaded in it), what the stores add its
+  store stall (`store_stall_s`, the run's total). The host -> disk writes of a store run on the
+  disk's stream from the store's end and hold nothing up (LocalDiskBackend's put tasks).
+  The same cache with `lmcache_use_layerwise` is `layerwise` and priced by the same method:
+  disk reads before the forward, then load, compute and store layer by layer
+  (`cachelib.tiers.pipelined_store_step_seconds`).
 
 Storage (L3, `radix-hicache` with a storage tier): a request's prefetch is read on the
 storage -> host stream from its arrival and the scheduler applies SGLang's prefetch
@@ -64,6 +74,9 @@ class TransferClock:
         self.bytes_moved: dict[str, int] = {}
         self.stall_seconds = 0.0  # steps' time beyond their compute, waiting on loads
         self.blocked_seconds = 0.0  # scheduling held up by blocking backups
+        #: LMCache's connector (`connector_step_seconds`): steps wait for loads and stores in them
+        self.connector = cache.connector_steps
+        self.store_stall_seconds = 0.0  # steps' time after their compute, waiting on stores
         cache.time_transfers()
 
     # -- issuing and completing -------------------------------------------------------
@@ -145,6 +158,51 @@ class TransferClock:
         self.stall_seconds += seconds - compute
         return seconds, seconds - compute
 
+    # -- LMCache's connector: loads before, stores after the forward -------------------
+
+    def connector_step_seconds(
+        self, compute: float, decided: list[TierTransfer], start: float
+    ) -> tuple[float, float, float]:
+        """(seconds, load stall, store stall) of a step of `compute` seconds starting at
+        `start` under LMCache's connector, with `decided` the transfers its scheduling
+        decided (module docstring): disk reads from `start`, host -> GPU loads once they are
+        read, then the forward, then GPU -> host stores (`blocking`), or the last three layer
+        by layer (`layerwise`); host -> disk writes start when the stores end."""
+        from cachelib.tiers import pipelined_step_seconds, pipelined_store_step_seconds
+
+        read_done = start
+        for t in decided:
+            if t.src == "storage" and t.dst == "host":
+                read_done = max(read_done, self.issue(t, start))
+        loads = [t for t in decided if t.to_gpu]
+        stores = [t for t in decided if t.src == "gpu"]
+        if not self.layerwise:
+            load_done = read_done
+            for t in loads:
+                load_done = max(load_done, self.issue(t, read_done))
+            compute_end = load_done + compute
+            store_done = compute_end
+            for t in stores:
+                store_done = max(store_done, self.issue(t, compute_end))
+            load_stall, store_stall = load_done - start, store_done - compute_end
+        else:
+            load_s = sum(self.cache.tier_link_seconds(t.src, t.dst, t.tokens) for t in loads)
+            store_s = sum(self.cache.tier_link_seconds(t.src, t.dst, t.tokens) for t in stores)
+            loaded = pipelined_step_seconds(compute, load_s, self.layers)
+            both = pipelined_store_step_seconds(compute, load_s, store_s, self.layers)
+            for t in loads:
+                self.issue(t, read_done)
+            store_done = read_done + both
+            for t in stores:  # booked to end with the step (their stream's last use)
+                self.issue(t, store_done - store_s)
+            load_stall, store_stall = read_done - start + loaded - compute, both - loaded
+        for t in decided:
+            if t.src == "host" and t.dst == "storage":
+                self.issue(t, store_done)
+        self.stall_seconds += load_stall
+        self.store_stall_seconds += store_stall
+        return store_done - start, load_stall, store_stall
+
     # -- results ------------------------------------------------------------------------
 
     def summary(self) -> dict[str, Any]:
@@ -155,4 +213,6 @@ class TransferClock:
             out[f"{name}_bytes"] = self.cache.tier_bytes(tokens)
         out["load_stall_s"] = self.stall_seconds
         out["backup_blocked_s"] = self.blocked_seconds
+        if self.connector:
+            out["store_stall_s"] = self.store_stall_seconds
         return out

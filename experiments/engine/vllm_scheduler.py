@@ -499,8 +499,8 @@ class VllmScheduler(Scheduler):
         """Right after `r`'s admission: under `async` load timing, a request whose hit needed
         a load waits for it out of the running list (True); the load starts with the step."""
         tc = self.transfers
-        if not loaded or tc.layerwise:
-            return False
+        if not loaded or tc.layerwise or tc.connector:
+            return False  # loaded inside its step (`price_transfers`)
         start = max(self.clock.now, self.gpu_free)
         for t in tc.cache.take_transfers():
             if t.to_gpu:
@@ -513,6 +513,7 @@ class VllmScheduler(Scheduler):
             r.first_admit_hit = v.computed
         r.hit_tokens += v.computed
         r.host_hit_tokens += loaded
+        r.storage_hit_tokens += self.cache.storage_hit_tokens(r.seq)
         r.load_wait_s -= start  # + the time it is scheduled (`admit_loaded`)
         self.loading.append(r)
         return True
@@ -567,6 +568,8 @@ class VllmScheduler(Scheduler):
         """The step's seconds with its load-backs overlapped layer by layer (`layerwise`);
         backups and stores decided in this step start when its KV is written (its end)."""
         tc = self.transfers
+        if tc.connector:
+            return self.price_connector_step(plan, start, compute)
         decided, self._step_transfers = self._step_transfers, []
         loads = [t for t in decided if t.to_gpu]
         seconds, stall = tc.step_seconds(compute, loads, start)
@@ -579,6 +582,22 @@ class VllmScheduler(Scheduler):
         for t in decided:
             if not t.to_gpu and not t.blocking:
                 tc.issue(t, end)
+        return seconds
+
+    def price_connector_step(self, plan: StepPlan, start: float, compute: float) -> float:
+        """The step's seconds under LMCache's connector: its loads before the forward and its
+        stores after it (`TransferClock.connector_step_seconds`); the load stall is charged
+        to each request that loaded in it."""
+        tc = self.transfers
+        decided, self._step_transfers = self._step_transfers, []
+        seconds, load_stall, _ = tc.connector_step_seconds(compute, decided, start)
+        loaders = {t.request_id for t in decided if t.to_gpu}
+        for rid in loaders:
+            tc.load_ready.pop(rid, None)  # done inside this step: nothing waits on it
+        if load_stall:
+            for r, _, _ in plan.items:
+                if r.spec.request_id in loaders:
+                    r.load_stall_s += load_stall
         return seconds
 
     def next_transfer_event(self, arrival: float | None = None) -> float | None:
