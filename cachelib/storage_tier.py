@@ -20,11 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cachelib.errors import InvalidRequestError
-from cachelib.tiers import LLAMA3_8B_KV_BYTES_PER_TOKEN
+from cachelib.tiers import FILE_READ_GBPS, FILE_WRITE_GBPS, LLAMA3_8B_KV_BYTES_PER_TOKEN
 
-#: GB/s disk -> host (a read) and host -> disk (a write): Samsung PM1733's datasheet sequential figures
-NVME_READ_GBPS = 7.0
-NVME_WRITE_GBPS = 3.8
+#: GB/s disk -> host (a read) and host -> disk (a write): Samsung PM1733's datasheet sequential
+#: figures, the same drive radix-hicache's `file` storage defaults to (one source of the figures)
+NVME_READ_GBPS = FILE_READ_GBPS
+NVME_WRITE_GBPS = FILE_WRITE_GBPS
 
 
 def _positive_number(name: str, value: object) -> float:
