@@ -24,6 +24,8 @@ MODULES = sorted(m.name for m in pkgutil.iter_modules(bench_pkg.__path__) if m.n
 SHARED = {
     "bounds_memory": {"--trace", "--limit", "--page-size", "--capacity-tokens", "--output"},
     "half_life_sweep": {"--page-size", "--output"},
+    "lmcache_timing": {"--trace", "--limit", "--page-size", "--capacity-tokens", "--output"},
+    "mooncake_breakdown": {"--trace", "--limit", "--page-size", "--capacity-tokens", "--backend", "--output"},
     "oracle_bench": {"--trace", "--limit", "--page-size", "--capacity-tokens", "--backend", "--output"},
     "radix_bench": {
         "--trace",

@@ -31,15 +31,24 @@ def designs(host: int, disk: int) -> list[tuple[str, dict]]:
     ]
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.bench.lmcache_timing",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=HelpFormatter,
+    )
     p.add_argument("--trace", type=Path, default=FULL_TRACE, help="a Mooncake JSONL trace")
     p.add_argument("--limit", type=int, default=300, help="serve only the first N requests")
     p.add_argument("--capacity-tokens", type=int, default=200_000, help="GPU KV tokens")
     p.add_argument("--host-tokens", type=int, default=400_000, help="LMCache host store, tokens")
     p.add_argument("--disk-tokens", type=int, default=2_000_000, help="LMCache disk store, tokens")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--output", type=Path, default=RESULTS / "lmcache_timing.json")
+    p.add_argument("--page-size", type=int, default=16, help="GPU page (block) size in tokens")
+    p.add_argument("--output", type=Path, default=RESULTS / "lmcache_timing.json", help="JSON file to write")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if not args.trace.is_file():
         p.error(f"no trace at {args.trace} (pass --trace)")
