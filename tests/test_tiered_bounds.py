@@ -26,8 +26,11 @@ KNOBS = {"num_documents": 30, "num_requests": 200, "doc_len": 400}
         ("radix-hicache", {"host_capacity_tokens": 4800}, {"gpu": 1600, "host": 4800}),
         ("apc", {"host_capacity_tokens": 4800}, {"gpu": 1600, "host": 4800}),
         ("apc-lmcache", {"host_capacity_tokens": 4864}, {"gpu": 1600, "host": 4864}),
-        ("apc-lmcache", {"host_capacity_tokens": 4864, "disk_capacity_tokens": 9984},
-         {"gpu": 1600, "host": 4864, "storage": 9984}),  # fmt: skip
+        (
+            "apc-lmcache",
+            {"host_capacity_tokens": 4864, "disk_capacity_tokens": 9984},
+            {"gpu": 1600, "host": 4864, "storage": 9984},
+        ),  # fmt: skip
     ],
 )
 def test_each_cache_names_its_tiers_sizes(backend, options, want):

@@ -33,7 +33,10 @@ PAGE_SIZE_HELP = "tokens per KV page (vLLM's block size, SGLang's page size)"
 #: named flags that are aliases of `--backend-opt KEY=VALUE` (every selected backend)
 OPTION_ALIASES = {
     "--eviction-policy": ("eviction_policy", "radix: lru | lfu | fifo | mru | filo"),
-    "--hash-algorithm": ("hash_algorithm", "apc: auto (default: poly128 up to page 8, else xxh3_128) | poly128 | xxh3_128 | sha256"),
+    "--hash-algorithm": (
+        "hash_algorithm",
+        "apc: auto (default: poly128 up to page 8, else xxh3_128) | poly128 | xxh3_128 | sha256",
+    ),
 }
 
 
