@@ -39,6 +39,45 @@ TTFT_FLOOR_MS = 1.0
 SMOOTH_SAMPLES = 15
 #: PDF metadata: no creation date, so the same document renders the same bytes
 _PDF_METADATA = {"CreationDate": None, "Creator": "prefix-cache-lab", "Producer": None}
+#: a legend beside the axes holds at most this many entries of at most `SHORT_LABEL`
+#: characters; more or longer (a comparison of many option variants) goes below, wrapped
+LEGEND_BESIDE_MAX, SHORT_LABEL = 8, 32
+#: a label is wrapped after a comma once a line reaches this many characters
+WRAP_AT = 40
+#: the most panels in a row of the pages figure: more backends wrap onto further rows
+PAGES_MAX_COLS = 6
+
+
+def wrap_label(label: str, width: int = WRAP_AT) -> str:
+    """`label` broken into lines once a line passes `width` characters: after a variant's
+    `[` and after the commas between its options; a short label stays one line."""
+    if len(label) <= width:
+        return label
+    head, bracket, rest = label.partition("[")
+    parts = [head + bracket, *rest.split(",")] if bracket else label.split(",")
+    lines, line = [], ""
+    for k, part in enumerate(parts):
+        sep = "" if k == 0 else ("" if bracket and k == 1 else ",")
+        if line and len(line) + len(sep) + len(part) > width:
+            lines.append(line + sep if sep == "," else line)
+            line = part
+        else:
+            line += sep + part
+    return "\n".join([*lines, line])
+
+
+def _legend(fig: Any, handles: list[Any], names: list[str], title: str) -> None:
+    """The figure's one legend, beside the axes. A long one (many or long labels: a
+    comparison of option variants) has its labels wrapped and the figure made wider and,
+    where needed, taller, so the axes keep their size whatever the labels."""
+    if len(names) <= LEGEND_BESIDE_MAX and max(map(len, names)) <= SHORT_LABEL:
+        fig.legend(handles, names, loc="outside right upper", fontsize=8, title=title, title_fontsize=8)
+        return
+    wrapped = [wrap_label(n) for n in names]
+    lines = sum(w.count("\n") + 1 for w in wrapped)
+    width, height = fig.get_size_inches()
+    fig.set_size_inches(width + 3.4, max(height, 0.15 * lines + 0.12 * len(names) + 0.8))
+    fig.legend(handles, wrapped, loc="outside right upper", fontsize=7, title=title, title_fontsize=8)
 
 
 def draw_all(results: dict[str, Any], out_dir: Path) -> list[str]:
@@ -151,8 +190,7 @@ def hit_rate_figure(results: dict[str, Any]) -> Any:
     handles, names = ax.get_legend_handles_labels()
     rank = {b: i for i, b in enumerate([*labels, "Belady (offline)", "infinite capacity"])}
     ordered = sorted(zip(handles, names, strict=True), key=lambda hn: rank[hn[1]])
-    fig.legend([h for h, _ in ordered], [n for _, n in ordered], loc="outside right upper", fontsize=8,
-               title="backend / bound", title_fontsize=8)  # fmt: skip
+    _legend(fig, [h for h, _ in ordered], [n for _, n in ordered], "backend / bound")
     return fig
 
 
@@ -204,8 +242,7 @@ def ttft_figure(results: dict[str, Any]) -> Any | None:
     fig.supxlabel("TTFT (ms, log scale, virtual clock)" + (f"; 0 drawn at {floor:g} ms" if clipped else ""), fontsize=9)
     fig.supylabel("fraction of requests", fontsize=9)
     fig.suptitle(f"{results['workload']['name']}: time to first token, queueing included", fontsize=10)
-    fig.legend(list(handles.values()), list(handles), loc="outside right upper", fontsize=8, title="backend",
-               title_fontsize=8)  # fmt: skip
+    _legend(fig, list(handles.values()), list(handles), "backend")
     return fig
 
 
@@ -236,14 +273,21 @@ def pages_figure(results: dict[str, Any]) -> Any | None:
     ]
     if not labels:
         return None
-    nrows, ncols = len(caps), len(labels)
+    # many backends wrap onto further rows of at most PAGES_MAX_COLS panels per capacity
+    ncols = min(len(labels), PAGES_MAX_COLS)
+    per_cap = math.ceil(len(labels) / ncols)
+    nrows = len(caps) * per_cap
     width = 1.75 * ncols + 0.9
-    fig = _new_figure(width, max(1.35 * nrows + 1.0, width / 2.4))  # few capacities: taller panels, not a strip
+    row_height = 1.35 + (0.5 if per_cap > 1 else 0.0)  # a wrapped row has a title of its own
+    fig = _new_figure(width, max(row_height * nrows + 1.0, width / 2.4))  # few capacities: taller panels, not a strip
     axes = fig.subplots(nrows, ncols, sharex=True, sharey=True, squeeze=False)
     for i, cap in enumerate(caps):
         cells = dict(_cells_at(results, cap))
-        for j, lab in enumerate(labels):
-            ax = axes[i][j]
+        for k in range(len(labels), per_cap * ncols):  # the empty places of a wrapped row
+            axes[i * per_cap + k // ncols][k % ncols].set_visible(False)
+        for k, lab in enumerate(labels):
+            row, j = i * per_cap + k // ncols, k % ncols
+            ax = axes[row][j]
             ax.axhline(1.0, color="#555555", linestyle="--", linewidth=0.9)
             cell = cells.get(lab)
             timeline = _get(cell, "serving", "pages_timeline") if cell else None
@@ -255,8 +299,8 @@ def pages_figure(results: dict[str, Any]) -> Any | None:
                 ax.step(t, share, where="post", color=style.color, linewidth=0.5, alpha=0.35)
                 ax.plot(t, _smoothed(share, SMOOTH_SAMPLES), color=style.color, linewidth=1.6)
             ax.grid(alpha=0.3)
-            if i == 0:
-                ax.set_title(lab, fontsize=8, color=style_of(lab).color)
+            if i == 0 or per_cap > 1:
+                ax.set_title(wrap_label(lab, 22), fontsize=7 if per_cap > 1 else 8, color=style_of(lab).color)
             if j == 0:
                 ax.set_ylabel(_capacity_text(results, cap, sep="\n"), fontsize=7)
             ax.tick_params(labelsize=7)

@@ -338,3 +338,56 @@ def test_capacity_gb_never_in_exponent_notation():
     from experiments.figures import compact_gb
 
     assert [compact_gb(x) for x in (3.2768, 26.2144, 131.072, 1310.72)] == ["3.28", "26.2", "131", "1,311"]
+
+
+# -- many long labels (a comparison of option variants) -----------------------------------------
+
+
+def test_long_labels_wrap_after_the_bracket_and_the_commas():
+    label = "radix-hicache[host_capacity_tokens=4000000,storage_backend=file,storage_capacity_tokens=64000000]"
+    assert figures.wrap_label(label).split("\n") == [
+        "radix-hicache[",
+        "host_capacity_tokens=4000000,",
+        "storage_backend=file,",
+        "storage_capacity_tokens=64000000]",
+    ]
+    assert figures.wrap_label("apc[host_capacity_tokens=4000000]") == "apc[host_capacity_tokens=4000000]"
+    assert figures.wrap_label("radix ×2 cache_aware") == "radix ×2 cache_aware"
+
+
+def _with_many_variants(doc: dict) -> dict:
+    """`doc` with twelve more cells, each a long-named variant of its first cell."""
+    out = copy.deepcopy(doc)
+    first = out["cells"][0]
+    for k in range(12):
+        cell = copy.deepcopy(first)
+        cell["config"]["backend_options"] = {"host_capacity_tokens": 4_000_000 + k, "write_policy": "write_back"}
+        out["cells"].append(cell)
+        out["backends"].append(figures.cell_label_of(cell["config"]))
+    return out
+
+
+def test_a_long_legend_widens_the_figure_and_leaves_the_axes_their_size(compared):
+    _, doc = compared
+    many = _with_many_variants(doc)
+    for make in (figures.hit_rate_figure, figures.ttft_figure):
+        short, long = make(doc), make(many)
+        short.canvas.draw()
+        long.canvas.draw()
+        assert long.get_size_inches()[0] > short.get_size_inches()[0]
+        ax_short, ax_long = short.axes[0].get_window_extent(), long.axes[0].get_window_extent()
+        assert ax_long.width >= 0.9 * ax_short.width  # the legend did not squeeze the data
+        legend = long.legends[0]
+        assert legend.get_window_extent().x0 >= long.axes[0].get_window_extent().x1
+        assert any("\n" in t.get_text() for t in legend.get_texts())  # long labels wrapped
+        assert legend.get_window_extent().x1 <= long.bbox.x1 + 1  # nothing cut off
+
+
+def test_many_backends_wrap_the_pages_figure_onto_rows(compared):
+    _, doc = compared
+    many = _with_many_variants(doc)
+    fig = figures.pages_figure(many)
+    visible = [ax for ax in fig.axes if ax.get_visible()]
+    assert len(visible) == len(many["capacities"]) * len(many["backends"])
+    cols = {round(ax.get_position().x0, 3) for ax in visible}
+    assert len(cols) == figures.PAGES_MAX_COLS
