@@ -161,3 +161,26 @@ def test_kv_moved_through_the_host_tier_gives_the_same_output(model, alone, writ
     traffic = cache.tier_traffic()
     assert traffic["demoted"] > 0 and traffic["loaded"] > 0, traffic
     _assert_drained(cache)
+
+
+def test_kv_moved_through_the_storage_tier_gives_the_same_output(model, alone):
+    """radix-hicache with a GPU and a host both too small for the workload and a file
+    storage tier below: prefixes are backed up to storage, prefetched back into the host
+    and loaded to the GPU (`StorageCopy` and `TierCopy` moves the executor applies), and
+    every output is unchanged."""
+    cache = create_cache(
+        "radix-hicache",
+        num_pages=24,
+        page_size=4,
+        host_capacity_tokens=64,
+        storage_backend="file",
+        prefetch_threshold=8,
+    )
+    runner = CachedRunner(model, cache)
+    order = ["sys0", "doc0", "sys1", "doc1", "sys2", "repeat", "sys3", "prefix_of_sys2", "sys4", "short"]
+    for rid in order + order:  # the second round finds its prefixes in storage
+        got = runner.run({rid: WORKLOAD[rid]}, NEW_TOKENS)[rid]
+        assert_same(got, alone[rid], rid)
+    traffic = cache.tier_traffic()
+    assert traffic["stored"] > 0 and traffic["prefetched"] > 0, traffic
+    _assert_drained(cache)
