@@ -505,7 +505,8 @@ def tier_markdown(results: dict[str, Any]) -> list[str]:
             by_tier = r["hit_tokens_by_tier"]
             moved = r.get("tier_traffic") or {}
             entry = tiered_bound(results, c)
-            caps = " + ".join(f"{n} {v:,}" for n, v in entry["cells"][label(c)].items()) if entry else "—"
+            sizes = entry["cells"][label(c)].items() if entry else ()
+            caps = " + ".join(f"{n} {f'{v:,}' if v else 'unbounded'}" for n, v in sizes) or "—"
             bound = f"{entry['belady']['hit_rate']:.2%}" if entry else "—"
             lines.append(
                 f"| {label(c)} | {caps} | {r['hit_rate']:.2%} | {by_tier['gpu']:,} | {by_tier['host']:,} "

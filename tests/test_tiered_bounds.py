@@ -82,3 +82,21 @@ def test_compare_reports_reuse_by_tier_beside_the_tiered_bound(tmp_path):
     assert float(rows[1]["bounds.tiered.belady.hit_rate"]) == entry["belady"]["hit_rate"]
     assert int(rows[1]["replay.hit_tokens_by_tier.host"]) == by_tier["host"]
     assert int(rows[1]["bounds.tiered.capacity_tokens"]) == 6400
+
+
+def test_an_uncapped_storage_tier_bounds_at_the_infinite_cache():
+    cell = CellConfig(
+        "radix-hicache",
+        "shared_doc_qa",
+        1600,
+        knobs=KNOBS,
+        protocol="replay",
+        backend_options={"host_capacity_tokens": 1600, "storage_backend": "file"},
+    )
+    wl = build_workload(cell)
+    got = bounds(wl, 16, [1600], [cell])
+    entry = got["tiered"]["unbounded"]
+    assert entry["capacity_tokens"] is None
+    assert entry["cells"] == {"radix-hicache[host_capacity_tokens=1600,storage_backend=file]": {
+        "gpu": 1600, "host": 1600, "storage": 0}}  # fmt: skip
+    assert entry["belady"] == {"hit_rate": got["infinite"]["hit_rate"], "hit_tokens": got["infinite"]["hit_tokens"]}
