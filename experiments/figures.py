@@ -70,7 +70,7 @@ def _legend(fig: Any, handles: list[Any], names: list[str], title: str) -> None:
     """The figure's one legend, beside the axes. A long one (many or long labels: a
     comparison of option variants) has its labels wrapped and the figure made wider and,
     where needed, taller, so the axes keep their size whatever the labels."""
-    if len(names) <= LEGEND_BESIDE_MAX and max(map(len, names)) <= SHORT_LABEL:
+    if len(names) <= LEGEND_BESIDE_MAX and max(map(len, names), default=0) <= SHORT_LABEL:
         fig.legend(handles, names, loc="outside right upper", fontsize=8, title=title, title_fontsize=8)
         return
     wrapped = [wrap_label(n) for n in names]
