@@ -711,7 +711,7 @@ class APCCache(PrefixCache):
 
     def tier_link_seconds(self, src: str, dst: str, tokens: int) -> float:
         if self.host is not None and (src, dst) in (("host", "gpu"), ("gpu", "host")):
-            return self.host.spec.tier.transfer_seconds(tokens, to_host=dst == "host")
+            return self.host.spec.tier.transfer_seconds(tokens, write=dst == "host")
         return super().tier_link_seconds(src, dst, tokens)
 
     def tier_bytes(self, tokens: int) -> int:

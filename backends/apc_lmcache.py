@@ -703,9 +703,9 @@ class APCLMCacheCache(APCCache):
     def tier_link_seconds(self, src: str, dst: str, tokens: int) -> float:
         spec = self.lmc.spec
         if (src, dst) in (("host", "gpu"), ("gpu", "host")):
-            return spec.host.transfer_seconds(tokens, to_host=dst == "host")
+            return spec.host.transfer_seconds(tokens, write=dst == "host")
         if spec.disk is not None and (src, dst) in (("storage", "host"), ("host", "storage")):
-            return spec.disk.transfer_seconds(tokens, to_disk=dst == "storage")
+            return spec.disk.transfer_seconds(tokens, write=dst == "storage")
         return super().tier_link_seconds(src, dst, tokens)
 
     def tier_bytes(self, tokens: int) -> int:

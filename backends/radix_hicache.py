@@ -388,12 +388,12 @@ class HiRadixCache(RadixCache):
 
     def tier_link_seconds(self, src: str, dst: str, tokens: int) -> float:
         if (src, dst) == ("host", "gpu"):
-            return self.host_tier.transfer_seconds(tokens, to_host=False)
+            return self.host_tier.transfer_seconds(tokens, write=False)
         if (src, dst) == ("gpu", "host"):
-            return self.host_tier.transfer_seconds(tokens, to_host=True)
+            return self.host_tier.transfer_seconds(tokens, write=True)
         storage = self.storage_tier
         if storage is not None and (src, dst) in (("storage", "host"), ("host", "storage")):
-            return storage.transfer_seconds(tokens, to_storage=dst == "storage")
+            return storage.transfer_seconds(tokens, write=dst == "storage")
         return super().tier_link_seconds(src, dst, tokens)
 
     def tier_bytes(self, tokens: int) -> int:

@@ -19,8 +19,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cachelib.errors import InvalidRequestError
-from cachelib.tiers import FILE_READ_GBPS, FILE_WRITE_GBPS, LLAMA3_8B_KV_BYTES_PER_TOKEN
+from cachelib.tiers import (
+    FILE_READ_GBPS,
+    FILE_WRITE_GBPS,
+    LLAMA3_8B_KV_BYTES_PER_TOKEN,
+    TierFigures,
+    check_bandwidth,
+    check_kv_bytes_per_token,
+    tier_capacity_tokens,
+)
 
 #: GB/s disk -> host (a read) and host -> disk (a write): Samsung PM1733's datasheet sequential
 #: figures, the same drive radix-hicache's `file` storage defaults to (one source of the figures)
@@ -28,14 +35,8 @@ NVME_READ_GBPS = FILE_READ_GBPS
 NVME_WRITE_GBPS = FILE_WRITE_GBPS
 
 
-def _positive_number(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise InvalidRequestError(f"{name} must be a positive bandwidth in GB/s, got {value!r}")
-    return float(value)
-
-
 @dataclass(frozen=True)
-class DiskTier:
+class DiskTier(TierFigures):
     """L3: a local disk. `capacity_tokens` (a whole number of pages), `read_gbps` (disk ->
     host, a promotion or a load), `write_gbps` (host -> disk, a store), `kv_bytes_per_token`."""
 
@@ -59,40 +60,8 @@ class DiskTier:
         before any work). Exactly one of `disk_capacity_tokens` and `disk_capacity_gb` is
         given (a disk has no default size); a capacity in GB (10**9 bytes) becomes whole
         pages of `kv_bytes_per_token`-byte tokens."""
-        if isinstance(kv_bytes_per_token, bool) or not isinstance(kv_bytes_per_token, int) or kv_bytes_per_token <= 0:
-            raise InvalidRequestError(f"kv_bytes_per_token must be a positive int, got {kv_bytes_per_token!r}")
-        read = _positive_number("disk_read_gbps", read_gbps)
-        write = _positive_number("disk_write_gbps", write_gbps)
-        if isinstance(capacity_tokens, bool) or not isinstance(capacity_tokens, int) or capacity_tokens < 0:
-            raise InvalidRequestError(f"disk_capacity_tokens must be a positive int, got {capacity_tokens!r}")
-        if isinstance(capacity_gb, bool) or not isinstance(capacity_gb, (int, float)) or capacity_gb < 0:
-            raise InvalidRequestError(f"disk_capacity_gb must be a positive number, got {capacity_gb!r}")
-        if capacity_tokens and capacity_gb:
-            raise InvalidRequestError(
-                "give a disk tier's size once: disk_capacity_tokens or disk_capacity_gb "
-                f"(got {capacity_tokens!r} tokens and {capacity_gb!r} GB)"
-            )
-        if not capacity_tokens and not capacity_gb:
-            raise InvalidRequestError("a disk tier needs disk_capacity_tokens or disk_capacity_gb")
-        if capacity_gb:
-            tokens = int(capacity_gb * 1e9) // kv_bytes_per_token // page_size * page_size
-            what = f"disk_capacity_gb={capacity_gb} ({tokens} tokens of {kv_bytes_per_token} bytes)"
-        else:
-            if capacity_tokens % page_size:
-                raise InvalidRequestError(
-                    f"disk_capacity_tokens={capacity_tokens} is not a whole number of {page_size}-token pages"
-                )
-            tokens, what = capacity_tokens, f"disk_capacity_tokens={capacity_tokens}"
-        if tokens < page_size:
-            raise InvalidRequestError(f"a disk tier smaller than one page of {page_size} tokens: {what}")
-        return cls(int(tokens), read, write, kv_bytes_per_token)
-
-    def bytes_of(self, tokens: int) -> int:
-        """Bytes of KV in `tokens` tokens."""
-        return tokens * self.kv_bytes_per_token
-
-    def transfer_seconds(self, tokens: int, *, to_disk: bool) -> float:
-        """Seconds to move `tokens` tokens of KV one way at this tier's bandwidth (what a
-        serving clock will charge; the replay protocol charges nothing)."""
-        gbps = self.write_gbps if to_disk else self.read_gbps
-        return self.bytes_of(tokens) / (gbps * 1e9)
+        kv_bytes = check_kv_bytes_per_token(kv_bytes_per_token)
+        read = check_bandwidth("disk_read_gbps", read_gbps)
+        write = check_bandwidth("disk_write_gbps", write_gbps)
+        tokens = tier_capacity_tokens("disk", page_size, capacity_tokens, capacity_gb, kv_bytes, absent=None)
+        return cls(tokens, read, write, kv_bytes)

@@ -68,12 +68,94 @@ DEFAULT_HOST_RATIO = 2
 LLAMA3_8B_KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2
 
 
+def check_kv_bytes_per_token(value: object) -> int:
+    """`kv_bytes_per_token` checked: a positive int."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidRequestError(f"kv_bytes_per_token must be a positive int, got {value!r}")
+    return value
+
+
+def check_bandwidth(name: str, value: object) -> float:
+    """A bandwidth option checked: a positive, finite number of GB/s (an infinite one would
+    make transfers free without saying so; the replay protocol is the way to model that)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise InvalidRequestError(f"{name} must be a positive bandwidth in GB/s, got {value!r}")
+    return float(value)
+
+
+def tier_capacity_tokens(
+    tier: str,
+    page_size: int,
+    capacity_tokens: object,
+    capacity_gb: object,
+    kv_bytes_per_token: int,
+    *,
+    absent: int | None,
+) -> int:
+    """A tier's capacity in tokens from its options `{tier}_capacity_tokens` and
+    `{tier}_capacity_gb` (0: not given), checked by name before any work: at most one is
+    given; a capacity in GB (10**9 bytes) becomes whole pages of `kv_bytes_per_token`-byte
+    tokens; one in tokens must be whole pages; neither is `absent` (None: a size is
+    required; 0: unbounded). A size given that comes to less than one page is refused."""
+    if isinstance(capacity_tokens, bool) or not isinstance(capacity_tokens, int) or capacity_tokens < 0:
+        raise InvalidRequestError(f"{tier}_capacity_tokens must be a non-negative int, got {capacity_tokens!r}")
+    if (
+        isinstance(capacity_gb, bool)
+        or not isinstance(capacity_gb, (int, float))
+        or not 0 <= capacity_gb < float("inf")
+    ):
+        raise InvalidRequestError(f"{tier}_capacity_gb must be a non-negative finite number, got {capacity_gb!r}")
+    if capacity_tokens and capacity_gb:
+        raise InvalidRequestError(
+            f"give a {tier} tier's size once: {tier}_capacity_tokens or {tier}_capacity_gb "
+            f"(got {capacity_tokens!r} tokens and {capacity_gb!r} GB)"
+        )
+    if capacity_gb:
+        tokens = int(capacity_gb * 1e9) // kv_bytes_per_token // page_size * page_size
+        what = f"{tier}_capacity_gb={capacity_gb} ({tokens} tokens of {kv_bytes_per_token} bytes)"
+    elif capacity_tokens:
+        tokens, what = capacity_tokens, f"{tier}_capacity_tokens={capacity_tokens}"
+    elif absent is None:
+        raise InvalidRequestError(f"a {tier} tier needs {tier}_capacity_tokens or {tier}_capacity_gb")
+    else:
+        return absent  # the default (0: unbounded), whole pages already
+    if tokens < page_size:
+        raise InvalidRequestError(f"a {tier} tier smaller than one page of {page_size} tokens: {what}")
+    if tokens % page_size:
+        raise InvalidRequestError(f"{what} is not a whole number of {page_size}-token pages")
+    return int(tokens)
+
+
 @dataclass(frozen=True)
-class HostTier:
+class TierFigures:
+    """What a tier below the GPU is to the serving clock: `capacity_tokens` (whole pages;
+    0 only for an unbounded storage tier), `read_gbps` (out of this tier, towards the GPU),
+    `write_gbps` (into it), `kv_bytes_per_token` (to turn tokens moved into bytes). Host
+    memory (`HostTier`), LMCache's disk (`cachelib.storage_tier.DiskTier`) and SGLang's
+    storage (`StorageTier`, which holds one) share it."""
+
+    capacity_tokens: int
+    read_gbps: float
+    write_gbps: float
+    kv_bytes_per_token: int
+
+    def bytes_of(self, tokens: int) -> int:
+        """Bytes of KV in `tokens` tokens."""
+        return tokens * self.kv_bytes_per_token
+
+    def transfer_seconds(self, tokens: int, *, write: bool) -> float:
+        """Seconds to move `tokens` tokens of KV one way: into this tier (`write`) or out of
+        it, at its bandwidth (what a serving clock charges; the replay protocol charges
+        nothing)."""
+        gbps = self.write_gbps if write else self.read_gbps
+        return self.bytes_of(tokens) / (gbps * 1e9)
+
+
+@dataclass(frozen=True)
+class HostTier(TierFigures):
     """L2: host memory below the GPU pages.
 
-    `capacity_tokens` (a whole number of pages), `read_gbps` (host -> GPU, a load-back),
-    `write_gbps` (GPU -> host, a backup), `kv_bytes_per_token` (for bytes moved)."""
+    `read_gbps` is host -> GPU (a load-back), `write_gbps` GPU -> host (a backup)."""
 
     capacity_tokens: int
     read_gbps: float = H200_HOST_READ_GBPS
@@ -96,53 +178,13 @@ class HostTier:
         before any work). At most one of `capacity_tokens` and `capacity_gb` is given; a
         capacity in GB becomes whole pages of `kv_bytes_per_token`-byte tokens; neither
         (both 0) is SGLang's default `--hicache-ratio 2.0`: twice the GPU's `gpu_tokens`."""
-        if isinstance(kv_bytes_per_token, bool) or not isinstance(kv_bytes_per_token, int) or kv_bytes_per_token <= 0:
-            raise InvalidRequestError(f"kv_bytes_per_token must be a positive int, got {kv_bytes_per_token!r}")
-        for name, value in (("host_read_gbps", read_gbps), ("host_write_gbps", write_gbps)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise InvalidRequestError(f"{name} must be a positive bandwidth in GB/s, got {value!r}")
-        tokens_given = not (
-            isinstance(capacity_tokens, int) and not isinstance(capacity_tokens, bool) and capacity_tokens == 0
+        kv_bytes = check_kv_bytes_per_token(kv_bytes_per_token)
+        read = check_bandwidth("host_read_gbps", read_gbps)
+        write = check_bandwidth("host_write_gbps", write_gbps)
+        tokens = tier_capacity_tokens(
+            "host", page_size, capacity_tokens, capacity_gb, kv_bytes, absent=DEFAULT_HOST_RATIO * gpu_tokens
         )
-        gb_given = capacity_gb != 0
-        if tokens_given and gb_given:
-            raise InvalidRequestError(
-                "give a host tier's size once: host_capacity_tokens or host_capacity_gb "
-                f"(got {capacity_tokens!r} tokens and {capacity_gb!r} GB)"
-            )
-        if not tokens_given and not gb_given:
-            capacity_tokens = DEFAULT_HOST_RATIO * gpu_tokens
-            what = f"{DEFAULT_HOST_RATIO} x the GPU's {gpu_tokens} tokens"
-        elif gb_given:
-            if isinstance(capacity_gb, bool) or not isinstance(capacity_gb, (int, float)) or not capacity_gb > 0:
-                raise InvalidRequestError(f"host_capacity_gb must be a positive number, got {capacity_gb!r}")
-            capacity_tokens = int(capacity_gb * 1e9) // kv_bytes_per_token // page_size * page_size
-            what = f"host_capacity_gb={capacity_gb} ({capacity_tokens} tokens of {kv_bytes_per_token} bytes)"
-        else:
-            if isinstance(capacity_tokens, bool) or not isinstance(capacity_tokens, int) or capacity_tokens < 0:
-                raise InvalidRequestError(f"host_capacity_tokens must be a positive int, got {capacity_tokens!r}")
-            if 0 < capacity_tokens < page_size:
-                raise InvalidRequestError(
-                    f"a host tier smaller than one page: host_capacity_tokens={capacity_tokens} < page_size {page_size}"
-                )
-            if capacity_tokens % page_size:
-                raise InvalidRequestError(
-                    f"host_capacity_tokens={capacity_tokens} is not a whole number of {page_size}-token pages"
-                )
-            what = f"host_capacity_tokens={capacity_tokens}"
-        if capacity_tokens < page_size:
-            raise InvalidRequestError(f"a host tier smaller than one page of {page_size} tokens: {what}")
-        return cls(int(capacity_tokens), float(read_gbps), float(write_gbps), kv_bytes_per_token)
-
-    def bytes_of(self, tokens: int) -> int:
-        """Bytes of KV in `tokens` tokens."""
-        return tokens * self.kv_bytes_per_token
-
-    def transfer_seconds(self, tokens: int, *, to_host: bool) -> float:
-        """Seconds to move `tokens` tokens of KV one way at this tier's bandwidth (what a
-        serving clock will charge; the replay protocol charges nothing)."""
-        gbps = self.write_gbps if to_host else self.read_gbps
-        return self.bytes_of(tokens) / (gbps * 1e9)
+        return cls(tokens, read, write, kv_bytes)
 
 
 #: the way a tier's loads meet the forward pass (a backend's `PrefixCache.load_timing`):
@@ -290,10 +332,7 @@ class StorageTier:
     __slots__ = (
         "backend",
         "page_size",
-        "capacity_tokens",
-        "read_gbps",
-        "write_gbps",
-        "kv_bytes_per_token",
+        "figures",
         "eviction_ratio",
         "_pages",
         "written_pages",
@@ -302,22 +341,10 @@ class StorageTier:
         "skipped_pages",
     )
 
-    def __init__(
-        self,
-        backend: str,
-        page_size: int,
-        capacity_tokens: int,
-        read_gbps: float,
-        write_gbps: float,
-        kv_bytes_per_token: int,
-        eviction_ratio: float,
-    ) -> None:
+    def __init__(self, backend: str, page_size: int, figures: TierFigures, eviction_ratio: float) -> None:
         self.backend = backend
         self.page_size = page_size
-        self.capacity_tokens = capacity_tokens  # 0: unbounded
-        self.read_gbps = read_gbps
-        self.write_gbps = write_gbps
-        self.kv_bytes_per_token = kv_bytes_per_token
+        self.figures = figures  # capacity 0: unbounded
         self.eviction_ratio = eviction_ratio
         #: page key -> None, least recently used first
         self._pages: OrderedDict[BlockHash, None] = OrderedDict()
@@ -347,47 +374,13 @@ class StorageTier:
             raise InvalidRequestError(
                 f"unknown storage_backend {backend!r}; choose one of {', '.join(STORAGE_BACKENDS)}"
             )
-        if isinstance(kv_bytes_per_token, bool) or not isinstance(kv_bytes_per_token, int) or kv_bytes_per_token <= 0:
-            raise InvalidRequestError(f"kv_bytes_per_token must be a positive int, got {kv_bytes_per_token!r}")
+        kv_bytes = check_kv_bytes_per_token(kv_bytes_per_token)
         defaults = {"file": (FILE_READ_GBPS, FILE_WRITE_GBPS), "shared": (SHARED_READ_GBPS, SHARED_WRITE_GBPS)}[backend]
-        speeds = []
-        for name, value, default in (
-            ("storage_read_gbps", read_gbps, defaults[0]),
-            ("storage_write_gbps", write_gbps, defaults[1]),
-        ):
-            if value is None:
-                value = default
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-                raise InvalidRequestError(f"{name} must be a positive bandwidth in GB/s, got {value!r}")
-            speeds.append(float(value))
-        if isinstance(capacity_tokens, bool) or not isinstance(capacity_tokens, int) or capacity_tokens < 0:
-            raise InvalidRequestError(f"storage_capacity_tokens must be a non-negative int, got {capacity_tokens!r}")
-        if isinstance(capacity_gb, bool) or not isinstance(capacity_gb, (int, float)) or not capacity_gb >= 0:
-            raise InvalidRequestError(f"storage_capacity_gb must be a non-negative number, got {capacity_gb!r}")
-        if capacity_tokens and capacity_gb:
-            raise InvalidRequestError(
-                "give a storage tier's size once: storage_capacity_tokens or storage_capacity_gb "
-                f"(got {capacity_tokens!r} tokens and {capacity_gb!r} GB)"
-            )
-        if capacity_gb:
-            if capacity_gb == float("inf"):
-                raise InvalidRequestError("storage_capacity_gb must be finite (0 is unbounded)")
-            capacity_tokens = int(capacity_gb * 1e9) // kv_bytes_per_token // page_size * page_size
-            what = f"storage_capacity_gb={capacity_gb} ({capacity_tokens} tokens of {kv_bytes_per_token} bytes)"
-            if capacity_tokens < page_size:
-                raise InvalidRequestError(f"a storage tier smaller than one page of {page_size} tokens: {what}")
-        elif capacity_tokens:
-            if capacity_tokens < page_size:
-                raise InvalidRequestError(
-                    f"a storage tier smaller than one page: storage_capacity_tokens={capacity_tokens} "
-                    f"< page_size {page_size}"
-                )
-            if capacity_tokens % page_size:
-                raise InvalidRequestError(
-                    f"storage_capacity_tokens={capacity_tokens} is not a whole number of {page_size}-token pages"
-                )
+        read = check_bandwidth("storage_read_gbps", defaults[0] if read_gbps is None else read_gbps)
+        write = check_bandwidth("storage_write_gbps", defaults[1] if write_gbps is None else write_gbps)
+        tokens = tier_capacity_tokens("storage", page_size, capacity_tokens, capacity_gb, kv_bytes, absent=0)
         ratio = FILE_EVICTION_RATIO if backend == "file" else SHARED_EVICTION_RATIO
-        return cls(backend, page_size, int(capacity_tokens), speeds[0], speeds[1], kv_bytes_per_token, ratio)
+        return cls(backend, page_size, TierFigures(tokens, read, write, kv_bytes), ratio)
 
     # -- figures ---------------------------------------------------------------------
 
@@ -400,32 +393,21 @@ class StorageTier:
     def used_tokens(self) -> int:
         return len(self._pages) * self.page_size
 
+    @property
+    def capacity_tokens(self) -> int:
+        return self.figures.capacity_tokens
+
     def bytes_of(self, tokens: int) -> int:
         """Bytes of KV in `tokens` tokens."""
-        return tokens * self.kv_bytes_per_token
+        return self.figures.bytes_of(tokens)
 
-    def transfer_seconds(self, tokens: int, *, to_storage: bool) -> float:
-        """Seconds to move `tokens` tokens of KV one way at this tier's bandwidth."""
-        gbps = self.write_gbps if to_storage else self.read_gbps
-        return self.bytes_of(tokens) / (gbps * 1e9)
+    def transfer_seconds(self, tokens: int, *, write: bool) -> float:
+        """Seconds to move `tokens` tokens of KV into storage (`write`) or out of it."""
+        return self.figures.transfer_seconds(tokens, write=write)
 
     def same_figures(self, other: StorageTier) -> bool:
         """Whether `other` describes the same pool (what replicas sharing one must agree on)."""
-        return (
-            self.backend,
-            self.page_size,
-            self.capacity_tokens,
-            self.read_gbps,
-            self.write_gbps,
-            self.kv_bytes_per_token,
-        ) == (
-            other.backend,
-            other.page_size,
-            other.capacity_tokens,
-            other.read_gbps,
-            other.write_gbps,
-            other.kv_bytes_per_token,
-        )
+        return (self.backend, self.page_size, self.figures) == (other.backend, other.page_size, other.figures)
 
     def __contains__(self, key: BlockHash) -> bool:
         return key in self._pages
@@ -474,8 +456,8 @@ class StorageTier:
         cap = self.capacity_tokens
         if not cap:
             return
-        page = self.page_size * self.kv_bytes_per_token
-        per_token = self.kv_bytes_per_token
+        per_token = self.figures.kv_bytes_per_token
+        page = self.page_size * per_token
         pages = self._pages
         if (len(pages) + 1) * page <= cap * per_token:
             return

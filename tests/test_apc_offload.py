@@ -251,7 +251,7 @@ def test_replay_without_a_host_tier_has_no_tier_fields():
         ({"host_capacity_tokens": 3}, "a host tier smaller than one page"),
         ({"host_capacity_tokens": 6}, "not a whole number of 4-token pages"),
         ({"host_capacity_tokens": 12, "host_block_size": 16}, "smaller than one host block of 16 tokens"),
-        ({"host_capacity_tokens": -4}, "host_capacity_tokens must be a positive int"),
+        ({"host_capacity_tokens": -4}, "host_capacity_tokens must be a non-negative int"),
         ({"host_capacity_tokens": 64, "host_read_gbps": 0}, "host_read_gbps must be a positive bandwidth"),
         ({"host_capacity_tokens": 64, "host_capacity_gb": 1.0}, "give a host tier's size once"),
         ({"host_capacity_tokens": 64, "host_eviction": "mru"}, "host_eviction must be one of lru, arc"),

@@ -217,11 +217,12 @@ def test_replay_reports_hits_by_tier_and_traffic():
         ({"write_policy": "write_around"}, "unknown write_policy"),
         ({"host_capacity_tokens": 8}, "smaller than one page"),
         ({"host_capacity_tokens": 24}, "not a whole number of 16-token pages"),
-        ({"host_capacity_tokens": -16}, "host_capacity_tokens must be a positive int"),
+        ({"host_capacity_tokens": -16}, "host_capacity_tokens must be a non-negative int"),
         ({"host_capacity_gb": 1e-9}, "smaller than one page"),
         ({"host_capacity_tokens": 32, "host_capacity_gb": 1.0}, "give a host tier's size once"),
         ({"host_read_gbps": 0}, "host_read_gbps must be a positive bandwidth"),
         ({"host_write_gbps": -1.0}, "host_write_gbps must be a positive bandwidth"),
+        ({"host_read_gbps": float("inf")}, "host_read_gbps must be a positive bandwidth"),  # free transfers, unsaid
         ({"kv_bytes_per_token": 0}, "kv_bytes_per_token must be a positive int"),
     ],
 )
@@ -254,7 +255,7 @@ def test_tier_defaults():
     assert tier.read_gbps == H200_HOST_READ_GBPS == 64.0
     gb = HostTier.build(16, 1024, capacity_gb=1.0)
     assert gb.capacity_tokens == 1_000_000_000 // LLAMA3_8B_KV_BYTES_PER_TOKEN // 16 * 16
-    assert tier.transfer_seconds(1000, to_host=True) == pytest.approx(1000 * LLAMA3_8B_KV_BYTES_PER_TOKEN / 64e9)
+    assert tier.transfer_seconds(1000, write=True) == pytest.approx(1000 * LLAMA3_8B_KV_BYTES_PER_TOKEN / 64e9)
 
 
 # -- the bytes: TierCopy moves for the executor ----------------------------------------------

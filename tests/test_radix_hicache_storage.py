@@ -255,11 +255,11 @@ def test_bad_storage_options_fail_in_the_options_layer_and_defaults_are_the_back
     )
     cache = create_cache("radix-hicache", num_pages=8, page_size=16, **variant.options_dict())
     tier = cache.storage_tier
-    assert tier.shared and tier.write_gbps == SHARED_WRITE_GBPS
-    assert tier.capacity_tokens == int(2e9) // tier.kv_bytes_per_token // 16 * 16
-    assert create_cache("radix-hicache", num_pages=8, page_size=16, storage_backend="file").storage_tier.read_gbps == (
-        FILE_READ_GBPS
-    )
+    assert tier.shared and tier.figures.write_gbps == SHARED_WRITE_GBPS
+    assert tier.capacity_tokens == int(2e9) // tier.figures.kv_bytes_per_token // 16 * 16
+    assert create_cache(
+        "radix-hicache", num_pages=8, page_size=16, storage_backend="file"
+    ).storage_tier.figures.read_gbps == (FILE_READ_GBPS)
 
 
 def test_a_served_cluster_shares_one_pool_between_its_replicas():
