@@ -35,6 +35,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from cachelib.interface import DECODE_NOOPS_IF_PRIVATE, DECODE_NOOPS_WHILE_FREE
 from experiments.engine.request import Request
 from experiments.engine.scheduler import Loads, _new_pages, _pages_limit
 from experiments.engine.vllm_scheduler import MAX_WINDOW, StepPlan, VllmScheduler
@@ -66,7 +67,8 @@ class RunningRows:
     covers; `committed`: tokens published to the cache (`seq.num_computed`); `work`: tokens
     computed over its life (`Request.computed_tokens`); `last`: when its last token came
     (NaN: none yet); `has_first`: it has its first token; `timed`: it counts in ITL (not a
-    parallel sample)."""
+    parallel sample); `private`: under a per-sequence lazy promise (`DECODE_NOOPS_IF_PRIVATE`),
+    the cache's `decode_steps_private` after the row's last call (True otherwise)."""
 
     INT_FIELDS: ClassVar[tuple[str, ...]] = (
         "computed",
@@ -78,7 +80,7 @@ class RunningRows:
         "work",
     )
     #: every row field, in `append`'s order
-    FIELDS: ClassVar[tuple[str, ...]] = (*INT_FIELDS, "last", "has_first", "timed")
+    FIELDS: ClassVar[tuple[str, ...]] = (*INT_FIELDS, "last", "has_first", "timed", "private")
 
     def __init__(self) -> None:
         empty = np.zeros(0, dtype=np.int64)
@@ -92,11 +94,12 @@ class RunningRows:
         self.last = np.zeros(0, dtype=np.float64)
         self.has_first = np.zeros(0, dtype=bool)
         self.timed = np.zeros(0, dtype=bool)
+        self.private = np.zeros(0, dtype=bool)
 
     def __len__(self) -> int:
         return self.computed.size
 
-    def append(self, r: Request, computed: int, capacity: int) -> None:
+    def append(self, r: Request, computed: int, capacity: int, private: bool = True) -> None:
         """A request joins the end of the running list with its object's current state."""
         values = (
             computed,
@@ -109,6 +112,7 @@ class RunningRows:
             math.nan if r.last_token_at is None else r.last_token_at,
             r.first_token_at is not None,
             r.sample_of is None,
+            private,
         )
         # one `np.concatenate` per field: `np.append`'s ravel and dispatch cost more than
         # the copy for a few hundred rows, once per admission
@@ -200,6 +204,8 @@ class VllmRowScheduler(VllmScheduler):
         r = self.running[i]
         self.rows.capacity[i] = len(r.seq.page_table) * self.cache.page_size
         self.rows.committed[i] = r.seq.num_computed
+        if self.lazy_when == DECODE_NOOPS_IF_PRIVATE:  # a call may have shared or copied its blocks
+            self.rows.private[i] = self.cache.decode_steps_private(r.seq)
 
     def loads(self, page_size: int) -> Loads:
         """`Scheduler.loads` with running requests read from their rows."""
@@ -235,22 +241,26 @@ class VllmRowScheduler(VllmScheduler):
         plan = RowPlan(n, start)
         end = start + n
         page = self.cache.page_size
-        if self.lazy:
-            # the lazy rule, by the cache's promise (`decode_steps_are_noops`): a one-token
-            # step inside a held page needs no call (EXCUSED); the others are classified
-            # below, row by row, for the few that need a call
+        eager = self.eager_rows(end)
+        if eager is True:
+            todo = np.flatnonzero(n > 0)
+        else:
+            # the lazy rule, by the cache's promise (`decode_steps_are_noops`, or its
+            # condition `decode_noops_when` where it holds: not `eager`): a one-token step
+            # inside a held page needs no call (EXCUSED); the others are classified below,
+            # row by row, for the few that need a call
             one = n == 1
             excused = one & (end <= rows.capacity) & (end % page != 0)
+            if eager is not False:
+                excused &= ~eager
             todo = np.flatnonzero((n > 0) & ~excused)
-        else:
-            todo = np.flatnonzero(n > 0)
         # each row's values before any call of this step (a call changes only its own row's
         # table; a preemption ends the loop at the rows it removed)
         calls = zip(todo.tolist(), n[todo].tolist(), end[todo].tolist(), rows.capacity[todo].tolist(), strict=True)
         for i, ni, ei, cap in calls:
             if i >= len(self.running):
                 break  # preempted by an earlier row's allocation
-            kind = row_kind(ni, ei, cap, page) if self.lazy else CALLS
+            kind = CALLS if eager is True or (eager is not False and eager[i]) else row_kind(ni, ei, cap, page)
             r = self.sync_for_cache(i, self.running[i])
             if kind == FILLS:
                 self.publish(r, ei)
@@ -268,6 +278,26 @@ class VllmRowScheduler(VllmScheduler):
         self.finished_pending = False
         return plan
 
+    def eager_rows(self, end: np.ndarray) -> bool | np.ndarray:
+        """The rows whose steps to `end` (their computed counts after it) make every call the
+        object loop makes without the lazy rule: True (all), False (none: the promise holds
+        for every row), or a mask. Under `DECODE_NOOPS_WHILE_FREE` all or none: the calls of
+        the step can take at most the new pages of the rows that need one (a preemption or
+        eviction only frees pages), so while more pages are free than that, every call of an
+        excused row would find a page free; under `DECODE_NOOPS_IF_PRIVATE`, the rows whose
+        sequence may write a shared block."""
+        if not self.lazy:
+            return True
+        when = self.lazy_when
+        if when is None:
+            return False
+        rows = self.rows
+        if when == DECODE_NOOPS_WHILE_FREE:
+            page = self.cache.page_size
+            take = int(np.maximum(-(-end // page) - rows.capacity // page, 0).sum())
+            return self.cache.pages_free() <= take
+        return ~rows.private
+
     def preempt_request(self, r: Request) -> None:
         """A victim is the last running request: its row is synced, then dropped."""
         i = len(self.running)  # `allocate` popped it already: it was row `i`
@@ -283,9 +313,10 @@ class VllmRowScheduler(VllmScheduler):
             return
         plan.admitted = True
         page = self.cache.page_size
+        private = self.lazy_when == DECODE_NOOPS_IF_PRIVATE
         n, start = [], []
         for r, k, s in step.items:
-            self.rows.append(r, s + k, len(r.seq.page_table) * page)
+            self.rows.append(r, s + k, len(r.seq.page_table) * page, not private or self.cache.decode_steps_private(r.seq))
             n.append(k)
             start.append(s)
         plan.n = np.concatenate((plan.n, np.array(n, dtype=np.int64)))
@@ -363,7 +394,7 @@ class VllmRowScheduler(VllmScheduler):
         self.gpu_free = end
         final = plan.start + k
         page = self.cache.page_size
-        calls = (final > rows.capacity) | (final // page > rows.committed // page) | (not self.lazy)
+        calls = (final > rows.capacity) | (final // page > rows.committed // page) | self.eager_rows(final)
         rows.known = rows.known + k  # the window's k tokens are sampled (appended at a sync)
         for i in np.flatnonzero(calls).tolist():
             r = self.sync(i)  # computed: this step's token, as the object loop flushes it
