@@ -19,6 +19,7 @@ from typing import ClassVar
 
 import pytest
 
+from backends.paged import PagedCache
 from backends.radix import RadixCache
 from cachelib import create_cache
 from cachelib.errors import InvalidRequestError
@@ -270,6 +271,42 @@ def test_paged_lazy_equals_eager_with_declared_prefixes(loop, pages):
 def test_paged_lazy_equals_eager_step_by_step_on_mooncake():
     requests = _mooncake(60)
     both("objects", _paged(40_000 // 16), requests, windows=False)
+
+
+class Watchful(PagedCache):
+    """paged that withholds its per-sequence promise from a sequence writing every third
+    block (a test-only cache: a sequence's answer still changes only through a call naming
+    it, as the contract says) and logs each grow of a sequence it withheld it from. An
+    engine that honours the answer makes those grows lazily exactly as eagerly."""
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        super().__init__(num_pages, page_size)
+        self.watched: list[tuple[str, int]] = []
+
+    def decode_steps_private(self, seq) -> bool:
+        return super().decode_steps_private(seq) and (seq.num_computed // self.page_size) % 3 != 1
+
+    def _grow(self, seq, table, num_tokens):
+        if not self.decode_steps_private(seq):
+            self.watched.append((seq.request_id, num_tokens))
+        return super()._grow(seq, table, num_tokens)
+
+
+@pytest.mark.parametrize("loop", sorted(LOOPS))
+@pytest.mark.parametrize("workload,pages", [("docs", 60), ("docs", 400), ("chat", 40)])
+def test_the_engine_calls_every_step_of_a_sequence_the_cache_does_not_approve(loop, workload, pages):
+    name, knobs = SYNTHETIC[workload]
+    requests = make_workload(name, seed=3, **knobs).requests
+    made: list[Watchful] = []
+
+    def make() -> Watchful:
+        made.append(Watchful(pages, 16))
+        return made[-1]
+
+    both(loop, make, requests)
+    lazy, eager = made
+    assert lazy.watched == eager.watched
+    assert len(eager.watched) > 30
 
 
 def test_paged_private_answer_follows_forks_and_copies():
