@@ -136,7 +136,7 @@ def assert_same(lazy: dict, eager: dict) -> None:
 def both(loop, make_cache, requests, **kw):
     (a, ca, la), (b, cb, lb) = (run(loop, make_cache, requests, eager=e, **kw) for e in (False, True))
     assert_same(a, b)
-    assert sum(not rec["aborted"] for rec in b["records"]) > len(b["records"]) // 2
+    assert any(not rec["aborted"] for rec in b["records"])
     assert ca.grows + ca.commits < cb.grows + cb.commits, "the lazy run skipped no call"
     return a, lb
 
