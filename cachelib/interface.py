@@ -46,7 +46,6 @@ from cachelib.kv_events import KvEvent, KvEventFanout, KvEventListener, PageKeys
 from cachelib.tiers import NO_PREFETCH, StoragePrefetch
 from cachelib.types import CacheStats, CopyOp, Match, Sequence
 
-
 #: `PrefixCache.decode_noops_when`: decode steps inside held pages are no-ops while a page is free
 DECODE_NOOPS_WHILE_FREE = "while_a_page_is_free"
 #: `PrefixCache.decode_noops_when`: they are for a sequence `decode_steps_private` approves

@@ -93,7 +93,9 @@ class Log:
         self.decode_evictions += self.client.decode_grow
 
 
-def run(loop: str, make_cache, requests, *, eager: bool, windows: bool = True, declare=None) -> tuple[dict, CountingClient, Log]:
+def run(
+    loop: str, make_cache, requests, *, eager: bool, windows: bool = True, declare=None
+) -> tuple[dict, CountingClient, Log]:
     cache = make_cache()
     if eager:
         withdraw_lazy(cache)

@@ -95,7 +95,9 @@ class Scheduler:
                 f"{self.cache.name}: unknown decode_noops_when {self.lazy_when!r}; "
                 f"one of {', '.join(DECODE_NOOPS_CONDITIONS)}, or None"
             )
-        self.lazy = (self.cache.decode_steps_are_noops or self.lazy_when is not None) and executor.supports_decode_windows
+        self.lazy = (
+            self.cache.decode_steps_are_noops or self.lazy_when is not None
+        ) and executor.supports_decode_windows
         self._gone: set[int] = set()  # ids of requests preempted during the current step
         self._lagging: set[int] = set()  # ids of requests whose step this time needs no cache call
         # records carry reuse by tier (a reference model duck-typing the contract has none)

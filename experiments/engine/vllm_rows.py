@@ -316,7 +316,9 @@ class VllmRowScheduler(VllmScheduler):
         private = self.lazy_when == DECODE_NOOPS_IF_PRIVATE
         n, start = [], []
         for r, k, s in step.items:
-            self.rows.append(r, s + k, len(r.seq.page_table) * page, not private or self.cache.decode_steps_private(r.seq))
+            self.rows.append(
+                r, s + k, len(r.seq.page_table) * page, not private or self.cache.decode_steps_private(r.seq)
+            )
             n.append(k)
             start.append(s)
         plan.n = np.concatenate((plan.n, np.array(n, dtype=np.int64)))

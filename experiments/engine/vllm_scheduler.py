@@ -104,7 +104,9 @@ class VllmScheduler(Scheduler):
         # publishes known tokens only, which the batched count does not track). Under a
         # conditional promise (`lazy_when`, set by `Scheduler`) a step is skipped only when
         # its condition holds (`decode_step_excused`).
-        self.lazy = (self.cache.decode_steps_are_noops or self.lazy_when is not None) and not self.config.async_scheduling
+        self.lazy = (
+            self.cache.decode_steps_are_noops or self.lazy_when is not None
+        ) and not self.config.async_scheduling
         self.gpu_free = 0.0  # when the last non-empty step ends
         self.finished_pending = False  # vLLM's finished_req_ids: one more schedule() after a finish
         self.async_scheduling = self.config.async_scheduling
