@@ -182,12 +182,14 @@ SYNTHETIC = {
 
 @pytest.mark.parametrize("loop", sorted(LOOPS))
 @pytest.mark.parametrize("workload,pages", [("docs", 30), ("docs", 60), ("chat", 40)])
-def test_radix_lazy_equals_eager_under_pressure(loop, workload, pages):
+@pytest.mark.parametrize("backend", ["radix", "radix-aged"])
+def test_radix_lazy_equals_eager_under_pressure(loop, workload, pages, backend):
     """Free pages run out in the middle of decode windows (the row loop's window rule) and
-    of steps (every loop's step rule)."""
+    of steps (every loop's step rule). radix-aged inherits the promise (its LRFU clock
+    moves on lookups, never on a decode step)."""
     name, knobs = SYNTHETIC[workload]
     requests = make_workload(name, seed=3, **knobs).requests
-    _, eager_log = both(loop, lambda: create_cache("radix", num_pages=pages, page_size=16), requests)
+    _, eager_log = both(loop, lambda: create_cache(backend, num_pages=pages, page_size=16), requests)
     assert eager_log.decode_evictions > 0
 
 
