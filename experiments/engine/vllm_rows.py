@@ -241,26 +241,35 @@ class VllmRowScheduler(VllmScheduler):
         plan = RowPlan(n, start)
         end = start + n
         page = self.cache.page_size
-        eager = self.eager_rows(end)
-        if eager is True:
-            todo = np.flatnonzero(n > 0)
-        else:
-            # the lazy rule, by the cache's promise (`decode_steps_are_noops`, or its
-            # condition `decode_noops_when` where it holds: not `eager`): a one-token step
-            # inside a held page needs no call (EXCUSED); the others are classified below,
-            # row by row, for the few that need a call
+        if self.lazy:
+            # the lazy rule, by the cache's promise (`decode_steps_are_noops`): a one-token
+            # step inside a held page needs no call (EXCUSED); the others are classified
+            # below, row by row, for the few that need a call. Under a conditional promise
+            # the rows it cannot clear for the whole step (`unproven`) are checked there,
+            # one by one at their turn, as the object loop checks them
             one = n == 1
             excused = one & (end <= rows.capacity) & (end % page != 0)
-            if eager is not False:
-                excused &= ~eager
+            unproven = self.unproven_rows(end)
+            if unproven is not None:
+                excused &= ~unproven
             todo = np.flatnonzero((n > 0) & ~excused)
+        else:
+            todo = np.flatnonzero(n > 0)
+            unproven = None
         # each row's values before any call of this step (a call changes only its own row's
         # table; a preemption ends the loop at the rows it removed)
         calls = zip(todo.tolist(), n[todo].tolist(), end[todo].tolist(), rows.capacity[todo].tolist(), strict=True)
         for i, ni, ei, cap in calls:
             if i >= len(self.running):
                 break  # preempted by an earlier row's allocation
-            kind = CALLS if eager is True or (eager is not False and eager[i]) else row_kind(ni, ei, cap, page)
+            if not self.lazy:
+                kind = CALLS
+            elif unproven is not None and unproven[i] and not self.decode_step_excused(self.running[i].seq):
+                kind = CALLS  # the condition fails now: every call, as without the promise
+            else:
+                kind = row_kind(ni, ei, cap, page)
+                if kind == EXCUSED:
+                    continue  # an unproven row whose condition holds at its turn
             r = self.sync_for_cache(i, self.running[i])
             if kind == FILLS:
                 self.publish(r, ei)
@@ -278,24 +287,23 @@ class VllmRowScheduler(VllmScheduler):
         self.finished_pending = False
         return plan
 
-    def eager_rows(self, end: np.ndarray) -> bool | np.ndarray:
-        """The rows whose steps to `end` (their computed counts after it) make every call the
-        object loop makes without the lazy rule: True (all), False (none: the promise holds
-        for every row), or a mask. Under `DECODE_NOOPS_WHILE_FREE` all or none: the calls of
-        the step can take at most the new pages of the rows that need one (a preemption or
-        eviction only frees pages), so while more pages are free than that, every call of an
-        excused row would find a page free; under `DECODE_NOOPS_IF_PRIVATE`, the rows whose
-        sequence may write a shared block."""
-        if not self.lazy:
-            return True
+    def unproven_rows(self, end: np.ndarray) -> np.ndarray | None:
+        """Under a conditional lazy promise, the rows for which it is not proven, before any
+        call, that the condition will hold when their turn comes in a pass that takes each
+        row to `end` tokens (None: an unconditional promise). Under `DECODE_NOOPS_WHILE_FREE`
+        the calls before a row take at most the new pages of the rows ahead of it that need
+        one (a preemption or an eviction only frees pages): while fewer than the pages free
+        now, a page is still free at its turn. Under `DECODE_NOOPS_IF_PRIVATE`, the rows the
+        cache did not approve after their last call (only a call naming a sequence changes
+        its answer)."""
         when = self.lazy_when
         if when is None:
-            return False
+            return None
         rows = self.rows
         if when == DECODE_NOOPS_WHILE_FREE:
             page = self.cache.page_size
-            take = int(np.maximum(-(-end // page) - rows.capacity // page, 0).sum())
-            return self.cache.pages_free() <= take
+            take = np.maximum(-(-end // page) - rows.capacity // page, 0)
+            return np.cumsum(take) - take >= self.cache.pages_free()
         return ~rows.private
 
     def preempt_request(self, r: Request) -> None:
@@ -396,9 +404,13 @@ class VllmRowScheduler(VllmScheduler):
         self.gpu_free = end
         final = plan.start + k
         page = self.cache.page_size
-        calls = (final > rows.capacity) | (final // page > rows.committed // page) | self.eager_rows(final)
+        calls = (final > rows.capacity) | (final // page > rows.committed // page) | (not self.lazy)
+        unproven = self.unproven_rows(final) if self.lazy else None
+        todo = calls if unproven is None else calls | unproven
         rows.known = rows.known + k  # the window's k tokens are sampled (appended at a sync)
-        for i in np.flatnonzero(calls).tolist():
+        for i in np.flatnonzero(todo).tolist():
+            if not calls[i] and self.decode_step_excused(self.running[i].seq):
+                continue  # an unproven row whose condition holds at its turn
             r = self.sync(i)  # computed: this step's token, as the object loop flushes it
             self.flush(r)
             ops = self.client.grow(r.seq, int(final[i]))
