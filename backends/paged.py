@@ -39,7 +39,7 @@ from itertools import count
 import numpy as np
 
 from cachelib.errors import InvalidRequestError
-from cachelib.interface import LiveState, Occupancy, PagePartition, PrefixCache
+from cachelib.interface import DECODE_NOOPS_IF_PRIVATE, LiveState, Occupancy, PagePartition, PrefixCache
 from cachelib.page_pool import FifoPagePool
 from cachelib.registry import register_backend
 from cachelib.types import NO_EXTRA, CopyOp, ExtraKeys, Match, Sequence, as_token_ids
@@ -86,6 +86,10 @@ class PagedCache(PrefixCache):
     declares_prefixes = True
     #: no KV events: what it shares is declared up front, not published as requests run
     emits_kv_events = False
+    #: a decode write inside a held block is free of effects unless the block is shared (a
+    #: fork's, a declared prefix's partial last block): then `_grow` copies it. Per sequence:
+    #: `decode_steps_private`
+    decode_noops_when = DECODE_NOOPS_IF_PRIVATE
 
     def __init__(self, num_pages: int, page_size: int) -> None:
         super().__init__(num_pages, page_size)
@@ -345,6 +349,21 @@ class PagedCache(PrefixCache):
 
     def pages_pinned(self) -> int:
         return self.num_pages - len(self._free)  # O(1); stats() walks every ref count
+
+    def pages_free(self) -> int:
+        return len(self._free)
+
+    def decode_steps_private(self, seq: Sequence) -> bool:
+        """No block from the one holding token `seq.num_computed` on is shared: a grow within
+        the table then copies nothing (`_shared_in` is empty) and moves only `granted`, which
+        the commit that follows brings to the same value; a commit publishes nothing here."""
+        table = self._check_live(seq)
+        ref = self._ref
+        blocks = table.blocks
+        for i in range(seq.num_computed // self.page_size, len(blocks)):
+            if ref[blocks[i]] != 1:
+                return False
+        return True
 
     def pages_reclaimable(self) -> int:
         return len(self._free)  # nothing is cached: declared prefixes stay pinned

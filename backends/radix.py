@@ -88,7 +88,7 @@ from backends.radix_pages import PagePool, PageTable
 from backends.radix_policy import EvictionPolicy, make_policy
 from backends.radix_tree import RadixNode, RadixTree
 from cachelib.errors import InvalidRequestError, StaleMatchError
-from cachelib.interface import LiveState, Occupancy, PagePartition, PrefixCache
+from cachelib.interface import DECODE_NOOPS_WHILE_FREE, LiveState, Occupancy, PagePartition, PrefixCache
 from cachelib.kv_events import PageKeys, PagesRemoved, PagesStored
 from cachelib.registry import register_backend
 from cachelib.types import CopyOp, ExtraKeys, Match, Sequence
@@ -216,8 +216,10 @@ class RadixCache(PrefixCache):
         self.reserve_page = reserve_page and page_size > 1
         if self.reserve_page:
             # a decode step inside a held page still evicts when nothing is free: an engine
-            # must call grow every step (declared per instance, the class default is True)
+            # calls grow every step unless a page is free then (`_decode_steps`; declared per
+            # instance, the class default is True)
             self.decode_steps_are_noops = False
+            self.decode_noops_when = DECODE_NOOPS_WHILE_FREE
         self.tree = RadixTree(page_size, policy)
         self.eviction_policy = policy.name
         # Free pages: recycled ids, then never-used ones created when first handed out (an
@@ -532,6 +534,9 @@ class RadixCache(PrefixCache):
 
     def pages_pinned(self) -> int:
         return self.num_pages - self._num_free - self.tree.evictable_tokens // self.page_size  # O(1)
+
+    def pages_free(self) -> int:
+        return self._num_free  # O(1)
 
     def _page_partition(self) -> PagePartition:
         cached: list[int] = []

@@ -197,6 +197,9 @@ class HiRadixCache(RadixCache):
         )
         policy = make_policy(eviction_policy)
         super().__init__(num_pages, page_size, eviction_policy=policy, track_contents=track_contents)
+        # radix's conditional lazy promise is not extended here: a grow also hands over the
+        # tier moves decided since the last call, and a commit acknowledges load-backs
+        self.decode_noops_when = None
         self.write_policy = write_policy
         self.prefetch_policy = prefetch_policy
         if self.storage_tier is not None:

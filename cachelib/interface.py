@@ -46,6 +46,13 @@ from cachelib.kv_events import KvEvent, KvEventFanout, KvEventListener, PageKeys
 from cachelib.tiers import NO_PREFETCH, StoragePrefetch
 from cachelib.types import CacheStats, CopyOp, Match, Sequence
 
+#: `PrefixCache.decode_noops_when`: decode steps inside held pages are no-ops while a page is free
+DECODE_NOOPS_WHILE_FREE = "while_a_page_is_free"
+#: `PrefixCache.decode_noops_when`: they are for a sequence `decode_steps_private` approves
+DECODE_NOOPS_IF_PRIVATE = "if_sequence_private"
+#: every condition `decode_noops_when` may name
+DECODE_NOOPS_CONDITIONS = (DECODE_NOOPS_WHILE_FREE, DECODE_NOOPS_IF_PRIVATE)
+
 
 def _cow_copies(ops: list) -> int:
     """The copy-on-write copies among `ops` (a tiered cache adds `TierCopy` moves)."""
@@ -91,6 +98,18 @@ class PrefixCache(ABC):
     #: then batch those decode steps: it calls `commit` before the next `grow`, `fork` or
     #: `release` of the sequence. False (the safe default) = call both every step.
     decode_steps_are_noops: ClassVar[bool] = False
+    #: The same promise under a condition, for a backend that cannot make it always
+    #: (`decode_steps_are_noops` False). For a decode step of a sequence whose table already
+    #: holds its next token, a grow and a commit are no-ops (but for the counts the later
+    #: ones bring up to date) when:
+    #: - `DECODE_NOOPS_WHILE_FREE`: at least one page is free (`pages_free() > 0`) at the
+    #:   moment the grow would come (radix with its one-page reserve: a step finding no page
+    #:   free evicts);
+    #: - `DECODE_NOOPS_IF_PRIVATE`: `decode_steps_private(seq)` says so (paged: a write into
+    #:   a shared block copies it).
+    #: An engine may skip such a step's calls exactly when the condition holds, and calls
+    #: `commit` before the sequence's next `grow`, `fork` or `release`. None: no condition.
+    decode_noops_when: ClassVar[str | None] = None
     #: True when `match` can return a hit: the backend then overrides `_verify_match`
     reuses_kv: ClassVar[bool] = False
     #: True when the backend takes declared prefixes (`register_prefix`, `prefix_sequence`,
@@ -347,6 +366,22 @@ class PrefixCache(ABC):
         Engines ask this every step; a backend whose `_occupancy()` is not O(1) overrides it."""
         occ = self._occupancy()
         return self.num_pages - occ.pages_free - occ.pages_cached
+
+    def pages_free(self) -> int:
+        """Pages free now (`stats().pages_free`): what a `DECODE_NOOPS_WHILE_FREE` promise
+        reads. A backend whose `_occupancy()` is not O(1) overrides it."""
+        return self._occupancy().pages_free
+
+    def decode_steps_private(self, seq: Sequence) -> bool:
+        """For a `DECODE_NOOPS_IF_PRIVATE` backend: True when a grow or commit of the live
+        `seq` within the pages its table holds copies nothing and publishes nothing (no
+        block a write from `seq.num_computed` on can land in is shared). Read-only. The
+        answer holds until the next call that names `seq` (grow, commit, fork as parent or
+        child, release): no call on another sequence can share the blocks `seq` writes."""
+        raise InvalidRequestError(
+            f"a {self.name} cache makes no per-sequence decode promise (its decode_noops_when is "
+            f"{self.decode_noops_when!r})"
+        )
 
     def pages_reclaimable(self) -> int:
         """Pages an allocation can get without touching a live sequence: free + cached."""

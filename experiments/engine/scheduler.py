@@ -32,7 +32,7 @@ from typing import ClassVar, NamedTuple
 
 import numpy as np
 
-from cachelib.interface import PrefixCache
+from cachelib.interface import DECODE_NOOPS_CONDITIONS, DECODE_NOOPS_WHILE_FREE, PrefixCache
 from cachelib.types import Sequence
 from experiments.engine.cache_client import CacheClient
 from experiments.engine.clock import VirtualClock
@@ -87,7 +87,17 @@ class Scheduler:
         # Decode steps inside a page the table already holds need no cache call on backends
         # that promise so: their commits are batched until the next grow, fork or release
         # (cost model only; the real model reads every step's pages through the table).
-        self.lazy = self.cache.decode_steps_are_noops and executor.supports_decode_windows
+        # `lazy_when`: None when the promise is unconditional, else its condition
+        # (`PrefixCache.decode_noops_when`), checked for each step it would excuse.
+        self.lazy_when = None if self.cache.decode_steps_are_noops else self.cache.decode_noops_when
+        if self.lazy_when is not None and self.lazy_when not in DECODE_NOOPS_CONDITIONS:
+            raise ValueError(
+                f"{self.cache.name}: unknown decode_noops_when {self.lazy_when!r}; "
+                f"one of {', '.join(DECODE_NOOPS_CONDITIONS)}, or None"
+            )
+        self.lazy = (
+            self.cache.decode_steps_are_noops or self.lazy_when is not None
+        ) and executor.supports_decode_windows
         self._gone: set[int] = set()  # ids of requests preempted during the current step
         self._lagging: set[int] = set()  # ids of requests whose step this time needs no cache call
         # records carry reuse by tier (a reference model duck-typing the contract has none)
@@ -154,7 +164,14 @@ class Scheduler:
             seq = r.seq
             start = seq.num_computed + r.lag
             n = min(len(seq) - start, budget)
-            if self.lazy and n == 1 and start >= seq.prompt_len and start % page and start < len(seq.page_table) * page:
+            if (
+                self.lazy
+                and n == 1
+                and start >= seq.prompt_len
+                and start % page
+                and start < len(seq.page_table) * page
+                and (self.lazy_when is None or self.decode_step_excused(seq))
+            ):
                 self._lagging.add(id(r))  # a decode step inside a page it holds: no cache call
                 batch.append((r, 1))
                 budget -= 1
@@ -341,6 +358,15 @@ class Scheduler:
             else:
                 child.seq.append_token(first)
                 self.running.append(child)
+
+    def decode_step_excused(self, seq: Sequence) -> bool:
+        """Under a conditional lazy promise (`lazy_when`), whether the cache calls of a decode
+        step of `seq` inside a page it holds may be skipped now, at the moment they would
+        come: a page is free (`DECODE_NOOPS_WHILE_FREE`), or the cache says `seq` writes
+        no shared block (`DECODE_NOOPS_IF_PRIVATE`)."""
+        if self.lazy_when == DECODE_NOOPS_WHILE_FREE:
+            return self.cache.pages_free() > 0
+        return self.cache.decode_steps_private(seq)  # DECODE_NOOPS_IF_PRIVATE (checked in __init__)
 
     def flush(self, r: Request) -> None:
         """Commit `r`'s batched decode tokens (before any grow, fork or release)."""

@@ -35,6 +35,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from cachelib.interface import DECODE_NOOPS_IF_PRIVATE, DECODE_NOOPS_WHILE_FREE
 from experiments.engine.request import Request
 from experiments.engine.scheduler import Loads, _new_pages, _pages_limit
 from experiments.engine.vllm_scheduler import MAX_WINDOW, StepPlan, VllmScheduler
@@ -66,7 +67,8 @@ class RunningRows:
     covers; `committed`: tokens published to the cache (`seq.num_computed`); `work`: tokens
     computed over its life (`Request.computed_tokens`); `last`: when its last token came
     (NaN: none yet); `has_first`: it has its first token; `timed`: it counts in ITL (not a
-    parallel sample)."""
+    parallel sample); `private`: under a per-sequence lazy promise (`DECODE_NOOPS_IF_PRIVATE`),
+    the cache's `decode_steps_private` after the row's last call (True otherwise)."""
 
     INT_FIELDS: ClassVar[tuple[str, ...]] = (
         "computed",
@@ -78,7 +80,7 @@ class RunningRows:
         "work",
     )
     #: every row field, in `append`'s order
-    FIELDS: ClassVar[tuple[str, ...]] = (*INT_FIELDS, "last", "has_first", "timed")
+    FIELDS: ClassVar[tuple[str, ...]] = (*INT_FIELDS, "last", "has_first", "timed", "private")
 
     def __init__(self) -> None:
         empty = np.zeros(0, dtype=np.int64)
@@ -92,11 +94,12 @@ class RunningRows:
         self.last = np.zeros(0, dtype=np.float64)
         self.has_first = np.zeros(0, dtype=bool)
         self.timed = np.zeros(0, dtype=bool)
+        self.private = np.zeros(0, dtype=bool)
 
     def __len__(self) -> int:
         return self.computed.size
 
-    def append(self, r: Request, computed: int, capacity: int) -> None:
+    def append(self, r: Request, computed: int, capacity: int, private: bool = True) -> None:
         """A request joins the end of the running list with its object's current state."""
         values = (
             computed,
@@ -109,6 +112,7 @@ class RunningRows:
             math.nan if r.last_token_at is None else r.last_token_at,
             r.first_token_at is not None,
             r.sample_of is None,
+            private,
         )
         # one `np.concatenate` per field: `np.append`'s ravel and dispatch cost more than
         # the copy for a few hundred rows, once per admission
@@ -200,6 +204,8 @@ class VllmRowScheduler(VllmScheduler):
         r = self.running[i]
         self.rows.capacity[i] = len(r.seq.page_table) * self.cache.page_size
         self.rows.committed[i] = r.seq.num_computed
+        if self.lazy_when == DECODE_NOOPS_IF_PRIVATE:  # a call may have shared or copied its blocks
+            self.rows.private[i] = self.cache.decode_steps_private(r.seq)
 
     def loads(self, page_size: int) -> Loads:
         """`Scheduler.loads` with running requests read from their rows."""
@@ -238,19 +244,32 @@ class VllmRowScheduler(VllmScheduler):
         if self.lazy:
             # the lazy rule, by the cache's promise (`decode_steps_are_noops`): a one-token
             # step inside a held page needs no call (EXCUSED); the others are classified
-            # below, row by row, for the few that need a call
+            # below, row by row, for the few that need a call. Under a conditional promise
+            # the rows it cannot clear for the whole step (`unproven`) are checked there,
+            # one by one at their turn, as the object loop checks them
             one = n == 1
             excused = one & (end <= rows.capacity) & (end % page != 0)
+            unproven = self.unproven_rows(end)
+            if unproven is not None:
+                excused &= ~unproven
             todo = np.flatnonzero((n > 0) & ~excused)
         else:
             todo = np.flatnonzero(n > 0)
+            unproven = None
         # each row's values before any call of this step (a call changes only its own row's
         # table; a preemption ends the loop at the rows it removed)
         calls = zip(todo.tolist(), n[todo].tolist(), end[todo].tolist(), rows.capacity[todo].tolist(), strict=True)
         for i, ni, ei, cap in calls:
             if i >= len(self.running):
                 break  # preempted by an earlier row's allocation
-            kind = row_kind(ni, ei, cap, page) if self.lazy else CALLS
+            if not self.lazy:
+                kind = CALLS
+            elif unproven is not None and unproven[i] and not self.decode_step_excused(self.running[i].seq):
+                kind = CALLS  # the condition fails now: every call, as without the promise
+            else:
+                kind = row_kind(ni, ei, cap, page)
+                if kind == EXCUSED:
+                    continue  # an unproven row whose condition holds at its turn
             r = self.sync_for_cache(i, self.running[i])
             if kind == FILLS:
                 self.publish(r, ei)
@@ -268,6 +287,25 @@ class VllmRowScheduler(VllmScheduler):
         self.finished_pending = False
         return plan
 
+    def unproven_rows(self, end: np.ndarray) -> np.ndarray | None:
+        """Under a conditional lazy promise, the rows for which it is not proven, before any
+        call, that the condition will hold when their turn comes in a pass that takes each
+        row to `end` tokens (None: an unconditional promise). Under `DECODE_NOOPS_WHILE_FREE`
+        the calls before a row take at most the new pages of the rows ahead of it that need
+        one (a preemption or an eviction only frees pages): while fewer than the pages free
+        now, a page is still free at its turn. Under `DECODE_NOOPS_IF_PRIVATE`, the rows the
+        cache did not approve after their last call (only a call naming a sequence changes
+        its answer)."""
+        when = self.lazy_when
+        if when is None:
+            return None
+        rows = self.rows
+        if when == DECODE_NOOPS_WHILE_FREE:
+            page = self.cache.page_size
+            take = np.maximum(-(-end // page) - rows.capacity // page, 0)
+            return np.cumsum(take) - take >= self.cache.pages_free()
+        return ~rows.private
+
     def preempt_request(self, r: Request) -> None:
         """A victim is the last running request: its row is synced, then dropped."""
         i = len(self.running)  # `allocate` popped it already: it was row `i`
@@ -283,9 +321,12 @@ class VllmRowScheduler(VllmScheduler):
             return
         plan.admitted = True
         page = self.cache.page_size
+        private = self.lazy_when == DECODE_NOOPS_IF_PRIVATE
         n, start = [], []
         for r, k, s in step.items:
-            self.rows.append(r, s + k, len(r.seq.page_table) * page)
+            self.rows.append(
+                r, s + k, len(r.seq.page_table) * page, not private or self.cache.decode_steps_private(r.seq)
+            )
             n.append(k)
             start.append(s)
         plan.n = np.concatenate((plan.n, np.array(n, dtype=np.int64)))
@@ -364,8 +405,12 @@ class VllmRowScheduler(VllmScheduler):
         final = plan.start + k
         page = self.cache.page_size
         calls = (final > rows.capacity) | (final // page > rows.committed // page) | (not self.lazy)
+        unproven = self.unproven_rows(final) if self.lazy else None
+        todo = calls if unproven is None else calls | unproven
         rows.known = rows.known + k  # the window's k tokens are sampled (appended at a sync)
-        for i in np.flatnonzero(calls).tolist():
+        for i in np.flatnonzero(todo).tolist():
+            if not calls[i] and self.decode_step_excused(self.running[i].seq):
+                continue  # an unproven row whose condition holds at its turn
             r = self.sync(i)  # computed: this step's token, as the object loop flushes it
             self.flush(r)
             ops = self.client.grow(r.seq, int(final[i]))

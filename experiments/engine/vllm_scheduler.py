@@ -101,8 +101,12 @@ class VllmScheduler(Scheduler):
         # A decode step inside a page the table already holds publishes nothing on backends
         # that promise so: its grow and commit are skipped and the commit batched (`r.lag`)
         # until the page fills or the request is released (synchronous loop only: async
-        # publishes known tokens only, which the batched count does not track).
-        self.lazy = self.cache.decode_steps_are_noops and not self.config.async_scheduling
+        # publishes known tokens only, which the batched count does not track). Under a
+        # conditional promise (`lazy_when`, set by `Scheduler`) a step is skipped only when
+        # its condition holds (`decode_step_excused`).
+        self.lazy = (
+            self.cache.decode_steps_are_noops or self.lazy_when is not None
+        ) and not self.config.async_scheduling
         self.gpu_free = 0.0  # when the last non-empty step ends
         self.finished_pending = False  # vLLM's finished_req_ids: one more schedule() after a finish
         self.async_scheduling = self.config.async_scheduling
@@ -202,7 +206,7 @@ class VllmScheduler(Scheduler):
         budget = self.config.token_budget
         running, items = self.running, plan.items
         page = self.cache.page_size
-        lazy = self.lazy
+        lazy, conditional = self.lazy, self.lazy_when is not None
         i = 0
         while i < len(running) and budget > 0:
             r = running[i]
@@ -216,7 +220,13 @@ class VllmScheduler(Scheduler):
             elif n == 0:
                 continue
             end = v.computed + n
-            if lazy and n == 1 and end % page and end <= len(r.seq.page_table) * page:
+            if (
+                lazy
+                and n == 1
+                and end % page
+                and end <= len(r.seq.page_table) * page
+                and (not conditional or self.decode_step_excused(r.seq))
+            ):
                 r.lag = end - r.seq.num_computed  # no new page and none fills: nothing to call
             elif not self.allocate(r, n, plan):
                 break  # it preempted itself: the running pass stops

@@ -23,6 +23,7 @@ class VllmModel:
 
     name = "vllm-model"
     decode_steps_are_noops = False
+    decode_noops_when = None
 
     def __init__(self, num_pages: int, page_size: int) -> None:
         self.num_pages = num_pages
