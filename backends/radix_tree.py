@@ -64,6 +64,7 @@ class RadixNode:
         "namespace",
         "policy_state",
         "page_keys",
+        "match_pages",
     )
 
     def __init__(
@@ -86,6 +87,11 @@ class RadixNode:
         self.policy_state: object = None  # what the eviction policy keeps per node, if anything
         #: the KV-event key of each of its pages (`RadixEvents`), kept only while someone listens
         self.page_keys: list[bytes] | None = None
+        #: the page ids of root..this node as a tuple, once a match ending here made it
+        #: (`RadixCache._match`): a node's path keeps its pages while the node lives (a
+        #: split cuts a node's array but not the path's run of ids), so a hot prefix builds
+        #: its `Match.pages` once, not once per request
+        self.match_pages: tuple[int, ...] | None = None
 
     def __repr__(self) -> str:
         return f"RadixNode(#{self.node_id}, start={self.start}, len={len(self.key)}, lock={self.lock_ref})"
@@ -262,6 +268,15 @@ class RadixTree:
             node = node.parent
         runs.reverse()
         return runs
+
+    def copy_path_pages(self, node: RadixNode, out: np.ndarray) -> None:
+        """Write the page ids of root..`node` into `out[:(node's end) / page_size]` (each
+        node's run at its own offset: no list of runs, no join)."""
+        ps = self.page_size
+        while node.parent is not None:
+            lo = node.start // ps
+            out[lo : lo + len(node.key) // ps] = self.pages_of(node)
+            node = node.parent
 
     def _new_node(self, key: np.ndarray, pages: list[int] | None, parent: RadixNode, tick: int, edge) -> RadixNode:
         self._next_id += 1
@@ -458,15 +473,16 @@ class RadixTree:
 
     def unlock(self, node: RadixNode) -> None:
         """lock_ref - 1 from `node` up to the root (SGLang's `dec_lock_ref`)."""
+        freed = 0  # tokens turned evictable, settled once
         while node.parent is not None:
             node.lock_ref -= 1
             if node.lock_ref == 0:
-                n = len(node.key)
-                self.evictable_tokens += n
-                self.protected_tokens -= n
-                if not node.children:
-                    self._update_leaf_status(node)
+                freed += len(node.key)
+                if not node.children:  # an unlocked leaf: it was locked, so not queued yet
+                    self.candidates.add(node, self._key(node))
             node = node.parent
+        self.evictable_tokens += freed
+        self.protected_tokens -= freed
 
     def unlocked_on_path(self, node: RadixNode) -> int:
         """Tokens on the root..node path that are unlocked (evictable now, protected once locked)."""
@@ -482,8 +498,9 @@ class RadixTree:
         """Pop unlocked leaves in policy order until `num_tokens` tokens are freed (whole
         nodes, so possibly more); each one's page list is handed to `give` (the pool).
         Returns tokens freed."""
-        freed = 0
+        freed = evicted = 0
         cands = self.candidates
+        on_evict, events = self.on_evict, self.events
         while freed < num_tokens:
             node = cands.pop()
             if node is None:
@@ -491,19 +508,20 @@ class RadixTree:
             assert node.lock_ref == 0 and not node.children and node.lender is None, f"radix: evicting {node}"
             parent = node.parent
             del parent.children[node.edge]
-            n = len(node.key)
-            freed += n
-            self.evictable_tokens -= n
-            self.num_nodes -= 1
+            freed += len(node.key)
+            evicted += 1
             give(node.pages)
-            if self.on_evict is not None:
-                self.on_evict(node.namespace, node.start, node.key)
-            if self.events is not None:
-                self.events.removed(node)
+            if on_evict is not None:
+                on_evict(node.namespace, node.start, node.key)
+            if events is not None:
+                events.removed(node)
             node.pages = None
             node.parent = None
-            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
-                self._update_leaf_status(parent)
+            if not parent.children and parent.lock_ref == 0 and parent.parent is not None:
+                # an unlocked leaf now (it had a child: not queued before)
+                cands.add(parent, self._key(parent))
+        self.evictable_tokens -= freed
+        self.num_nodes -= evicted
         return freed
 
     # -- observation ------------------------------------------------------------------
