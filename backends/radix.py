@@ -462,8 +462,15 @@ class RadixCache(PrefixCache):
         # request ends, always (a walk that refreshes recency even when no page is new)
         ps = self.page_size
         self._insert(held, max(seq.num_computed // ps * ps, held.protected), lend=False)
-        self._give(_page_ids(seq.page_table)[held.protected // ps :])  # the private pages
-        self._settle_borrowers(held)
+        table = seq.page_table
+        if table.__class__ is PageTable:  # nodes view its buffer: nothing to settle
+            pages = table.array()[held.protected // ps :]  # the private pages
+            self._num_free += len(pages)
+            self._pool.give(pages)
+            seq.page_table = []
+        else:
+            self._give(table[held.protected // ps :])
+            self._settle_borrowers(held)
         self.tree.unlock(held.node)
 
     def _settle_borrowers(self, held: _Held) -> None:

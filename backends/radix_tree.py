@@ -199,7 +199,8 @@ class RadixTree:
     # -- small helpers ----------------------------------------------------------------
 
     def _child_key(self, tokens: np.ndarray, pos: int):
-        """The children-map key of the run starting at `pos`: its first page of tokens."""
+        """The children-map key of the run starting at `pos`: its first page of tokens.
+        (`match` and `insert` compute it inline, the same way.)"""
         if self.page_size == 1:
             return tokens.item(pos)
         return tokens[pos : pos + self.page_size].tobytes()
@@ -361,15 +362,22 @@ class RadixTree:
             return None, 0, []
         t = self.tick()
         root.last_access = t
+        ps = self.page_size
         node, pos, runs = root, 0, []
         while pos < limit:
-            child = node.children.get(self._child_key(tokens, pos))
+            # `_child_key` and `_touch` inlined: this loop runs for every node on the path
+            child = node.children.get(tokens.item(pos) if ps == 1 else tokens[pos : pos + ps].tobytes())
             if child is None:
                 break
-            self._touch(child, t)
-            klen = len(child.key)
-            n = min(klen, limit - pos)
-            m = self._first_mismatch(child.key, tokens, pos, n)
+            child.last_access = t
+            if child.cand_key is not None:  # re-key: its policy key may have changed
+                self._rekey(child)
+            key = child.key
+            klen = len(key)
+            if klen <= limit - pos and key.tobytes() == tokens[pos : pos + klen].tobytes():
+                m = klen  # the common case, the whole node (`_first_mismatch`'s own test)
+            else:
+                m = self._first_mismatch(key, tokens, pos, min(klen, limit - pos))
             if m < klen:
                 node = self._split(child, m, t)
                 runs.append(self.pages_of(node))
@@ -421,7 +429,7 @@ class RadixTree:
         ps = self.page_size
         runs: list[list[int]] = []
         while pos < end:
-            edge = self._child_key(tokens, pos)
+            edge = tokens.item(pos) if ps == 1 else tokens[pos : pos + ps].tobytes()  # `_child_key`
             child = node.children.get(edge)
             if child is None:
                 break
