@@ -231,7 +231,7 @@ class RadixCache(PrefixCache):
     def _new_table(self, seq: Sequence) -> PageTable:
         """An empty table with room for `seq`'s pages and, for most requests, their decode
         pages: outgrowing a long table costs a copy of it into a buffer twice its size."""
-        n = self.pages_for(len(seq))
+        n = -(-len(seq) // self.page_size)
         return PageTable(n + n // 8 + 16)
 
     def _take(self, n: int) -> list[int]:
@@ -413,11 +413,14 @@ class RadixCache(PrefixCache):
         table = seq.page_table
         start = held.protected
         old = held.node
-        pages = _page_ids(table)
-        if pages is not table:
+        if table.__class__ is PageTable:  # `_page_ids`
+            pages = table.array()
             lend = False  # an array's slice is a view already: the new leaf takes one
+        else:
+            pages = table
         new, matched, runs = tree.insert(old, start, seq.tokens, end, pages, held.inserted, lend)
-        held.inserted = max(held.inserted, end)
+        if end > held.inserted:
+            held.inserted = end
         if matched > start:
             # the tree already held [start, matched): our pages there are duplicates, freed
             # before their slots take the tree's pages (for an array they are a view of them)

@@ -119,7 +119,10 @@ class EvictionQueue:
         """`node` (not a candidate) becomes one, under `key`."""
         node.cand_key = key
         self._live += 1
-        self._push(key)
+        heap = self._heap
+        heappush(heap, key)
+        if len(heap) > 2 * self._live + 64:  # `_push`'s compaction (inlined: unlock's every new leaf comes here)
+            self._compact()
 
     def rekey(self, node: RadixNode, key: tuple) -> None:
         """Candidate `node`'s key is now `key` (its old entry goes stale)."""
@@ -146,9 +149,14 @@ class EvictionQueue:
     def _push(self, key: tuple) -> None:
         heap = self._heap
         heappush(heap, key)
-        if len(heap) > 2 * self._live + 64:  # mostly stale: keep only the current entries
-            heap[:] = [k for k in heap if k[-1].cand_key is k]
-            heapify(heap)
+        if len(heap) > 2 * self._live + 64:
+            self._compact()
+
+    def _compact(self) -> None:
+        """The heap is mostly stale: keep only the current entries."""
+        heap = self._heap
+        heap[:] = [k for k in heap if k[-1].cand_key is k]
+        heapify(heap)
 
     def __len__(self) -> int:
         return self._live
@@ -276,7 +284,8 @@ class RadixTree:
         ps = self.page_size
         while node.parent is not None:
             lo = node.start // ps
-            out[lo : lo + len(node.key) // ps] = self.pages_of(node)
+            hi = lo + len(node.key) // ps
+            out[lo:hi] = node.pages if node.lender is None else node.lender[lo:hi]  # `pages_of`
             node = node.parent
 
     def _new_node(self, key: np.ndarray, pages: list[int] | None, parent: RadixNode, tick: int, edge) -> RadixNode:
@@ -360,7 +369,7 @@ class RadixTree:
             if self.policy.rekey_on_lookup:
                 self.policy.lookup(None)
             return None, 0, []
-        t = self.tick()
+        self.clock = t = self.clock + 1  # `tick`
         root.last_access = t
         ps = self.page_size
         node, pos, runs = root, 0, []
@@ -419,7 +428,7 @@ class RadixTree:
         Returns (the node ending at `end`, tokens already in the tree, tree page runs over
         `[pos, that)`) so the caller can free its duplicates.
         """
-        t = self.tick()
+        self.clock = t = self.clock + 1  # `tick`
         x = node
         while x is not None:  # the path SGLang's walk from the root would take down to `node`
             x.last_access = t  # held by the caller: locked, so not in the eviction queue
