@@ -429,11 +429,16 @@ class RadixTree:
         `[pos, that)`) so the caller can free its duplicates.
         """
         self.clock = t = self.clock + 1  # `tick`
+        # The path SGLang's walk from the root would take down to `node`, stamped (held by
+        # the caller: locked, so not in the eviction queue). The nodes ending beyond
+        # `count_from` gain a hit: they are the lowest ones (a parent ends before its child).
         x = node
-        while x is not None:  # the path SGLang's walk from the root would take down to `node`
-            x.last_access = t  # held by the caller: locked, so not in the eviction queue
-            if x.parent is not None and x.start + len(x.key) > count_from:
-                x.hit_count += 1
+        while x.parent is not None and x.start + len(x.key) > count_from:
+            x.last_access = t
+            x.hit_count += 1
+            x = x.parent
+        while x is not None:
+            x.last_access = t
             x = x.parent
         ps = self.page_size
         runs: list[list[int]] = []
