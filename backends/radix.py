@@ -98,6 +98,11 @@ from cachelib.types import CopyOp, ExtraKeys, Match, Sequence
 #: `extend` = older SGLang (the whole new-page count)
 ADMISSION_EVICTION = ("shortfall", "extend")
 
+#: how many recent match ends keep their `Match.pages` tuple (`RadixCache._match_pages`): a
+#: few hot prefixes, with memory bounded by a few paths (a tuple per node would grow with the
+#: square of a deep conversation's path)
+_MATCH_PAGES_KEPT = 8
+
 # Modelled bytes of index metadata, as a compact native tree would keep it: per node
 # parent/child links, lock ref, clock stamps, hit count (48); per token its id (4); per page
 # its id (4).
@@ -225,6 +230,11 @@ class RadixCache(PrefixCache):
         self._pool = PagePool(num_pages)
         self._num_free = num_pages
         self._contents = np.full(num_pages * page_size, -1, dtype=np.int64) if track_contents else None
+        #: node -> the page ids of root..node as a tuple, for the last few matches that ended
+        #: there: a hot prefix builds its `Match.pages` once, not per request. Valid while the
+        #: node is in the tree: a path keeps its pages while its nodes live (a split cuts a
+        #: node's array, not the path's run of ids), and an evicted node is never matched again
+        self._match_pages: dict[RadixNode, tuple[int, ...]] = {}
 
     # -- pages ------------------------------------------------------------------------
 
@@ -289,10 +299,14 @@ class RadixCache(PrefixCache):
         node, hit, runs = self.tree.match(self._namespace(seq), seq.tokens, limit)
         if not runs:
             return 0, (), node
-        pages = node.match_pages  # `node` ends at the hit: its path's ids are the match's
+        kept = self._match_pages
+        pages = kept.get(node)  # `node` ends at the hit: its path's ids are the match's
         if pages is None:
             ids = _joined(runs)
-            pages = node.match_pages = tuple(ids.tolist() if ids.__class__ is np.ndarray else ids)
+            pages = tuple(ids.tolist() if ids.__class__ is np.ndarray else ids)
+            if len(kept) >= _MATCH_PAGES_KEPT:
+                del kept[next(iter(kept))]  # the oldest kept
+            kept[node] = pages
         # what `_verify_match` needs to recognise this very match (see there)
         seq.cache_memo = (self.match_token, id(seq), seq.extra, node, hit, pages)
         return hit, pages, node

@@ -64,7 +64,6 @@ class RadixNode:
         "namespace",
         "policy_state",
         "page_keys",
-        "match_pages",
     )
 
     def __init__(
@@ -87,11 +86,6 @@ class RadixNode:
         self.policy_state: object = None  # what the eviction policy keeps per node, if anything
         #: the KV-event key of each of its pages (`RadixEvents`), kept only while someone listens
         self.page_keys: list[bytes] | None = None
-        #: the page ids of root..this node as a tuple, once a match ending here made it
-        #: (`RadixCache._match`): a node's path keeps its pages while the node lives (a
-        #: split cuts a node's array but not the path's run of ids), so a hot prefix builds
-        #: its `Match.pages` once, not once per request
-        self.match_pages: tuple[int, ...] | None = None
 
     def __repr__(self) -> str:
         return f"RadixNode(#{self.node_id}, start={self.start}, len={len(self.key)}, lock={self.lock_ref})"

@@ -566,10 +566,11 @@ def test_invariants_refuse_a_node_borrowing_from_no_live_table():
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_a_hot_prefix_builds_its_match_pages_once_and_they_follow_splits_and_evictions(page_size):
-    """`match` keeps the page tuple of the path it ends on (`RadixNode.match_pages`): the next
-    match ending there hands out that very tuple, and a split above it, a split of the node
-    itself or its eviction never lets a stale tuple out (the invariant check compares each kept
-    tuple with its path's pages; admit proves a match against the tree)."""
+    """`match` keeps the page tuple of the path it ends on (`RadixCache._match_pages`, a few
+    recent ends): the next match ending there hands out that very tuple, and a split above it,
+    a split of the node itself or its eviction never lets a stale tuple out (the invariant
+    check compares each kept tuple with its path's pages; admit proves a match against the
+    tree)."""
     ps = page_size
     cache = radix(num_pages=64, page_size=ps)
     base = list(range(100, 100 + 8 * ps))
@@ -601,4 +602,24 @@ def test_a_hot_prefix_builds_its_match_pages_once_and_they_follow_splits_and_evi
     finish(cache, h)
     m5 = cache.match(seq("i", base + [8]))
     assert m5.num_tokens == 8 * ps and m5.pages is not m1.pages  # the new node's own tuple
+    cache.check_invariants()
+
+
+def test_the_kept_match_pages_are_bounded_oldest_dropped_first():
+    """Only the last few match ends keep their page tuple: memory stays a few paths however
+    many nodes a large cache holds."""
+    from backends.radix import _MATCH_PAGES_KEPT
+
+    cache = radix(num_pages=512, page_size=1)
+    prompts = [[1000 * (i + 1) + t for t in range(6)] for i in range(_MATCH_PAGES_KEPT + 3)]
+    for i, p in enumerate(prompts):
+        run_prompt(cache, s := seq(f"p{i}", p))
+        finish(cache, s)
+    ends = []
+    for i, p in enumerate(prompts):
+        m = cache.match(seq(f"q{i}", p + [7]))
+        assert m.num_tokens == len(p)
+        ends.append(m.handle)
+    assert len(cache._match_pages) == _MATCH_PAGES_KEPT
+    assert list(cache._match_pages) == ends[-_MATCH_PAGES_KEPT:]  # the oldest went first
     cache.check_invariants()
