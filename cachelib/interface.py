@@ -46,7 +46,6 @@ from cachelib.kv_events import KvEvent, KvEventFanout, KvEventListener, PageKeys
 from cachelib.tiers import NO_PREFETCH, StoragePrefetch
 from cachelib.types import CacheStats, CopyOp, Match, Sequence
 
-
 #: builds a `Match` from its fields' tuple without the namedtuple's Python-level `__new__`
 _new_match = tuple.__new__
 
