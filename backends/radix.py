@@ -98,6 +98,11 @@ from cachelib.types import CopyOp, ExtraKeys, Match, Sequence
 #: `extend` = older SGLang (the whole new-page count)
 ADMISSION_EVICTION = ("shortfall", "extend")
 
+#: how many recent match ends keep their `Match.pages` tuple (`RadixCache._match_pages`): a
+#: few hot prefixes, with memory bounded by a few paths (a tuple per node would grow with the
+#: square of a deep conversation's path)
+_MATCH_PAGES_KEPT = 8
+
 # Modelled bytes of index metadata, as a compact native tree would keep it: per node
 # parent/child links, lock ref, clock stamps, hit count (48); per token its id (4); per page
 # its id (4).
@@ -227,13 +232,18 @@ class RadixCache(PrefixCache):
         self._pool = PagePool(num_pages)
         self._num_free = num_pages
         self._contents = np.full(num_pages * page_size, -1, dtype=np.int64) if track_contents else None
+        #: node -> the page ids of root..node as a tuple, for the last few matches that ended
+        #: there: a hot prefix builds its `Match.pages` once, not per request. Valid while the
+        #: node is in the tree: a path keeps its pages while its nodes live (a split cuts a
+        #: node's array, not the path's run of ids), and an evicted node is never matched again
+        self._match_pages: dict[RadixNode, tuple[int, ...]] = {}
 
     # -- pages ------------------------------------------------------------------------
 
     def _new_table(self, seq: Sequence) -> PageTable:
         """An empty table with room for `seq`'s pages and, for most requests, their decode
         pages: outgrowing a long table costs a copy of it into a buffer twice its size."""
-        n = self.pages_for(len(seq))
+        n = -(-len(seq) // self.page_size)
         return PageTable(n + n // 8 + 16)
 
     def _take(self, n: int) -> list[int]:
@@ -268,7 +278,10 @@ class RadixCache(PrefixCache):
         return [ids] if ids else []
 
     def _evict_tokens(self, num_tokens: int) -> int:
-        freed = self.tree.evict(num_tokens, self._give) // self.page_size
+        # the pool takes the evicted pages straight (`_give` less its count, settled here
+        # once: a node's pages are its tokens over the page size)
+        freed = self.tree.evict(num_tokens, self._pool.give) // self.page_size
+        self._num_free += freed
         self._counters["evicted_pages"] += freed
         return freed
 
@@ -288,8 +301,14 @@ class RadixCache(PrefixCache):
         node, hit, runs = self.tree.match(self._namespace(seq), seq.tokens, limit)
         if not runs:
             return 0, (), node
-        ids = _joined(runs)
-        pages = tuple(ids.tolist() if ids.__class__ is np.ndarray else ids)
+        kept = self._match_pages
+        pages = kept.get(node)  # `node` ends at the hit: its path's ids are the match's
+        if pages is None:
+            ids = _joined(runs)
+            pages = tuple(ids.tolist() if ids.__class__ is np.ndarray else ids)
+            if len(kept) >= _MATCH_PAGES_KEPT:
+                del kept[next(iter(kept))]  # the oldest kept
+            kept[node] = pages
         # what `_verify_match` needs to recognise this very match (see there)
         seq.cache_memo = (self.match_token, id(seq), seq.extra, node, hit, pages)
         return hit, pages, node
@@ -310,22 +329,27 @@ class RadixCache(PrefixCache):
             return None
         node: RadixNode | None = match.handle
         tree = self.tree
-        need = self.pages_for(num_tokens) - match.num_tokens // self.page_size
+        hit = match.num_tokens
+        hit_pages = hit // self.page_size
+        need = -(-num_tokens // self.page_size) - hit_pages
         if node is None:
             node = tree.root(self._namespace(seq), create=True)
         tree.lock(node)
-        self._evict_for_extend(num_tokens - match.num_tokens, need)
+        self._evict_for_extend(num_tokens - hit, need)
         table = self._new_table(seq)
-        for pages in tree.path_pages(node):  # the hit's pages: the tree's, proven equal to match.pages
-            table.extend(pages)
-        self._extend_table(table, need)
+        slots = table.append_slots(hit_pages + need)  # the whole table, filled in place
+        if hit_pages:  # the hit's pages: the tree's, proven equal to match.pages
+            tree.copy_path_pages(node, slots)
+        self._num_free -= need
+        self._pool.take_into(slots[hit_pages:])
         seq.page_table = table
-        seq.num_computed = match.num_tokens
-        return _Held(seq, node, match.num_tokens, 0, num_tokens), []
+        seq.num_computed = hit
+        return _Held(seq, node, hit, 0, num_tokens), []
 
     def _grow(self, seq: Sequence, held: _Held, num_tokens: int) -> list[CopyOp] | None:
         table = seq.page_table
-        need = self.pages_for(num_tokens) - len(table)
+        have = len(table)
+        need = -(-num_tokens // self.page_size) - have
         if need > self._num_free and self._num_free + self._evictable_pages() < need:
             return None
         start = held.covered
@@ -338,8 +362,9 @@ class RadixCache(PrefixCache):
             self._evict_for_extend(end - start, extend_pages)
             self._extend_table(table, extend_pages)
             start = end
+            have = len(table)
         if start < num_tokens:
-            self._decode_steps(table, start, num_tokens)
+            self._decode_steps(table, have, start, num_tokens)
         return []
 
     def _evict_for_extend(self, extend_tokens: int, need_pages: int) -> None:
@@ -355,15 +380,17 @@ class RadixCache(PrefixCache):
         if shortfall > 0:
             self._evict_tokens(shortfall)
 
-    def _decode_steps(self, table: list[int], start: int, end: int) -> None:
-        """Decode slots for tokens `start..end-1`, one SGLang decode step each (the caller
-        checked the pages fit). A step first makes its demand available (1 token at page
-        size 1; a whole page at larger sizes with `reserve_page`, even when the step needs
-        no new page), then takes a page when the token starts one."""
+    def _decode_steps(self, table: list[int], have: int, start: int, end: int) -> None:
+        """Decode slots for tokens `start..end-1`, one SGLang decode step each, onto `table`
+        of `have` pages (the caller checked the pages fit). A step first makes its demand
+        available (1 token at page size 1; a whole page at larger sizes with
+        `reserve_page`, even when the step needs no new page), then takes a page when the
+        token starts one."""
         ps = self.page_size
+        want = -(-end // ps)  # pages the table ends with
         if not self.reserve_page:
             # the demand is exactly the new pages: step by step or at once, the same leaves go
-            need = self.pages_for(end) - len(table)
+            need = want - have
             if need > self._num_free:
                 self._evict_tokens((need - self._num_free) * ps)
             self._extend_table(table, need)
@@ -372,17 +399,17 @@ class RadixCache(PrefixCache):
         while pos < end:
             if self._num_free == 0:
                 self._evict_tokens(ps)  # the step at `pos` finds nothing free
-            need = self.pages_for(end) - len(table)
+            need = want - have
             if need <= 0:
                 return  # the remaining steps find a page free (or nothing to evict)
             # Until free pages run out again no step evicts: take them at once. The k-th is
-            # taken by the step at token `first + (k - 1) * page_size`.
-            first = len(table) * ps
+            # taken by the step at token `have * page_size + (k - 1) * page_size`.
             k = min(self._num_free, need)
             if k == 0:
                 raise AssertionError("radix: decode steps ran out of pages after the fit check")
             self._extend_table(table, k)
-            pos = first + (k - 1) * ps + 1
+            pos = (have + k - 1) * ps + 1
+            have += k
 
     def _commit(self, seq: Sequence, held: _Held, num_computed: int) -> None:
         ps = self.page_size
@@ -402,11 +429,14 @@ class RadixCache(PrefixCache):
         table = seq.page_table
         start = held.protected
         old = held.node
-        pages = _page_ids(table)
-        if pages is not table:
+        if table.__class__ is PageTable:  # `_page_ids`
+            pages = table.array()
             lend = False  # an array's slice is a view already: the new leaf takes one
+        else:
+            pages = table
         new, matched, runs = tree.insert(old, start, seq.tokens, end, pages, held.inserted, lend)
-        held.inserted = max(held.inserted, end)
+        if end > held.inserted:
+            held.inserted = end
         if matched > start:
             # the tree already held [start, matched): our pages there are duplicates, freed
             # before their slots take the tree's pages (for an array they are a view of them)
@@ -451,8 +481,15 @@ class RadixCache(PrefixCache):
         # request ends, always (a walk that refreshes recency even when no page is new)
         ps = self.page_size
         self._insert(held, max(seq.num_computed // ps * ps, held.protected), lend=False)
-        self._give(_page_ids(seq.page_table)[held.protected // ps :])
-        self._settle_borrowers(held)
+        table = seq.page_table
+        if table.__class__ is PageTable:  # nodes view its buffer: nothing to settle
+            pages = table.array()[held.protected // ps :]  # the private pages
+            self._num_free += len(pages)
+            self._pool.give(pages)
+            seq.page_table = []
+        else:
+            self._give(table[held.protected // ps :])
+            self._settle_borrowers(held)
         self.tree.unlock(held.node)
 
     def _settle_borrowers(self, held: _Held) -> None:

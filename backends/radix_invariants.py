@@ -57,6 +57,11 @@ def _check_tree(cache: RadixCache) -> None:
             _fail(f"{node}: start {node.start} / namespace do not follow its parent")
         if node.lock_ref < 0:
             _fail(f"{node}: negative lock_ref")
+        kept = cache._match_pages.get(node)
+        if kept is not None:
+            ids = [p for x in tree.path(node) for p in tree.page_ids(x)]
+            if list(kept) != ids:
+                _fail(f"{node}: kept match pages {kept!r:.60} are not its path's pages {ids!r:.60}")
         if node.lock_ref > 0 and parent.lock_ref <= 0:
             _fail(f"{node}: locked but its parent is not")
         if node.lock_ref:

@@ -15,9 +15,10 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 #: an array given back shorter than this is copied onto the pool's stack instead of
-#: standing as a run of its own (a request's partial last page, a short decode leaf): a few
-#: ids copy faster than the turn of `take_into`'s loop that their own run would cost
-_SHORT_RUN = 64
+#: standing as a run of its own (a request's partial last page, a decode leaf, a page-16
+#: prompt): up to 8 KiB of ids copy faster than the turns of `take_into`'s loop that their
+#: own run would cost; longer ones (page-1 prompts) are kept as they are, never copied twice
+_SHORT_RUN = 2048
 
 
 class PagePool:
@@ -50,8 +51,13 @@ class PagePool:
         """Fill `out` with free ids, as many as it holds (the caller checked there are):
         the last runs given back first, then the stack, then never-used ids."""
         n = out.size
-        got = 0
+        top = self._top
         runs = self._runs
+        if n <= top and not runs:  # the common case: all from the stack's top
+            out[:] = self._stack[top - n : top]
+            self._top = top - n
+            return
+        got = 0
         while got < n and runs:
             run = runs[-1]
             k = run.size

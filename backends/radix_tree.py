@@ -113,7 +113,10 @@ class EvictionQueue:
         """`node` (not a candidate) becomes one, under `key`."""
         node.cand_key = key
         self._live += 1
-        self._push(key)
+        heap = self._heap
+        heappush(heap, key)
+        if len(heap) > 2 * self._live + 64:  # `_push`'s compaction (inlined: unlock's every new leaf comes here)
+            self._compact()
 
     def rekey(self, node: RadixNode, key: tuple) -> None:
         """Candidate `node`'s key is now `key` (its old entry goes stale)."""
@@ -140,9 +143,14 @@ class EvictionQueue:
     def _push(self, key: tuple) -> None:
         heap = self._heap
         heappush(heap, key)
-        if len(heap) > 2 * self._live + 64:  # mostly stale: keep only the current entries
-            heap[:] = [k for k in heap if k[-1].cand_key is k]
-            heapify(heap)
+        if len(heap) > 2 * self._live + 64:
+            self._compact()
+
+    def _compact(self) -> None:
+        """The heap is mostly stale: keep only the current entries."""
+        heap = self._heap
+        heap[:] = [k for k in heap if k[-1].cand_key is k]
+        heapify(heap)
 
     def __len__(self) -> int:
         return self._live
@@ -193,7 +201,8 @@ class RadixTree:
     # -- small helpers ----------------------------------------------------------------
 
     def _child_key(self, tokens: np.ndarray, pos: int):
-        """The children-map key of the run starting at `pos`: its first page of tokens."""
+        """The children-map key of the run starting at `pos`: its first page of tokens.
+        (`match` and `insert` compute it inline, the same way.)"""
         if self.page_size == 1:
             return tokens.item(pos)
         return tokens[pos : pos + self.page_size].tobytes()
@@ -262,6 +271,16 @@ class RadixTree:
             node = node.parent
         runs.reverse()
         return runs
+
+    def copy_path_pages(self, node: RadixNode, out: np.ndarray) -> None:
+        """Write the page ids of root..`node` into `out[:(node's end) / page_size]` (each
+        node's run at its own offset: no list of runs, no join)."""
+        ps = self.page_size
+        while node.parent is not None:
+            lo = node.start // ps
+            hi = lo + len(node.key) // ps
+            out[lo:hi] = node.pages if node.lender is None else node.lender[lo:hi]  # `pages_of`
+            node = node.parent
 
     def _new_node(self, key: np.ndarray, pages: list[int] | None, parent: RadixNode, tick: int, edge) -> RadixNode:
         self._next_id += 1
@@ -344,17 +363,24 @@ class RadixTree:
             if self.policy.rekey_on_lookup:
                 self.policy.lookup(None)
             return None, 0, []
-        t = self.tick()
+        self.clock = t = self.clock + 1  # `tick`
         root.last_access = t
+        ps = self.page_size
         node, pos, runs = root, 0, []
         while pos < limit:
-            child = node.children.get(self._child_key(tokens, pos))
+            # `_child_key` and `_touch` inlined: this loop runs for every node on the path
+            child = node.children.get(tokens.item(pos) if ps == 1 else tokens[pos : pos + ps].tobytes())
             if child is None:
                 break
-            self._touch(child, t)
-            klen = len(child.key)
-            n = min(klen, limit - pos)
-            m = self._first_mismatch(child.key, tokens, pos, n)
+            child.last_access = t
+            if child.cand_key is not None:  # re-key: its policy key may have changed
+                self._rekey(child)
+            key = child.key
+            klen = len(key)
+            if klen <= limit - pos and key.tobytes() == tokens[pos : pos + klen].tobytes():
+                m = klen  # the common case, the whole node (`_first_mismatch`'s own test)
+            else:
+                m = self._first_mismatch(key, tokens, pos, min(klen, limit - pos))
             if m < klen:
                 node = self._split(child, m, t)
                 runs.append(self.pages_of(node))
@@ -396,17 +422,22 @@ class RadixTree:
         Returns (the node ending at `end`, tokens already in the tree, tree page runs over
         `[pos, that)`) so the caller can free its duplicates.
         """
-        t = self.tick()
+        self.clock = t = self.clock + 1  # `tick`
+        # The path SGLang's walk from the root would take down to `node`, stamped (held by
+        # the caller: locked, so not in the eviction queue). The nodes ending beyond
+        # `count_from` gain a hit: they are the lowest ones (a parent ends before its child).
         x = node
-        while x is not None:  # the path SGLang's walk from the root would take down to `node`
-            x.last_access = t  # held by the caller: locked, so not in the eviction queue
-            if x.parent is not None and x.start + len(x.key) > count_from:
-                x.hit_count += 1
+        while x.parent is not None and x.start + len(x.key) > count_from:
+            x.last_access = t
+            x.hit_count += 1
+            x = x.parent
+        while x is not None:
+            x.last_access = t
             x = x.parent
         ps = self.page_size
         runs: list[list[int]] = []
         while pos < end:
-            edge = self._child_key(tokens, pos)
+            edge = tokens.item(pos) if ps == 1 else tokens[pos : pos + ps].tobytes()  # `_child_key`
             child = node.children.get(edge)
             if child is None:
                 break
@@ -458,15 +489,16 @@ class RadixTree:
 
     def unlock(self, node: RadixNode) -> None:
         """lock_ref - 1 from `node` up to the root (SGLang's `dec_lock_ref`)."""
+        freed = 0  # tokens turned evictable, settled once
         while node.parent is not None:
             node.lock_ref -= 1
             if node.lock_ref == 0:
-                n = len(node.key)
-                self.evictable_tokens += n
-                self.protected_tokens -= n
-                if not node.children:
-                    self._update_leaf_status(node)
+                freed += len(node.key)
+                if not node.children:  # an unlocked leaf: it was locked, so not queued yet
+                    self.candidates.add(node, self._key(node))
             node = node.parent
+        self.evictable_tokens += freed
+        self.protected_tokens -= freed
 
     def unlocked_on_path(self, node: RadixNode) -> int:
         """Tokens on the root..node path that are unlocked (evictable now, protected once locked)."""
@@ -482,8 +514,9 @@ class RadixTree:
         """Pop unlocked leaves in policy order until `num_tokens` tokens are freed (whole
         nodes, so possibly more); each one's page list is handed to `give` (the pool).
         Returns tokens freed."""
-        freed = 0
+        freed = evicted = 0
         cands = self.candidates
+        on_evict, events = self.on_evict, self.events
         while freed < num_tokens:
             node = cands.pop()
             if node is None:
@@ -491,19 +524,20 @@ class RadixTree:
             assert node.lock_ref == 0 and not node.children and node.lender is None, f"radix: evicting {node}"
             parent = node.parent
             del parent.children[node.edge]
-            n = len(node.key)
-            freed += n
-            self.evictable_tokens -= n
-            self.num_nodes -= 1
+            freed += len(node.key)
+            evicted += 1
             give(node.pages)
-            if self.on_evict is not None:
-                self.on_evict(node.namespace, node.start, node.key)
-            if self.events is not None:
-                self.events.removed(node)
+            if on_evict is not None:
+                on_evict(node.namespace, node.start, node.key)
+            if events is not None:
+                events.removed(node)
             node.pages = None
             node.parent = None
-            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
-                self._update_leaf_status(parent)
+            if not parent.children and parent.lock_ref == 0 and parent.parent is not None:
+                # an unlocked leaf now (it had a child: not queued before)
+                cands.add(parent, self._key(parent))
+        self.evictable_tokens -= freed
+        self.num_nodes -= evicted
         return freed
 
     # -- observation ------------------------------------------------------------------

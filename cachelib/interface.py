@@ -52,6 +52,8 @@ DECODE_NOOPS_WHILE_FREE = "while_a_page_is_free"
 DECODE_NOOPS_IF_PRIVATE = "if_sequence_private"
 #: every condition `decode_noops_when` may name
 DECODE_NOOPS_CONDITIONS = (DECODE_NOOPS_WHILE_FREE, DECODE_NOOPS_IF_PRIVATE)
+#: builds a `Match` from its fields' tuple without the namedtuple's Python-level `__new__`
+_new_match = tuple.__new__
 
 
 def _cow_copies(ops: list) -> int:
@@ -174,7 +176,8 @@ class PrefixCache(ABC):
         c = self._counters
         c["lookups"] += 1
         c["lookup_tokens"] += len(seq)
-        return Match(seq.request_id, num_tokens, pages, handle, self._epoch, self.match_token)
+        # `Match(...)` less its generated `__new__` (a Python call): the same tuple
+        return _new_match(Match, (seq.request_id, num_tokens, pages, handle, self._epoch, self.match_token))
 
     def admit(self, seq: Sequence, match: Match, num_tokens: int) -> list[CopyOp] | None:
         """Pin `match`'s pages and allocate pages so the table covers `num_tokens` tokens.
@@ -187,7 +190,8 @@ class PrefixCache(ABC):
         self._check_new(seq)
         self._check_match(seq, match)
         hit = match.num_tokens
-        self._check_num_tokens(seq, num_tokens, hit or 1)
+        if num_tokens.__class__ is not int or not (hit or 1) <= num_tokens <= len(seq):
+            self._check_num_tokens(seq, num_tokens, hit or 1)  # raises (its fast path, inlined)
         admitted = self._admit(seq, match, num_tokens)
         if admitted is None:
             return None
@@ -218,7 +222,8 @@ class PrefixCache(ABC):
     def grow(self, seq: Sequence, num_tokens: int) -> list[CopyOp] | None:
         """Extend an admitted sequence's table to cover `num_tokens` tokens; `None` if no room."""
         state = self._check_live(seq)
-        self._check_num_tokens(seq, num_tokens, 0)
+        if num_tokens.__class__ is not int or not 0 <= num_tokens <= len(seq):
+            self._check_num_tokens(seq, num_tokens, 0)  # raises (its fast path, inlined)
         ops = self._grow(seq, state, num_tokens)
         if ops:
             self._counters["copied_pages"] += _cow_copies(ops)
@@ -229,7 +234,8 @@ class PrefixCache(ABC):
 
         The count never goes back and never passes the pages the table covers."""
         state = self._commit_state(seq)
-        self._check_num_tokens(seq, num_computed, seq.num_computed)
+        if num_computed.__class__ is not int or not seq.num_computed <= num_computed <= len(seq):
+            self._check_num_tokens(seq, num_computed, seq.num_computed)  # raises (its fast path, inlined)
         if num_computed > len(seq.page_table) * self.page_size:
             raise InvalidRequestError(
                 f"request {seq.request_id!r}: {num_computed} tokens computed but pages cover "

@@ -562,3 +562,64 @@ def test_invariants_refuse_a_node_borrowing_from_no_live_table():
     node.lender, node.pages = cache.tree.page_ids(node), None  # borrows from a table nobody runs on
     with pytest.raises(InvariantViolation, match="borrows pages from a table"):
         cache.check_invariants()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_hot_prefix_builds_its_match_pages_once_and_they_follow_splits_and_evictions(page_size):
+    """`match` keeps the page tuple of the path it ends on (`RadixCache._match_pages`, a few
+    recent ends): the next match ending there hands out that very tuple, and a split above it,
+    a split of the node itself or its eviction never lets a stale tuple out (the invariant
+    check compares each kept tuple with its path's pages; admit proves a match against the
+    tree)."""
+    ps = page_size
+    cache = radix(num_pages=64, page_size=ps)
+    base = list(range(100, 100 + 8 * ps))
+    run_prompt(cache, a := seq("a", base + [1]))
+    finish(cache, a)
+    m1 = cache.match(seq("b", base + [2]))
+    m2 = cache.match(seq("c", base + [3]))
+    assert m1.num_tokens == 8 * ps and m2.pages is m1.pages  # built once
+    cache.check_invariants()
+    # a request diverging after 3 pages splits the node the tuple was kept on: the upper part
+    # is a new node, the kept tuple stays on the lower one, whose path still holds those pages
+    run_prompt(cache, d := seq("d", base[: 3 * ps] + [7] * (2 * ps) + [9]))
+    finish(cache, d)
+    cache.check_invariants()
+    m3 = cache.match(s3 := seq("e", base + [4]))
+    assert m3.pages == m1.pages and m3.num_tokens == 8 * ps
+    cache.admit(s3, m3, len(s3))  # proven against the tree
+    assert list(s3.page_table)[:8] == list(m3.pages)
+    cache.commit(s3, len(s3))
+    finish(cache, s3)
+    # a match ending inside the node splits it: the upper part builds its own tuple
+    m4 = cache.match(seq("f", base[: 5 * ps] + [5] * ps))
+    assert m4.num_tokens == 5 * ps and m4.pages == m1.pages[:5]
+    cache.check_invariants()
+    # evicted: the node's tuple is never handed out again; re-inserted, the new node builds its own
+    cache.evict(64)
+    assert cache.match(seq("g", base + [6])).num_tokens == 0
+    run_prompt(cache, h := seq("h", base + [1]))
+    finish(cache, h)
+    m5 = cache.match(seq("i", base + [8]))
+    assert m5.num_tokens == 8 * ps and m5.pages is not m1.pages  # the new node's own tuple
+    cache.check_invariants()
+
+
+def test_the_kept_match_pages_are_bounded_oldest_dropped_first():
+    """Only the last few match ends keep their page tuple: memory stays a few paths however
+    many nodes a large cache holds."""
+    from backends.radix import _MATCH_PAGES_KEPT
+
+    cache = radix(num_pages=512, page_size=1)
+    prompts = [[1000 * (i + 1) + t for t in range(6)] for i in range(_MATCH_PAGES_KEPT + 3)]
+    for i, p in enumerate(prompts):
+        run_prompt(cache, s := seq(f"p{i}", p))
+        finish(cache, s)
+    ends = []
+    for i, p in enumerate(prompts):
+        m = cache.match(seq(f"q{i}", p + [7]))
+        assert m.num_tokens == len(p)
+        ends.append(m.handle)
+    assert len(cache._match_pages) == _MATCH_PAGES_KEPT
+    assert list(cache._match_pages) == ends[-_MATCH_PAGES_KEPT:]  # the oldest went first
+    cache.check_invariants()

@@ -32,33 +32,47 @@ def test_the_pool_creates_ids_only_when_first_handed_out():
 
 
 def test_the_pool_keeps_a_long_array_given_back_and_copies_a_short_one():
-    pool = PagePool(1000)
-    pool.take(300)
-    long_run = np.arange(100, 200, dtype=np.int32)
+    # long = at least `_SHORT_RUN` ids (a page-1 prompt's node), short = fewer
+    pool = PagePool(100_000)
+    pool.take(30_000)
+    long_run = np.arange(10_000, 20_000, dtype=np.int32)
     short = np.arange(10, 20, dtype=np.int32)
     pool.give(long_run)
     pool.give(short)
     short[:] = -1  # the pool copied the short one: the caller may write its array again
-    assert sorted(pool.free_ids()) == sorted(list(range(10, 20)) + list(range(100, 200)) + list(range(300, 1000)))
-    out = pool.take(150)  # the last run first (100 of it), then the stack, then never-used ids
-    assert out[:100].tolist() == list(range(100, 200))
-    assert sorted(out[100:110].tolist()) == list(range(10, 20))
-    assert out[110:].tolist() == list(range(300, 340))
-    assert pool.num_free == 1000 - 300 + 110 - 150
+    expected = sorted([*range(10, 20), *range(10_000, 20_000), *range(30_000, 100_000)])
+    assert sorted(pool.free_ids()) == expected
+    (run,) = pool._runs
+    assert run is long_run  # kept as it is, not copied
+    out = pool.take(15_000)  # the last run first (10_000 of it), then the stack, then never-used ids
+    assert out[:10_000].tolist() == list(range(10_000, 20_000))
+    assert sorted(out[10_000:10_010].tolist()) == list(range(10, 20))
+    assert out[10_010:].tolist() == list(range(30_000, 34_990))
+    assert pool.num_free == 100_000 - 30_000 + 10_010 - 15_000
+
+
+def test_the_pool_takes_from_its_stack_alone_when_no_run_is_left():
+    pool = PagePool(1000)
+    pool.take(1000)
+    pool.give(np.arange(0, 300, dtype=np.int32))  # short: onto the stack
+    pool.give(np.arange(500, 600, dtype=np.int32))
+    assert not pool._runs
+    assert pool.take(150).tolist() == list(range(250, 300)) + list(range(500, 600))  # the top 150
+    assert sorted(pool.free_ids()) == list(range(250)) and pool.num_free == 250
 
 
 def test_a_run_partly_taken_leaves_its_head_a_view_unless_short_beside_its_buffer():
-    pool = PagePool(1000)
-    pool.take(1000)
-    buf = np.arange(1000, dtype=np.int32)
-    pool.give(buf[:800])  # a view of a 1000-id buffer, kept as it is
-    assert pool.take(100).tolist() == list(range(700, 800))
+    pool = PagePool(100_000)
+    pool.take(100_000)
+    buf = np.arange(100_000, dtype=np.int32)
+    pool.give(buf[:80_000])  # a view of a 100_000-id buffer, kept as it is
+    assert pool.take(10_000).tolist() == list(range(70_000, 80_000))
     (rest,) = pool._runs
-    assert np.shares_memory(rest, buf) and rest.tolist() == list(range(700))
-    assert pool.take(400).tolist() == list(range(300, 700))
-    (rest,) = pool._runs  # 300 of 1000: copied, so it no longer pins the buffer
-    assert not np.shares_memory(rest, buf) and rest.tolist() == list(range(300))
-    assert sorted(pool.free_ids()) == list(range(300)) and pool.num_free == 300
+    assert np.shares_memory(rest, buf) and rest.tolist() == list(range(70_000))
+    assert pool.take(40_000).tolist() == list(range(30_000, 70_000))
+    (rest,) = pool._runs  # 30_000 of 100_000: copied, so it no longer pins the buffer
+    assert not np.shares_memory(rest, buf) and rest.tolist() == list(range(30_000))
+    assert sorted(pool.free_ids()) == list(range(30_000)) and pool.num_free == 30_000
 
 
 def test_a_list_given_back_is_taken_as_ints():
