@@ -108,15 +108,33 @@ _NO_HOST: dict[str, Any] = dict(
 
 class _Held(LiveState):
     """An admitted sequence: its block ids (an int64 array, the page table's), how many
-    leading ones are hashed (published), and, with a host tier, its offload state."""
+    leading ones are hashed (published), and, with a host tier, its offload state.
 
-    __slots__ = ("blocks", "num_cached", "offload")
+    `blocks` is a view of a buffer that `extend` grows geometrically: a decode step adding
+    a block writes one entry instead of copying the table (assign `blocks` only here)."""
+
+    __slots__ = ("blocks", "num_cached", "offload", "_buf")
 
     def __init__(self, seq: Sequence, blocks: np.ndarray, num_cached: int, offload: Any = None) -> None:
         self.seq = seq
-        self.blocks = blocks
+        self.blocks = self._buf = blocks
         self.num_cached = num_cached
         self.offload = offload
+
+    def extend(self, new: np.ndarray | int) -> None:
+        """Append block ids (an array, or one id as an int)."""
+        n = self.blocks.size
+        need = n + (1 if new.__class__ is int else new.size)
+        buf = self._buf
+        if need > buf.size:  # (the first array is exactly full: never written past)
+            buf = np.empty(max(need, 2 * n, 16), dtype=np.int64)
+            buf[:n] = self.blocks
+            self._buf = buf
+        if need == n + 1 and new.__class__ is int:
+            buf[n] = new
+        else:
+            buf[n:need] = new
+        self.blocks = buf[:need]
 
 
 class BlockView:
@@ -361,7 +379,11 @@ class APCCache(PrefixCache):
         else:
             keys = memo[1]
             have = len(keys)
-            if have < num_blocks:
+            if have + 1 == num_blocks:  # one block (a decode step's): no array round trip
+                size = self.page_size
+                block = seq.token_bytes(have * size, num_blocks * size)
+                keys.append(hasher.hash_block(keys[-1] if have else None, block, hasher.extra_bytes(seq.extra, have)))
+            elif have < num_blocks:
                 keys.extend(hasher.hash_blocks(seq.tokens, seq.extra, have, num_blocks, keys[-1] if have else None))
         return memo
 
@@ -386,6 +408,20 @@ class APCCache(PrefixCache):
             new = as_keys(hashes[keys.size :])
             keys = memo[2] = np.concatenate([keys, new]) if keys.size else new
         return keys
+
+    def _commit_keys(self, seq: Sequence, start: int, full: int) -> tuple[np.ndarray | list[BlockHash], BlockHash | None]:
+        """The hashes of blocks `start .. full - 1` as the index takes them, and the hash of
+        block `start - 1` (None for the first block, or for `DictIndex`, which chains nothing).
+        A decode step's block comes as a one-item list when the byte chain's list has it
+        and the array does not: no copy of the sequence's whole array to add one item."""
+        if not self._key_arrays:
+            return self._block_hashes(seq, full)[start:full], None
+        memo = self._hashed(seq, full)
+        hashes, keys = memo[1], memo[2]
+        if keys.size <= start:  # the array has none of them: the list has them all
+            return hashes[start:full], hashes[start - 1] if start else None
+        keys = self._index_keys(seq, full)
+        return keys[start:full], keys[start - 1].tobytes() if start else None
 
     # -- the contract: the hooks the base class calls after its checks -----------------
 
@@ -506,6 +542,17 @@ class APCCache(PrefixCache):
             return _Held(seq, blocks, hit.size, offload), self.host.take_moves()
         return _Held(seq, blocks, hit.size, offload), []
 
+    def _take_one(self) -> int:
+        """`_take_new(1)` as a plain int: a decode step's block, with scalar steps."""
+        queue = self.free_queue
+        block = queue.popleft_one()
+        if queue.num_used > self._ref.size:
+            self._cover(queue.num_used)
+        if self.index.cached[block]:  # lazy eviction, as in `_take_new`
+            self._uncache(np.array([block], dtype=np.int64))
+        self._ref[block] = 1
+        return block
+
     def _take_new(self, n: int) -> np.ndarray:
         """Pop `n` blocks from the queue head, evicting those that still hold a cached block."""
         queue = self.free_queue
@@ -547,9 +594,13 @@ class APCCache(PrefixCache):
         num_new = self.pages_for(num_tokens) - held.blocks.size
         if num_new > self.free_queue.num_free:
             return None
-        if num_new > 0:
+        if num_new == 1:  # a decode step's page
+            block = self._take_one()
+            held.extend(block)
+            seq.page_table.append(block)
+        elif num_new > 0:
             new = self._take_new(num_new)
-            held.blocks = np.concatenate([held.blocks, new])
+            held.extend(new)
             seq.page_table.extend(new.tolist())
         if self.host is not None and self.host.moves:  # host stores decided since the last call
             return self.host.take_moves()
@@ -568,7 +619,8 @@ class APCCache(PrefixCache):
         # (check_invariants proves a table's first num_cached blocks are exactly its hashed ones)
         # an equal block cached already keeps answering lookups; this one is its duplicate
         # (tables are append-only)
-        self.index.add(ids, self._index_keys(seq, full)[start:full], start)
+        keys, parent = self._commit_keys(seq, start, full)
+        self.index.add(ids, keys, start, None if parent is None else (int(held.blocks[start - 1]), parent))
         if self.verify_tokens:
             self._record_contents(seq, held.blocks, start, full)
         self._num_hashed += full - start

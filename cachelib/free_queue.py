@@ -227,6 +227,30 @@ class BlockQueue:
             parts.append(self._take(self._tail, n))
         return np.concatenate(parts) if front.size or n else fresh
 
+    def popleft_one(self) -> int:
+        """`popleft_n(1)`, as a plain int: a decode step's new block. The next never-used id
+        or the head entry is taken with scalar steps; a hole at the head (a hit took that
+        block) goes to `popleft_n`, which skips holes in bulk."""
+        if not self.num_free:
+            raise IndexError("asked for 1 block, 0 free")
+        head = self._head
+        fresh_left = self._fresh < self.num_blocks
+        if head < (self._fresh_at if fresh_left else self._tail):
+            entry = int(self._ring[head])
+            if entry == _HOLE:
+                return int(self.popleft_n(1)[0])
+            self._ring[head] = _HOLE  # (its position goes stale, as in `_take`)
+            self._head = head + 1
+            self.num_free -= 1
+            return entry - 1
+        if not fresh_left:
+            raise InvariantViolation("free queue: a free count with no id left")
+        block = self._fresh  # nothing before the never-used run: its first id
+        self._fresh += 1
+        self._grow_pos()
+        self.num_free -= 1
+        return block
+
     def _take(self, limit: int, n: int) -> np.ndarray:
         """Up to `n` queued ids from the head, not past ring index `limit`; the head moves
         past them (and past the holes before them)."""

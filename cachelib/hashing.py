@@ -423,7 +423,8 @@ class DictIndex:
             out.append(members)
         return out
 
-    def add(self, blocks: np.ndarray, hashes: list[BlockHash], start: int = 0) -> None:
+    def add(self, blocks: np.ndarray, hashes: list[BlockHash], start: int = 0, after: object = None) -> None:
+        """Cache `blocks[i]` under `hashes[i]` (`start` and `after`, `RunIndex`'s, mean nothing here)."""
         self.cached[blocks] = True
         self.digest[blocks] = np.fromiter(hashes, dtype=object, count=len(hashes))  # (a list converts slower)
         ids = blocks.tolist()
@@ -511,16 +512,59 @@ def as_keys(hashes: list[BlockHash] | np.ndarray) -> np.ndarray:
 
 
 class _Run:
-    """Blocks committed together: chain positions `start ..`, their hashes and block ids."""
+    """Blocks at consecutive chain positions `start ..`: those one commit published, then
+    those of the commits that continued it from its last block (`RunIndex.add`'s `after`).
+    Their hashes and block ids are views of buffers that grow geometrically, so continuing
+    a run by a decode step's block copies nothing."""
 
-    __slots__ = ("start", "keys", "first", "blocks", "live")
+    __slots__ = ("id", "start", "keys", "first", "blocks", "live", "size", "tail", "last", "_key_buf", "_block_buf")
 
-    def __init__(self, start: int, keys: np.ndarray, blocks: np.ndarray) -> None:
+    def __init__(self, run_id: int, start: int, keys: np.ndarray, blocks: np.ndarray) -> None:
+        self.id = run_id
         self.start = start
-        self.keys = keys  # a void array, one item per hash (see `as_keys`)
+        self.keys = self._key_buf = keys  # a void array, one item per hash (see `as_keys`)
         self.first = keys[0].tobytes()  # what `RunIndex._starts` files the run under
-        self.blocks = blocks
+        self.blocks = self._block_buf = blocks  # (its own copy: the buffer grows in place)
         self.live = blocks.size  # of its blocks, how many are still cached
+        # what `RunIndex._continued` asks, as plain Python objects: no numpy scalar per test
+        self.size = blocks.size
+        self.tail = int(blocks[-1])
+        self.last = keys[-1].tobytes()
+
+    def extend(self, keys: np.ndarray, blocks: np.ndarray) -> None:
+        """Append blocks (with their hashes) at the next chain positions."""
+        n = self.size
+        need = n + blocks.size
+        self._room(need)
+        self._key_buf[n:need] = keys
+        self._block_buf[n:need] = blocks
+        self._grown(need, int(blocks[-1]), keys[-1].tobytes())
+
+    def append(self, block: int, key: BlockHash) -> None:
+        """`extend` by one block, given as an int and its hash's bytes."""
+        n = self.size
+        self._room(n + 1)
+        self._key_buf[n] = key
+        self._block_buf[n] = block
+        self._grown(n + 1, block, key)
+
+    def _room(self, need: int) -> None:
+        if need > self._block_buf.size:  # (the first buffer is exactly full: never written past)
+            n = self.size
+            size = max(need, 2 * n)
+            key_buf = np.empty(size, dtype=self.keys.dtype)
+            key_buf[:n] = self.keys
+            block_buf = np.empty(size, dtype=np.int64)
+            block_buf[:n] = self.blocks
+            self._key_buf, self._block_buf = key_buf, block_buf
+
+    def _grown(self, size: int, tail: int, last: BlockHash) -> None:
+        self.live += size - self.size
+        self.size = size
+        self.keys = self._key_buf[:size]
+        self.blocks = self._block_buf[:size]
+        self.tail = tail
+        self.last = last
 
 
 _NEVER = np.iinfo(np.int64).max
@@ -575,24 +619,79 @@ class RunIndex:
 
     # -- publishing and evicting ---------------------------------------------------------
 
-    def add(self, blocks: np.ndarray, hashes: list[BlockHash], start: int = 0) -> None:
-        """Cache `blocks[i]` under `hashes[i]`, at chain positions `start + i`, as one run."""
+    def add(
+        self,
+        blocks: np.ndarray,
+        hashes: list[BlockHash] | np.ndarray,
+        start: int = 0,
+        after: tuple[int, BlockHash] | None = None,
+    ) -> None:
+        """Cache `blocks[i]` under `hashes[i]`, at chain positions `start + i`, as one run.
+        `after` is the committing sequence's block at position `start - 1` and its hash (the
+        parent of `hashes[0]`): when that block ends a run all of whose blocks are still
+        cached, the blocks continue that run instead (a decode step's block, or a prompt's
+        blocks after a hit that ends a run), so a sequence's commits make one run, not one
+        each. Exact: chained hashes make a query that agrees with the new blocks agree with
+        the run's blocks before them, so each position is offered the same blocks; and a
+        run whose blocks are all cached holds no block id twice (`_fold`'s ownership test)."""
         n = blocks.size
         if not n:
             return
-        r = self._next_run
-        self._next_run += 1
-        run = self._runs[r] = _Run(start, as_keys(hashes), blocks.copy())
-        self._starts.setdefault(run.first, []).append(r)
+        run = self._continued(after, start) if after is not None else None
+        if run is None:
+            r = self._next_run
+            self._next_run += 1
+            run = self._runs[r] = _Run(r, start, as_keys(hashes), blocks.copy())
+            self._starts.setdefault(run.first, []).append(r)
+            off = 0
+        else:
+            r = run.id
+            off = run.size
+            if n == 1 and hashes.__class__ is list:  # a decode step's block: no array made
+                run.append(int(blocks[0]), hashes[0])
+            else:
+                run.extend(as_keys(hashes), blocks)
+        seq = self._next_seq
+        self._next_seq = seq + n
+        if n == 1:  # a decode step's block: scalar writes, cheaper than four fancy-indexed ones
+            b = int(blocks[0])
+            self.cached[b] = True
+            self._run[b] = r
+            self._off[b] = off
+            self._seq[b] = seq
+            return
         self.cached[blocks] = True
         self._run[blocks] = r
-        self._off[blocks] = np.arange(n)
-        self._seq[blocks] = np.arange(self._next_seq, self._next_seq + n)
-        self._next_seq += n
+        self._off[blocks] = np.arange(off, off + n)
+        self._seq[blocks] = np.arange(seq, seq + n)
+
+    def _continued(self, after: tuple[int, BlockHash], start: int) -> _Run | None:
+        """The run that blocks from chain position `start` on, after block `after[0]` cached
+        under `after[1]`, continue (`add`), or None."""
+        block, parent = after
+        r = int(self._run[block])
+        if r < 0:
+            return None
+        run = self._runs[r]
+        if (
+            run.tail != block
+            or run.start + run.size != start
+            or run.live != run.size  # an evicted block's id may come back as a new one
+            or run.last != parent
+        ):
+            return None
+        return run
 
     def remove(self, blocks: np.ndarray) -> None:
         """Uncache `blocks` (each cached, each once)."""
         if not blocks.size:
+            return
+        if blocks.size == 1:  # (a decode step's new block evicting one): scalar steps
+            b = int(blocks[0])
+            self.cached[b] = False
+            gone = {int(self._run[b]): 1}
+            self._run[b] = -1
+            self._drop(gone)
             return
         self.cached[blocks] = False
         runs = self._run[blocks]
@@ -608,6 +707,10 @@ class RunIndex:
             for r, end in zip(runs[[0, *ends[:-1]]].tolist(), ends, strict=True):
                 gone[r] = gone.get(r, 0) + end - begin
                 begin = end
+        self._drop(gone)
+
+    def _drop(self, gone: dict[int, int]) -> None:
+        """Count `gone[r]` blocks of run `r` evicted; a run with none left goes."""
         for r, k in gone.items():
             run = self._runs[r]
             run.live -= k
@@ -752,7 +855,7 @@ class RunIndex:
         if self.cached[block]:
             self.remove(ids)
         if h is not None:
-            self.add(ids, [h], at)
+            self.add(ids, [h], at)  # (a run of its own)
 
     def make_oldest(self, h: BlockHash, block: int) -> None:
         members = self.members(h)
