@@ -86,6 +86,7 @@ _ENTRY_BYTES = 20
 
 _NO_BLOCKS = np.empty(0, dtype=np.int64)
 _NO_KEYS = np.empty(0, dtype="V16")  # no hashes yet (never concatenated: the first ones replace it)
+_NOT_PROVEN = (None, _NO_BLOCKS)  # a memo's last proven match and its block ids: none yet
 
 #: `hash_algorithm="auto"` hashes with poly128 up to this page size, xxh3_128 above: measured
 #: on the conversation trace, poly128 takes a 14k-token prompt's blocks at page 1 in about
@@ -360,13 +361,14 @@ class APCCache(PrefixCache):
     # -- hashing --------------------------------------------------------------------
 
     def _hashed(self, seq: Sequence, num_blocks: int) -> list:
-        """`seq`'s memo, `[owner, hashes as a list, hashes as a void array]`, with the
+        """`seq`'s memo, `[owner, hashes as a list, hashes as a void array, (the last match
+        `_verify_match` proved, its block ids as an int64 array)]`, with the
         hasher's own form (poly128: the array; the byte chains: the list) covering at least
         its first `num_blocks` full blocks. The other form is brought up to date on demand
         (`_block_hashes`, `_index_keys`), so each call converts only what is new."""
         memo = seq.cache_memo
         if memo is None or memo[0] is not self._memo_key:
-            memo = seq.cache_memo = [self._memo_key, [], _NO_KEYS]
+            memo = seq.cache_memo = [self._memo_key, [], _NO_KEYS, _NOT_PROVEN]
         hasher = self.hasher
         if self._arrays_native:
             keys = memo[2]
@@ -430,7 +432,9 @@ class APCCache(PrefixCache):
         if self.verify_tokens:
             hit = self._verified_walk(seq, self._block_hashes(seq, max_blocks)[:max_blocks])
         else:  # the oldest block of each hash, up to the first miss
-            hit = self.index.first_run(self._index_keys(seq, max_blocks)[:max_blocks])
+            keys = self._index_keys(seq, max_blocks)[:max_blocks]
+            listed = seq.cache_memo[1]  # the byte chains' own form (poly128: empty, not passed)
+            hit = self.index.first_run(keys, listed if len(listed) >= max_blocks else None)
         return len(hit) * self.page_size, tuple(hit), hit
 
     def _verified_walk(self, seq: Sequence, hashes: list[BlockHash], chosen: list[int] | None = None) -> list[int]:
@@ -487,14 +491,23 @@ class APCCache(PrefixCache):
             raise InvalidRequestError(
                 f"request {seq.request_id!r}: the match's blocks hold other tokens (a match made for another sequence)"
             )
+        if n and ids.dtype == np.int64:
+            self._hashed(seq, 0)[3] = (match, ids)  # for `_hit_ids` (scratch: not cache state)
 
-    def _hit_ids(self, match: Match) -> np.ndarray:
-        return np.array(match.pages, dtype=np.int64) if match.num_tokens else _NO_BLOCKS
+    def _hit_ids(self, seq: Sequence, match: Match) -> np.ndarray:
+        """The hit's block ids as an array: the one `_verify_match` just made for this very
+        match (it runs first in `admit` and `can_admit`), else made here."""
+        if not match.num_tokens:
+            return _NO_BLOCKS
+        memo = seq.cache_memo
+        if memo is not None and memo[0] is self._memo_key and memo[3][0] is match:
+            return memo[3][1]
+        return np.array(match.pages, dtype=np.int64)
 
     def _can_admit(self, seq: Sequence, match: Match, num_tokens: int) -> bool:
         """vLLM's `allocate_slots` check: the new blocks fit in the free queue, less the hit
         blocks still in it (they are about to leave it: they are not free for us)."""
-        return self._fits(self._hit_ids(match), num_tokens)
+        return self._fits(self._hit_ids(seq, match), num_tokens)
 
     def _host_load(self, seq: Sequence, match: Match, num_tokens: int) -> int:
         """Tokens to load from the host after the GPU hit (rules R2, R3 of apc_offload).
@@ -512,7 +525,7 @@ class APCCache(PrefixCache):
         return self.pages_for(num_tokens) - hit.size <= self.free_queue.num_free - num_free_hit
 
     def _admit(self, seq: Sequence, match: Match, num_tokens: int) -> tuple[_Held, list[CopyOp]] | None:
-        hit = self._hit_ids(match)
+        hit = self._hit_ids(seq, match)
         if not self._fits(hit, num_tokens):
             return None
         num_new = self.pages_for(num_tokens) - hit.size
@@ -682,7 +695,7 @@ class APCCache(PrefixCache):
         child.num_computed = computed
         memo = parent.cache_memo
         if memo is not None and memo[0] is self._memo_key:
-            child.cache_memo = [self._memo_key, memo[1][:full], memo[2][:full]]
+            child.cache_memo = [self._memo_key, memo[1][:full], memo[2][:full], _NOT_PROVEN]
         if self.host is not None and self.host.moves:
             ops = [*self.host.take_moves(), *ops]
         return _Held(child, blocks, full), ops

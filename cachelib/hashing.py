@@ -397,7 +397,7 @@ class DictIndex:
         get = self._first.get
         return np.fromiter((get(h, -1) for h in hashes), dtype=np.int64, count=len(hashes))
 
-    def first_run(self, hashes: list[BlockHash]) -> list[int]:
+    def first_run(self, hashes: list[BlockHash], listed: object = None) -> list[int]:
         return list(takewhile(_is_not_none, map(self._first.get, hashes)))
 
     def members(self, h: BlockHash) -> list[int]:
@@ -569,6 +569,11 @@ class _Run:
 
 _NEVER = np.iinfo(np.int64).max
 
+#: `RunIndex.add` continues a run by commits of up to this many blocks (decode steps'): the
+#: first continuation copies the run into a growable buffer, which pays off over the many
+#: one-block commits of a decode, not for one larger commit (a replayed request's output)
+_CONTINUE_MAX = 8
+
 
 class RunIndex:
     """The cached blocks by *chained* hash, kept per commit: a run is the blocks one commit
@@ -629,15 +634,15 @@ class RunIndex:
         """Cache `blocks[i]` under `hashes[i]`, at chain positions `start + i`, as one run.
         `after` is the committing sequence's block at position `start - 1` and its hash (the
         parent of `hashes[0]`): when that block ends a run all of whose blocks are still
-        cached, the blocks continue that run instead (a decode step's block, or a prompt's
-        blocks after a hit that ends a run), so a sequence's commits make one run, not one
-        each. Exact: chained hashes make a query that agrees with the new blocks agree with
-        the run's blocks before them, so each position is offered the same blocks; and a
-        run whose blocks are all cached holds no block id twice (`_fold`'s ownership test)."""
+        cached, a few blocks (up to `_CONTINUE_MAX`: a decode step's) continue that run
+        instead, so a decode makes one run, not one per block. Exact: chained hashes make a
+        query that agrees with the new blocks agree with the run's blocks before them, so
+        each position is offered the same blocks; and a run whose blocks are all cached
+        holds no block id twice (`_fold`'s ownership test)."""
         n = blocks.size
         if not n:
             return
-        run = self._continued(after, start) if after is not None else None
+        run = self._continued(after, start) if after is not None and n <= _CONTINUE_MAX else None
         if run is None:
             r = self._next_run
             self._next_run += 1
@@ -728,12 +733,7 @@ class RunIndex:
     ) -> None:
         """Offer run `r`'s blocks still cached in it for the positions where it agrees with
         `hashes` (a block evicted from the run and cached again elsewhere is not its own)."""
-        # the agreement: the run's hashes and the query's, compared as machine words
-        size = min(run.keys.size, hashes.size - at)
-        width = hashes.itemsize // 8
-        differs = (run.keys[:size].view(np.uint64) != hashes[at : at + size].view(np.uint64)).reshape(size, width)
-        differs = differs.any(axis=1) if width > 1 else differs[:, 0]
-        n = int(differs.argmax()) if differs.any() else size
+        n = self._agreement(run, hashes, at)
         blocks = run.blocks[:n]
         seq = self._seq[blocks]
         mine = self._run[blocks] == r
@@ -744,16 +744,22 @@ class RunIndex:
         window[older] = seq[older]
         best_block[at : at + n][older] = blocks[older]
 
-    def first_run(self, hashes: list[BlockHash]) -> list[int]:
+    def first_run(self, hashes: list[BlockHash] | np.ndarray, listed: list[BlockHash] | None = None) -> list[int]:
         """The oldest cached block of each chain position of `hashes`, up to the first
-        position with none."""
+        position with none. `listed`: the same hashes as bytes (at least as many), when the
+        caller has them: the walk looks run starts up by them instead of converting."""
         hashes = as_keys(hashes)
         m = hashes.size
         runs, starts = self._runs, self._starts.get
         # only a run that starts at position 0 covers it: without one the walk ends there
         # (most lookups of a small cache), before any array is made
-        if not m or not any(runs[r].start == 0 for r in starts(hashes[0].tobytes(), ())):
+        at_zero = [r for r in starts(hashes[0].tobytes() if listed is None else listed[0], ()) if runs[r].start == 0] if m else []
+        if not at_zero:
             return []
+        if len(at_zero) == 1:
+            sole = self._sole_run(runs[at_zero[0]], hashes, listed)
+            if sole is not None:
+                return sole
         best = np.full(m, _NEVER, dtype=np.int64)
         best_block = np.full(m, -1, dtype=np.int64)
         # fold the runs starting at each position up to the first one still uncovered: a
@@ -761,7 +767,8 @@ class RunIndex:
         # change the answer (no window of lookups beyond the hit)
         lo, end = 0, 0  # scan run starts at positions lo .. end (end: first uncovered so far)
         while True:
-            for i, found in enumerate(map(starts, hashes[lo : end + 1].tolist()), lo):
+            scan = hashes[lo : end + 1].tolist() if listed is None else listed[lo : end + 1]
+            for i, found in enumerate(map(starts, scan), lo):
                 if found:
                     for r in found:
                         run = runs[r]
@@ -776,6 +783,33 @@ class RunIndex:
             if now == end:  # every position before it scanned, and it stays uncovered
                 return best_block[:now].tolist()
             lo, end = end + 1, now
+
+    def _sole_run(self, run: _Run, hashes: np.ndarray, listed: list[BlockHash] | None) -> list[int] | None:
+        """`first_run`'s answer when `run` (the one run starting at position 0) answers
+        alone: its blocks agreeing with `hashes` are all its own, and no other run starts
+        at a position up to the first one it leaves uncovered (only such a run could offer
+        an older block or reach further). None when that is not so: the general walk decides.
+        The common lookup (a conversation's next turn) takes this path: no array per position."""
+        n = self._agreement(run, hashes, 0)
+        blocks = run.blocks[:n]
+        if run.live != run.size and not (self._run[blocks] == run.id).all():
+            return None
+        scan = hashes[1 : n + 1].tolist() if listed is None else listed[1 : n + 1]
+        if any(map(self._starts.__contains__, scan)):
+            return None
+        return blocks.tolist()
+
+    @staticmethod
+    def _agreement(run: _Run, hashes: np.ndarray, at: int) -> int:
+        """How many of `run`'s hashes equal `hashes[at:]`, from the first on (a chain: they
+        agree up to a point, then never again)."""
+        size = min(run.size, hashes.size - at)
+        mine, theirs = run.keys[:size], hashes[at : at + size]
+        if mine.tobytes() == theirs.tobytes():  # (one memcmp: the whole run, most often)
+            return size
+        width = hashes.itemsize // 8
+        differs = (mine.view(np.uint64) != theirs.view(np.uint64)).reshape(size, width)
+        return int((differs.any(axis=1) if width > 1 else differs[:, 0]).argmax())
 
     def candidates(self, hashes: list[BlockHash]) -> list[list[int]]:
         """Per chain position of `hashes`, every cached block there, oldest first, up to
@@ -816,6 +850,17 @@ class RunIndex:
         if blocks.size != hashes.size:
             return False
         if not blocks.size:
+            return True
+        # most often one stretch of one run whose blocks are all cached (so each is its own)
+        r, o = int(self._run[blocks[0]]), int(self._off[blocks[0]])
+        run = self._runs.get(r)
+        n = blocks.size
+        if (
+            run is not None
+            and run.live == run.size
+            and run.blocks[o : o + n].tobytes() == blocks.tobytes()
+            and run.keys[o : o + n].tobytes() == hashes.tobytes()
+        ):
             return True
         runs, offs = self._run[blocks], self._off[blocks]
         if (runs < 0).any():
