@@ -804,12 +804,13 @@ class RunIndex:
         """How many of `run`'s hashes equal `hashes[at:]`, from the first on (a chain: they
         agree up to a point, then never again)."""
         size = min(run.size, hashes.size - at)
-        mine, theirs = run.keys[:size], hashes[at : at + size]
-        if mine.tobytes() == theirs.tobytes():  # (one memcmp: the whole run, most often)
-            return size
-        width = hashes.itemsize // 8
-        differs = (mine.view(np.uint64) != theirs.view(np.uint64)).reshape(size, width)
-        return int((differs.any(axis=1) if width > 1 else differs[:, 0]).argmax())
+        if size <= 0:
+            return 0
+        # compared as machine words; the first differing word's hash is the first that differs
+        # (argmax of the flat comparison: a row-wise `any` over 2-word rows costs more than all else)
+        differs = run.keys[:size].view(np.uint64) != hashes[at : at + size].view(np.uint64)
+        k = int(differs.argmax())
+        return k * size // differs.size if differs[k] else size
 
     def candidates(self, hashes: list[BlockHash]) -> list[list[int]]:
         """Per chain position of `hashes`, every cached block there, oldest first, up to
@@ -851,15 +852,16 @@ class RunIndex:
             return False
         if not blocks.size:
             return True
-        # most often one stretch of one run whose blocks are all cached (so each is its own)
+        # most often one stretch of one run: its blocks there are `blocks` and each is still
+        # its own (then at that offset: a run holds no block id twice, `add`)
         r, o = int(self._run[blocks[0]]), int(self._off[blocks[0]])
         run = self._runs.get(r)
         n = blocks.size
         if (
             run is not None
-            and run.live == run.size
             and run.blocks[o : o + n].tobytes() == blocks.tobytes()
             and run.keys[o : o + n].tobytes() == hashes.tobytes()
+            and (run.live == run.size or bool((self._run[blocks] == r).all()))
         ):
             return True
         runs, offs = self._run[blocks], self._off[blocks]
