@@ -514,22 +514,31 @@ def as_keys(hashes: list[BlockHash] | np.ndarray) -> np.ndarray:
 class _Run:
     """Blocks at consecutive chain positions `start ..`: those one commit published, then
     those of the commits that continued it from its last block (`RunIndex.add`'s `after`).
-    Their hashes and block ids are views of buffers that grow geometrically, so continuing
-    a run by a decode step's block copies nothing."""
+    Their hashes and block ids are the first `size` items of buffers that grow
+    geometrically, so continuing a run by a decode step's block copies nothing (`keys` and
+    `blocks` are views made when read: a decode appends far more often than lookups read)."""
 
-    __slots__ = ("id", "start", "keys", "first", "blocks", "live", "size", "tail", "last", "_key_buf", "_block_buf")
+    __slots__ = ("id", "start", "first", "live", "size", "tail", "last", "_key_buf", "_block_buf")
 
     def __init__(self, run_id: int, start: int, keys: np.ndarray, blocks: np.ndarray) -> None:
         self.id = run_id
         self.start = start
-        self.keys = self._key_buf = keys  # a void array, one item per hash (see `as_keys`)
-        self.first = keys[0].tobytes()  # what `RunIndex._starts` files the run under
-        self.blocks = self._block_buf = blocks  # (its own copy: the buffer grows in place)
-        self.live = blocks.size  # of its blocks, how many are still cached
-        # what `RunIndex._continued` asks, as plain Python objects: no numpy scalar per test
+        self._key_buf = keys  # a void array, one item per hash (see `as_keys`)
+        self._block_buf = blocks  # (its own copy: the buffer grows in place)
         self.size = blocks.size
+        self.live = blocks.size  # of its blocks, how many are still cached
+        self.first = keys[0].tobytes()  # what `RunIndex._starts` files the run under
+        # what `RunIndex._continued` asks, as plain Python objects: no numpy scalar per test
         self.tail = int(blocks[-1])
         self.last = keys[-1].tobytes()
+
+    @property
+    def keys(self) -> np.ndarray:
+        return self._key_buf[: self.size]
+
+    @property
+    def blocks(self) -> np.ndarray:
+        return self._block_buf[: self.size]
 
     def extend(self, keys: np.ndarray, blocks: np.ndarray) -> None:
         """Append blocks (with their hashes) at the next chain positions."""
@@ -552,17 +561,15 @@ class _Run:
         if need > self._block_buf.size:  # (the first buffer is exactly full: never written past)
             n = self.size
             size = max(need, 2 * n)
-            key_buf = np.empty(size, dtype=self.keys.dtype)
-            key_buf[:n] = self.keys
+            key_buf = np.empty(size, dtype=self._key_buf.dtype)
+            key_buf[:n] = self._key_buf[:n]
             block_buf = np.empty(size, dtype=np.int64)
-            block_buf[:n] = self.blocks
+            block_buf[:n] = self._block_buf[:n]
             self._key_buf, self._block_buf = key_buf, block_buf
 
     def _grown(self, size: int, tail: int, last: BlockHash) -> None:
         self.live += size - self.size
         self.size = size
-        self.keys = self._key_buf[:size]
-        self.blocks = self._block_buf[:size]
         self.tail = tail
         self.last = last
 
