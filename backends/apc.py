@@ -705,17 +705,20 @@ class APCCache(PrefixCache):
             self._offer_host(seq, held, seq.num_computed, final=True)
         # vLLM frees the table last block first: of the blocks nobody uses any more, hashed
         # ones go to the tail in that order (evicted late), the others to the head (reused
-        # first: the first block of the table ends up at the head)
-        ids = held.blocks[::-1]
-        left = self._ref[ids] - 1
-        self._ref[ids] = left
-        unused = ids[left == 0]
-        if unused.size:
-            hashed = self.index.cached[unused]
-            to_tail = unused[hashed]
-            self.free_queue.appendleft_n(unused[~hashed][::-1])
-            self.free_queue.append_n(to_tail)
-            self._num_cached_free += to_tail.size
+        # first) (check_invariants proves a table's hashed blocks are exactly its first
+        # num_cached, so the split needs no look at the index)
+        blocks, k = held.blocks, held.num_cached
+        left = self._ref[blocks]
+        left -= 1
+        self._ref[blocks] = left
+        if left.any():  # some are still another table's (a fork's, or a hit shared)
+            unused = left == 0
+            to_head, to_tail = blocks[k:][unused[k:]], blocks[:k][unused[:k]]
+        else:
+            to_head, to_tail = blocks[k:], blocks[:k]
+        self.free_queue.appendleft_n(to_head)  # (the first of them ends up at the head)
+        self.free_queue.append_n(to_tail[::-1])
+        self._num_cached_free += to_tail.size
 
     def _evict(self, num_pages: int) -> int:
         queued = self.free_queue.ids(fresh=False)
