@@ -27,14 +27,17 @@ How the state is kept (speed, not behaviour): per block a ref count in an array 
 block id, the free queue a `BlockQueue` of ids (`cachelib/free_queue.py`), and the hash
 table an index (`cachelib/hashing.py`) that holds per block whether it is cached and
 answers, per chain position, the oldest cached block of a hash: `RunIndex` for the
-built-in hashes, which chain (one entry per commit: publishing and evicting do no
-operation per block on a hash table), `DictIndex` for a custom `hash_fn` (one dict entry
+built-in hashes, which chain (one entry per run: a commit's blocks, continued by the
+one-block commits of a decode; publishing and evicting do no operation per block on a
+hash table), `DictIndex` for a custom `hash_fn` (one dict entry
 per hash). So admit, commit, release and eviction handle a request's blocks with a fixed
 number of numpy calls instead of a Python step per block. `RunIndex` keeps a run's hashes as
 one numpy void array and compares them as machine words; with poly128 they are made as
 such an array (`_index_keys`), so at page 1 no Python object per block is made or freed
 for the hashes (a list of bytes is built only for KV events, the host tier or
-verify_tokens). Arrays grow with the highest
+verify_tokens). A decode step's page and block take scalar paths (one free id popped,
+the held table grown in place, one block hashed from its token bytes, the run continued
+by one entry). Arrays grow with the highest
 block id handed out, so a pool of 10**9 blocks (`replay` with unlimited capacity) costs
 nothing until its blocks are used. For inspection and tests, `cache.blocks[i]` is a view
 of block i (`block_id`, `ref_cnt`, `block_hash`) and `cache._table` a view of the hash
@@ -230,7 +233,7 @@ class APCCache(PrefixCache):
     decode_steps_are_noops = True  # full blocks are published only when they fill
     reuses_kv = True
     emits_kv_events = True  # vLLM's BlockStored when blocks are hashed, BlockRemoved when evicted
-    #: the hash table for the built-in (chained) hashes: `RunIndex` (one entry per commit)
+    #: the hash table for the built-in (chained) hashes: `RunIndex` (one entry per run of commits)
     #: or `DictIndex` (one per block, what a `hash_fn` always gets: it need not chain).
     #: Speed only: both answer alike, and the tests run on both.
     index_type: ClassVar[type] = RunIndex

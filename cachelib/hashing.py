@@ -9,7 +9,7 @@ Tokens enter as their little-endian int32 bytes, a fixed width per block, and ea
 key is length-prefixed, so the byte string of a block is unambiguous.
 
 The tables apc keeps cached blocks in, by hash, are here too: `RunIndex` (one entry per
-commit, relying on the chaining above) and `DictIndex` (one entry per hash, for any hash
+run of commits, relying on the chaining above) and `DictIndex` (one entry per hash, for any hash
 function). Both answer, per chain position, a hash's oldest cached block.
 
 Algorithms (`BlockHasher(algorithm=...)`):
@@ -583,9 +583,10 @@ _CONTINUE_MAX = 8
 
 
 class RunIndex:
-    """The cached blocks by *chained* hash, kept per commit: a run is the blocks one commit
-    published, at chain positions `start, start + 1, ...`, with their hashes. Publishing a
-    run is one dict operation (`_starts`: its first hash -> its id) and a few array writes
+    """The cached blocks by *chained* hash, kept per run: a run is the blocks one commit
+    published, at chain positions `start, start + 1, ...`, with their hashes, and those of
+    the few-block commits that continued it from its last block (a decode's, `add`).
+    Publishing a run is one dict operation (`_starts`: its first hash -> its id) and a few array writes
     (its hashes are one void array, `as_keys`, compared as machine words);
     evicting a block clears its `cached` flag (a run goes when its last block does). No
     operation per block on a hash table.
