@@ -414,7 +414,9 @@ class APCCache(PrefixCache):
             keys = memo[2] = np.concatenate([keys, new]) if keys.size else new
         return keys
 
-    def _commit_keys(self, seq: Sequence, start: int, full: int) -> tuple[np.ndarray | list[BlockHash], BlockHash | None]:
+    def _commit_keys(
+        self, seq: Sequence, start: int, full: int
+    ) -> tuple[np.ndarray | list[BlockHash], BlockHash | None]:
         """The hashes of blocks `start .. full - 1` as the index takes them, and the hash of
         block `start - 1` (None for the first block, or for `DictIndex`, which chains nothing).
         A decode step's block comes as a one-item list when the byte chain's list has it

@@ -761,7 +761,10 @@ class RunIndex:
         runs, starts = self._runs, self._starts.get
         # only a run that starts at position 0 covers it: without one the walk ends there
         # (most lookups of a small cache), before any array is made
-        at_zero = [r for r in starts(hashes[0].tobytes() if listed is None else listed[0], ()) if runs[r].start == 0] if m else []
+        if not m:
+            return []
+        first = hashes[0].tobytes() if listed is None else listed[0]
+        at_zero = [r for r in starts(first, ()) if runs[r].start == 0]
         if not at_zero:
             return []
         if len(at_zero) == 1:
