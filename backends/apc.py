@@ -27,14 +27,17 @@ How the state is kept (speed, not behaviour): per block a ref count in an array 
 block id, the free queue a `BlockQueue` of ids (`cachelib/free_queue.py`), and the hash
 table an index (`cachelib/hashing.py`) that holds per block whether it is cached and
 answers, per chain position, the oldest cached block of a hash: `RunIndex` for the
-built-in hashes, which chain (one entry per commit: publishing and evicting do no
-operation per block on a hash table), `DictIndex` for a custom `hash_fn` (one dict entry
+built-in hashes, which chain (one entry per run: a commit's blocks, continued by the
+one-block commits of a decode; publishing and evicting do no operation per block on a
+hash table), `DictIndex` for a custom `hash_fn` (one dict entry
 per hash). So admit, commit, release and eviction handle a request's blocks with a fixed
 number of numpy calls instead of a Python step per block. `RunIndex` keeps a run's hashes as
 one numpy void array and compares them as machine words; with poly128 they are made as
 such an array (`_index_keys`), so at page 1 no Python object per block is made or freed
 for the hashes (a list of bytes is built only for KV events, the host tier or
-verify_tokens). Arrays grow with the highest
+verify_tokens). A decode step's page and block take scalar paths (one free id popped,
+the held table grown in place, one block hashed from its token bytes, the run continued
+by one entry). Arrays grow with the highest
 block id handed out, so a pool of 10**9 blocks (`replay` with unlimited capacity) costs
 nothing until its blocks are used. For inspection and tests, `cache.blocks[i]` is a view
 of block i (`block_id`, `ref_cnt`, `block_hash`) and `cache._table` a view of the hash
@@ -86,6 +89,7 @@ _ENTRY_BYTES = 20
 
 _NO_BLOCKS = np.empty(0, dtype=np.int64)
 _NO_KEYS = np.empty(0, dtype="V16")  # no hashes yet (never concatenated: the first ones replace it)
+_NOT_PROVEN = (None, _NO_BLOCKS)  # a memo's last proven match and its block ids: none yet
 
 #: `hash_algorithm="auto"` hashes with poly128 up to this page size, xxh3_128 above: measured
 #: on the conversation trace, poly128 takes a 14k-token prompt's blocks at page 1 in about
@@ -108,15 +112,33 @@ _NO_HOST: dict[str, Any] = dict(
 
 class _Held(LiveState):
     """An admitted sequence: its block ids (an int64 array, the page table's), how many
-    leading ones are hashed (published), and, with a host tier, its offload state."""
+    leading ones are hashed (published), and, with a host tier, its offload state.
 
-    __slots__ = ("blocks", "num_cached", "offload")
+    `blocks` is a view of a buffer that `extend` grows geometrically: a decode step adding
+    a block writes one entry instead of copying the table (assign `blocks` only here)."""
+
+    __slots__ = ("blocks", "num_cached", "offload", "_buf")
 
     def __init__(self, seq: Sequence, blocks: np.ndarray, num_cached: int, offload: Any = None) -> None:
         self.seq = seq
-        self.blocks = blocks
+        self.blocks = self._buf = blocks
         self.num_cached = num_cached
         self.offload = offload
+
+    def extend(self, new: np.ndarray | int) -> None:
+        """Append block ids (an array, or one id as an int)."""
+        n = self.blocks.size
+        need = n + (1 if new.__class__ is int else new.size)
+        buf = self._buf
+        if need > buf.size:  # (the first array is exactly full: never written past)
+            buf = np.empty(max(need, 2 * n, 16), dtype=np.int64)
+            buf[:n] = self.blocks
+            self._buf = buf
+        if need == n + 1 and new.__class__ is int:
+            buf[n] = new
+        else:
+            buf[n:need] = new
+        self.blocks = buf[:need]
 
 
 class BlockView:
@@ -211,7 +233,7 @@ class APCCache(PrefixCache):
     decode_steps_are_noops = True  # full blocks are published only when they fill
     reuses_kv = True
     emits_kv_events = True  # vLLM's BlockStored when blocks are hashed, BlockRemoved when evicted
-    #: the hash table for the built-in (chained) hashes: `RunIndex` (one entry per commit)
+    #: the hash table for the built-in (chained) hashes: `RunIndex` (one entry per run of commits)
     #: or `DictIndex` (one per block, what a `hash_fn` always gets: it need not chain).
     #: Speed only: both answer alike, and the tests run on both.
     index_type: ClassVar[type] = RunIndex
@@ -342,13 +364,14 @@ class APCCache(PrefixCache):
     # -- hashing --------------------------------------------------------------------
 
     def _hashed(self, seq: Sequence, num_blocks: int) -> list:
-        """`seq`'s memo, `[owner, hashes as a list, hashes as a void array]`, with the
+        """`seq`'s memo, `[owner, hashes as a list, hashes as a void array, (the last match
+        `_verify_match` proved, its block ids as an int64 array)]`, with the
         hasher's own form (poly128: the array; the byte chains: the list) covering at least
         its first `num_blocks` full blocks. The other form is brought up to date on demand
         (`_block_hashes`, `_index_keys`), so each call converts only what is new."""
         memo = seq.cache_memo
         if memo is None or memo[0] is not self._memo_key:
-            memo = seq.cache_memo = [self._memo_key, [], _NO_KEYS]
+            memo = seq.cache_memo = [self._memo_key, [], _NO_KEYS, _NOT_PROVEN]
         hasher = self.hasher
         if self._arrays_native:
             keys = memo[2]
@@ -361,7 +384,11 @@ class APCCache(PrefixCache):
         else:
             keys = memo[1]
             have = len(keys)
-            if have < num_blocks:
+            if have + 1 == num_blocks:  # one block (a decode step's): no array round trip
+                size = self.page_size
+                block = seq.token_bytes(have * size, num_blocks * size)
+                keys.append(hasher.hash_block(keys[-1] if have else None, block, hasher.extra_bytes(seq.extra, have)))
+            elif have < num_blocks:
                 keys.extend(hasher.hash_blocks(seq.tokens, seq.extra, have, num_blocks, keys[-1] if have else None))
         return memo
 
@@ -387,6 +414,22 @@ class APCCache(PrefixCache):
             keys = memo[2] = np.concatenate([keys, new]) if keys.size else new
         return keys
 
+    def _commit_keys(
+        self, seq: Sequence, start: int, full: int
+    ) -> tuple[np.ndarray | list[BlockHash], BlockHash | None]:
+        """The hashes of blocks `start .. full - 1` as the index takes them, and the hash of
+        block `start - 1` (None for the first block, or for `DictIndex`, which chains nothing).
+        A decode step's block comes as a one-item list when the byte chain's list has it
+        and the array does not: no copy of the sequence's whole array to add one item."""
+        if not self._key_arrays:
+            return self._block_hashes(seq, full)[start:full], None
+        memo = self._hashed(seq, full)
+        hashes, keys = memo[1], memo[2]
+        if keys.size <= start:  # the array has none of them: the list has them all
+            return hashes[start:full], hashes[start - 1] if start else None
+        keys = self._index_keys(seq, full)
+        return keys[start:full], keys[start - 1].tobytes() if start else None
+
     # -- the contract: the hooks the base class calls after its checks -----------------
 
     def _match(self, seq: Sequence) -> tuple[int, tuple[int, ...], list[int]]:
@@ -394,7 +437,9 @@ class APCCache(PrefixCache):
         if self.verify_tokens:
             hit = self._verified_walk(seq, self._block_hashes(seq, max_blocks)[:max_blocks])
         else:  # the oldest block of each hash, up to the first miss
-            hit = self.index.first_run(self._index_keys(seq, max_blocks)[:max_blocks])
+            keys = self._index_keys(seq, max_blocks)[:max_blocks]
+            listed = seq.cache_memo[1]  # the byte chains' own form (poly128: empty, not passed)
+            hit = self.index.first_run(keys, listed if len(listed) >= max_blocks else None)
         return len(hit) * self.page_size, tuple(hit), hit
 
     def _verified_walk(self, seq: Sequence, hashes: list[BlockHash], chosen: list[int] | None = None) -> list[int]:
@@ -451,14 +496,23 @@ class APCCache(PrefixCache):
             raise InvalidRequestError(
                 f"request {seq.request_id!r}: the match's blocks hold other tokens (a match made for another sequence)"
             )
+        if n and ids.dtype == np.int64:
+            self._hashed(seq, 0)[3] = (match, ids)  # for `_hit_ids` (scratch: not cache state)
 
-    def _hit_ids(self, match: Match) -> np.ndarray:
-        return np.array(match.pages, dtype=np.int64) if match.num_tokens else _NO_BLOCKS
+    def _hit_ids(self, seq: Sequence, match: Match) -> np.ndarray:
+        """The hit's block ids as an array: the one `_verify_match` just made for this very
+        match (it runs first in `admit` and `can_admit`), else made here."""
+        if not match.num_tokens:
+            return _NO_BLOCKS
+        memo = seq.cache_memo
+        if memo is not None and memo[0] is self._memo_key and memo[3][0] is match:
+            return memo[3][1]
+        return np.array(match.pages, dtype=np.int64)
 
     def _can_admit(self, seq: Sequence, match: Match, num_tokens: int) -> bool:
         """vLLM's `allocate_slots` check: the new blocks fit in the free queue, less the hit
         blocks still in it (they are about to leave it: they are not free for us)."""
-        return self._fits(self._hit_ids(match), num_tokens)
+        return self._fits(self._hit_ids(seq, match), num_tokens)
 
     def _host_load(self, seq: Sequence, match: Match, num_tokens: int) -> int:
         """Tokens to load from the host after the GPU hit (rules R2, R3 of apc_offload).
@@ -476,7 +530,7 @@ class APCCache(PrefixCache):
         return self.pages_for(num_tokens) - hit.size <= self.free_queue.num_free - num_free_hit
 
     def _admit(self, seq: Sequence, match: Match, num_tokens: int) -> tuple[_Held, list[CopyOp]] | None:
-        hit = self._hit_ids(match)
+        hit = self._hit_ids(seq, match)
         if not self._fits(hit, num_tokens):
             return None
         num_new = self.pages_for(num_tokens) - hit.size
@@ -505,6 +559,17 @@ class APCCache(PrefixCache):
                 self._transfers.append(TierTransfer("host", "gpu", loaded, seq.request_id))
             return _Held(seq, blocks, hit.size, offload), self.host.take_moves()
         return _Held(seq, blocks, hit.size, offload), []
+
+    def _take_one(self) -> int:
+        """`_take_new(1)` as a plain int: a decode step's block, with scalar steps."""
+        queue = self.free_queue
+        block = queue.popleft_one()
+        if queue.num_used > self._ref.size:
+            self._cover(queue.num_used)
+        if self.index.cached[block]:  # lazy eviction, as in `_take_new`
+            self._uncache(np.array([block], dtype=np.int64))
+        self._ref[block] = 1
+        return block
 
     def _take_new(self, n: int) -> np.ndarray:
         """Pop `n` blocks from the queue head, evicting those that still hold a cached block."""
@@ -547,9 +612,13 @@ class APCCache(PrefixCache):
         num_new = self.pages_for(num_tokens) - held.blocks.size
         if num_new > self.free_queue.num_free:
             return None
-        if num_new > 0:
+        if num_new == 1:  # a decode step's page
+            block = self._take_one()
+            held.extend(block)
+            seq.page_table.append(block)
+        elif num_new > 0:
             new = self._take_new(num_new)
-            held.blocks = np.concatenate([held.blocks, new])
+            held.extend(new)
             seq.page_table.extend(new.tolist())
         if self.host is not None and self.host.moves:  # host stores decided since the last call
             return self.host.take_moves()
@@ -568,7 +637,8 @@ class APCCache(PrefixCache):
         # (check_invariants proves a table's first num_cached blocks are exactly its hashed ones)
         # an equal block cached already keeps answering lookups; this one is its duplicate
         # (tables are append-only)
-        self.index.add(ids, self._index_keys(seq, full)[start:full], start)
+        keys, parent = self._commit_keys(seq, start, full)
+        self.index.add(ids, keys, start, None if parent is None else (int(held.blocks[start - 1]), parent))
         if self.verify_tokens:
             self._record_contents(seq, held.blocks, start, full)
         self._num_hashed += full - start
@@ -630,7 +700,7 @@ class APCCache(PrefixCache):
         child.num_computed = computed
         memo = parent.cache_memo
         if memo is not None and memo[0] is self._memo_key:
-            child.cache_memo = [self._memo_key, memo[1][:full], memo[2][:full]]
+            child.cache_memo = [self._memo_key, memo[1][:full], memo[2][:full], _NOT_PROVEN]
         if self.host is not None and self.host.moves:
             ops = [*self.host.take_moves(), *ops]
         return _Held(child, blocks, full), ops
@@ -640,17 +710,20 @@ class APCCache(PrefixCache):
             self._offer_host(seq, held, seq.num_computed, final=True)
         # vLLM frees the table last block first: of the blocks nobody uses any more, hashed
         # ones go to the tail in that order (evicted late), the others to the head (reused
-        # first: the first block of the table ends up at the head)
-        ids = held.blocks[::-1]
-        left = self._ref[ids] - 1
-        self._ref[ids] = left
-        unused = ids[left == 0]
-        if unused.size:
-            hashed = self.index.cached[unused]
-            to_tail = unused[hashed]
-            self.free_queue.appendleft_n(unused[~hashed][::-1])
-            self.free_queue.append_n(to_tail)
-            self._num_cached_free += to_tail.size
+        # first) (check_invariants proves a table's hashed blocks are exactly its first
+        # num_cached, so the split needs no look at the index)
+        blocks, k = held.blocks, held.num_cached
+        left = self._ref[blocks]
+        left -= 1
+        self._ref[blocks] = left
+        if left.any():  # some are still another table's (a fork's, or a hit shared)
+            unused = left == 0
+            to_head, to_tail = blocks[k:][unused[k:]], blocks[:k][unused[:k]]
+        else:
+            to_head, to_tail = blocks[k:], blocks[:k]
+        self.free_queue.appendleft_n(to_head)  # (the first of them ends up at the head)
+        self.free_queue.append_n(to_tail[::-1])
+        self._num_cached_free += to_tail.size
 
     def _evict(self, num_pages: int) -> int:
         queued = self.free_queue.ids(fresh=False)

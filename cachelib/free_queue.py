@@ -227,6 +227,37 @@ class BlockQueue:
             parts.append(self._take(self._tail, n))
         return np.concatenate(parts) if front.size or n else fresh
 
+    def popleft_one(self) -> int:
+        """`popleft_n(1)`, as a plain int: a decode step's new block. The head entry (past
+        any holes) or else the next never-used id, with scalar steps."""
+        if not self.num_free:
+            raise IndexError("asked for 1 block, 0 free")
+        ring, head = self._ring, self._head
+        fresh_left = self._fresh < self.num_blocks
+        limit = self._fresh_at if fresh_left else self._tail
+        while head < limit:
+            entry = int(ring[head])
+            if entry == _HOLE:  # holes (blocks a hit took) up to the next id: skip them a window at a time
+                window = ring[head : min(limit, head + 64)]
+                found = np.flatnonzero(window)
+                if not found.size:
+                    head += window.size
+                    continue
+                head += int(found[0])
+                entry = int(ring[head])
+            ring[head] = _HOLE  # (its position goes stale, as in `_take`)
+            self._head = head + 1
+            self.num_free -= 1
+            return entry - 1
+        self._head = head  # (past holes only)
+        if not fresh_left:
+            raise InvariantViolation("free queue: a free count with no id left")
+        block = self._fresh  # nothing before the never-used run: its first id
+        self._fresh += 1
+        self._grow_pos()
+        self.num_free -= 1
+        return block
+
     def _take(self, limit: int, n: int) -> np.ndarray:
         """Up to `n` queued ids from the head, not past ring index `limit`; the head moves
         past them (and past the holes before them)."""

@@ -9,7 +9,7 @@ Tokens enter as their little-endian int32 bytes, a fixed width per block, and ea
 key is length-prefixed, so the byte string of a block is unambiguous.
 
 The tables apc keeps cached blocks in, by hash, are here too: `RunIndex` (one entry per
-commit, relying on the chaining above) and `DictIndex` (one entry per hash, for any hash
+run of commits, relying on the chaining above) and `DictIndex` (one entry per hash, for any hash
 function). Both answer, per chain position, a hash's oldest cached block.
 
 Algorithms (`BlockHasher(algorithm=...)`):
@@ -397,7 +397,7 @@ class DictIndex:
         get = self._first.get
         return np.fromiter((get(h, -1) for h in hashes), dtype=np.int64, count=len(hashes))
 
-    def first_run(self, hashes: list[BlockHash]) -> list[int]:
+    def first_run(self, hashes: list[BlockHash], listed: object = None) -> list[int]:
         return list(takewhile(_is_not_none, map(self._first.get, hashes)))
 
     def members(self, h: BlockHash) -> list[int]:
@@ -423,7 +423,8 @@ class DictIndex:
             out.append(members)
         return out
 
-    def add(self, blocks: np.ndarray, hashes: list[BlockHash], start: int = 0) -> None:
+    def add(self, blocks: np.ndarray, hashes: list[BlockHash], start: int = 0, after: object = None) -> None:
+        """Cache `blocks[i]` under `hashes[i]` (`start` and `after`, `RunIndex`'s, mean nothing here)."""
         self.cached[blocks] = True
         self.digest[blocks] = np.fromiter(hashes, dtype=object, count=len(hashes))  # (a list converts slower)
         ids = blocks.tolist()
@@ -511,25 +512,81 @@ def as_keys(hashes: list[BlockHash] | np.ndarray) -> np.ndarray:
 
 
 class _Run:
-    """Blocks committed together: chain positions `start ..`, their hashes and block ids."""
+    """Blocks at consecutive chain positions `start ..`: those one commit published, then
+    those of the commits that continued it from its last block (`RunIndex.add`'s `after`).
+    Their hashes and block ids are the first `size` items of buffers that grow
+    geometrically, so continuing a run by a decode step's block copies nothing (`keys` and
+    `blocks` are views made when read: a decode appends far more often than lookups read)."""
 
-    __slots__ = ("start", "keys", "first", "blocks", "live")
+    __slots__ = ("id", "start", "first", "live", "size", "tail", "last", "_key_buf", "_block_buf")
 
-    def __init__(self, start: int, keys: np.ndarray, blocks: np.ndarray) -> None:
+    def __init__(self, run_id: int, start: int, keys: np.ndarray, blocks: np.ndarray) -> None:
+        self.id = run_id
         self.start = start
-        self.keys = keys  # a void array, one item per hash (see `as_keys`)
-        self.first = keys[0].tobytes()  # what `RunIndex._starts` files the run under
-        self.blocks = blocks
+        self._key_buf = keys  # a void array, one item per hash (see `as_keys`)
+        self._block_buf = blocks  # (its own copy: the buffer grows in place)
+        self.size = blocks.size
         self.live = blocks.size  # of its blocks, how many are still cached
+        self.first = keys[0].tobytes()  # what `RunIndex._starts` files the run under
+        # what `RunIndex._continued` asks, as plain Python objects: no numpy scalar per test
+        self.tail = int(blocks[-1])
+        self.last = keys[-1].tobytes()
+
+    @property
+    def keys(self) -> np.ndarray:
+        return self._key_buf[: self.size]
+
+    @property
+    def blocks(self) -> np.ndarray:
+        return self._block_buf[: self.size]
+
+    def extend(self, keys: np.ndarray, blocks: np.ndarray) -> None:
+        """Append blocks (with their hashes) at the next chain positions."""
+        n = self.size
+        need = n + blocks.size
+        self._room(need)
+        self._key_buf[n:need] = keys
+        self._block_buf[n:need] = blocks
+        self._grown(need, int(blocks[-1]), keys[-1].tobytes())
+
+    def append(self, block: int, key: BlockHash) -> None:
+        """`extend` by one block, given as an int and its hash's bytes."""
+        n = self.size
+        self._room(n + 1)
+        self._key_buf[n] = key
+        self._block_buf[n] = block
+        self._grown(n + 1, block, key)
+
+    def _room(self, need: int) -> None:
+        if need > self._block_buf.size:  # (the first buffer is exactly full: never written past)
+            n = self.size
+            size = max(need, 2 * n)
+            key_buf = np.empty(size, dtype=self._key_buf.dtype)
+            key_buf[:n] = self._key_buf[:n]
+            block_buf = np.empty(size, dtype=np.int64)
+            block_buf[:n] = self._block_buf[:n]
+            self._key_buf, self._block_buf = key_buf, block_buf
+
+    def _grown(self, size: int, tail: int, last: BlockHash) -> None:
+        self.live += size - self.size
+        self.size = size
+        self.tail = tail
+        self.last = last
 
 
 _NEVER = np.iinfo(np.int64).max
 
+#: `RunIndex.add` continues a run by commits of up to this many blocks (decode steps'): the
+#: first continuation copies the run into a growable buffer, which pays off over the many
+#: one-block commits of a decode, not for one larger commit (a replayed request's output)
+_CONTINUE_MAX = 8
+
 
 class RunIndex:
-    """The cached blocks by *chained* hash, kept per commit: a run is the blocks one commit
-    published, at chain positions `start, start + 1, ...`, with their hashes. Publishing a
-    run is one dict operation (`_starts`: its first hash -> its id) and a few array writes
+    """The cached blocks by *chained* hash, kept per run: a run is the blocks one commit
+    published, at chain positions `start, start + 1, ...`, with their hashes, and those of
+    the few-block commits that continued it from its last block (a decode's, `add`).
+    Publishing a run is one dict operation (`_starts`: its first hash -> its id) and a few array writes
     (its hashes are one void array, `as_keys`, compared as machine words);
     evicting a block clears its `cached` flag (a run goes when its last block does). No
     operation per block on a hash table.
@@ -575,24 +632,79 @@ class RunIndex:
 
     # -- publishing and evicting ---------------------------------------------------------
 
-    def add(self, blocks: np.ndarray, hashes: list[BlockHash], start: int = 0) -> None:
-        """Cache `blocks[i]` under `hashes[i]`, at chain positions `start + i`, as one run."""
+    def add(
+        self,
+        blocks: np.ndarray,
+        hashes: list[BlockHash] | np.ndarray,
+        start: int = 0,
+        after: tuple[int, BlockHash] | None = None,
+    ) -> None:
+        """Cache `blocks[i]` under `hashes[i]`, at chain positions `start + i`, as one run.
+        `after` is the committing sequence's block at position `start - 1` and its hash (the
+        parent of `hashes[0]`): when that block ends a run all of whose blocks are still
+        cached, a few blocks (up to `_CONTINUE_MAX`: a decode step's) continue that run
+        instead, so a decode makes one run, not one per block. Exact: chained hashes make a
+        query that agrees with the new blocks agree with the run's blocks before them, so
+        each position is offered the same blocks; and a run whose blocks are all cached
+        holds no block id twice (`_fold`'s ownership test)."""
         n = blocks.size
         if not n:
             return
-        r = self._next_run
-        self._next_run += 1
-        run = self._runs[r] = _Run(start, as_keys(hashes), blocks.copy())
-        self._starts.setdefault(run.first, []).append(r)
+        run = self._continued(after, start) if after is not None and n <= _CONTINUE_MAX else None
+        if run is None:
+            r = self._next_run
+            self._next_run += 1
+            run = self._runs[r] = _Run(r, start, as_keys(hashes), blocks.copy())
+            self._starts.setdefault(run.first, []).append(r)
+            off = 0
+        else:
+            r = run.id
+            off = run.size
+            if n == 1 and hashes.__class__ is list:  # a decode step's block: no array made
+                run.append(int(blocks[0]), hashes[0])
+            else:
+                run.extend(as_keys(hashes), blocks)
+        seq = self._next_seq
+        self._next_seq = seq + n
+        if n == 1:  # a decode step's block: scalar writes, cheaper than four fancy-indexed ones
+            b = int(blocks[0])
+            self.cached[b] = True
+            self._run[b] = r
+            self._off[b] = off
+            self._seq[b] = seq
+            return
         self.cached[blocks] = True
         self._run[blocks] = r
-        self._off[blocks] = np.arange(n)
-        self._seq[blocks] = np.arange(self._next_seq, self._next_seq + n)
-        self._next_seq += n
+        self._off[blocks] = np.arange(off, off + n)
+        self._seq[blocks] = np.arange(seq, seq + n)
+
+    def _continued(self, after: tuple[int, BlockHash], start: int) -> _Run | None:
+        """The run that blocks from chain position `start` on, after block `after[0]` cached
+        under `after[1]`, continue (`add`), or None."""
+        block, parent = after
+        r = int(self._run[block])
+        if r < 0:
+            return None
+        run = self._runs[r]
+        if (
+            run.tail != block
+            or run.start + run.size != start
+            or run.live != run.size  # an evicted block's id may come back as a new one
+            or run.last != parent
+        ):
+            return None
+        return run
 
     def remove(self, blocks: np.ndarray) -> None:
         """Uncache `blocks` (each cached, each once)."""
         if not blocks.size:
+            return
+        if blocks.size == 1:  # (a decode step's new block evicting one): scalar steps
+            b = int(blocks[0])
+            self.cached[b] = False
+            gone = {int(self._run[b]): 1}
+            self._run[b] = -1
+            self._drop(gone)
             return
         self.cached[blocks] = False
         runs = self._run[blocks]
@@ -608,6 +720,10 @@ class RunIndex:
             for r, end in zip(runs[[0, *ends[:-1]]].tolist(), ends, strict=True):
                 gone[r] = gone.get(r, 0) + end - begin
                 begin = end
+        self._drop(gone)
+
+    def _drop(self, gone: dict[int, int]) -> None:
+        """Count `gone[r]` blocks of run `r` evicted; a run with none left goes."""
         for r, k in gone.items():
             run = self._runs[r]
             run.live -= k
@@ -625,12 +741,7 @@ class RunIndex:
     ) -> None:
         """Offer run `r`'s blocks still cached in it for the positions where it agrees with
         `hashes` (a block evicted from the run and cached again elsewhere is not its own)."""
-        # the agreement: the run's hashes and the query's, compared as machine words
-        size = min(run.keys.size, hashes.size - at)
-        width = hashes.itemsize // 8
-        differs = (run.keys[:size].view(np.uint64) != hashes[at : at + size].view(np.uint64)).reshape(size, width)
-        differs = differs.any(axis=1) if width > 1 else differs[:, 0]
-        n = int(differs.argmax()) if differs.any() else size
+        n = self._agreement(run, hashes, at)
         blocks = run.blocks[:n]
         seq = self._seq[blocks]
         mine = self._run[blocks] == r
@@ -641,16 +752,25 @@ class RunIndex:
         window[older] = seq[older]
         best_block[at : at + n][older] = blocks[older]
 
-    def first_run(self, hashes: list[BlockHash]) -> list[int]:
+    def first_run(self, hashes: list[BlockHash] | np.ndarray, listed: list[BlockHash] | None = None) -> list[int]:
         """The oldest cached block of each chain position of `hashes`, up to the first
-        position with none."""
+        position with none. `listed`: the same hashes as bytes (at least as many), when the
+        caller has them: the walk looks run starts up by them instead of converting."""
         hashes = as_keys(hashes)
         m = hashes.size
         runs, starts = self._runs, self._starts.get
         # only a run that starts at position 0 covers it: without one the walk ends there
         # (most lookups of a small cache), before any array is made
-        if not m or not any(runs[r].start == 0 for r in starts(hashes[0].tobytes(), ())):
+        if not m:
             return []
+        first = hashes[0].tobytes() if listed is None else listed[0]
+        at_zero = [r for r in starts(first, ()) if runs[r].start == 0]
+        if not at_zero:
+            return []
+        if len(at_zero) == 1:
+            sole = self._sole_run(runs[at_zero[0]], hashes, listed)
+            if sole is not None:
+                return sole
         best = np.full(m, _NEVER, dtype=np.int64)
         best_block = np.full(m, -1, dtype=np.int64)
         # fold the runs starting at each position up to the first one still uncovered: a
@@ -658,7 +778,8 @@ class RunIndex:
         # change the answer (no window of lookups beyond the hit)
         lo, end = 0, 0  # scan run starts at positions lo .. end (end: first uncovered so far)
         while True:
-            for i, found in enumerate(map(starts, hashes[lo : end + 1].tolist()), lo):
+            scan = hashes[lo : end + 1].tolist() if listed is None else listed[lo : end + 1]
+            for i, found in enumerate(map(starts, scan), lo):
                 if found:
                     for r in found:
                         run = runs[r]
@@ -673,6 +794,34 @@ class RunIndex:
             if now == end:  # every position before it scanned, and it stays uncovered
                 return best_block[:now].tolist()
             lo, end = end + 1, now
+
+    def _sole_run(self, run: _Run, hashes: np.ndarray, listed: list[BlockHash] | None) -> list[int] | None:
+        """`first_run`'s answer when `run` (the one run starting at position 0) answers
+        alone: its blocks agreeing with `hashes` are all its own, and no other run starts
+        at a position up to the first one it leaves uncovered (only such a run could offer
+        an older block or reach further). None when that is not so: the general walk decides.
+        The common lookup (a conversation's next turn) takes this path: no array per position."""
+        n = self._agreement(run, hashes, 0)
+        blocks = run.blocks[:n]
+        if run.live != run.size and not (self._run[blocks] == run.id).all():
+            return None
+        scan = hashes[1 : n + 1].tolist() if listed is None else listed[1 : n + 1]
+        if any(map(self._starts.__contains__, scan)):
+            return None
+        return blocks.tolist()
+
+    @staticmethod
+    def _agreement(run: _Run, hashes: np.ndarray, at: int) -> int:
+        """How many of `run`'s hashes equal `hashes[at:]`, from the first on (a chain: they
+        agree up to a point, then never again)."""
+        size = min(run.size, hashes.size - at)
+        if size <= 0:
+            return 0
+        # compared as machine words; the first differing word's hash is the first that differs
+        # (argmax of the flat comparison: a row-wise `any` over 2-word rows costs more than all else)
+        differs = run.keys[:size].view(np.uint64) != hashes[at : at + size].view(np.uint64)
+        k = int(differs.argmax())
+        return k * size // differs.size if differs[k] else size
 
     def candidates(self, hashes: list[BlockHash]) -> list[list[int]]:
         """Per chain position of `hashes`, every cached block there, oldest first, up to
@@ -714,6 +863,18 @@ class RunIndex:
             return False
         if not blocks.size:
             return True
+        # most often one stretch of one run: its blocks there are `blocks` and each is still
+        # its own (then at that offset: a run holds no block id twice, `add`)
+        r, o = int(self._run[blocks[0]]), int(self._off[blocks[0]])
+        run = self._runs.get(r)
+        n = blocks.size
+        if (
+            run is not None
+            and run.blocks[o : o + n].tobytes() == blocks.tobytes()
+            and run.keys[o : o + n].tobytes() == hashes.tobytes()
+            and (run.live == run.size or bool((self._run[blocks] == r).all()))
+        ):
+            return True
         runs, offs = self._run[blocks], self._off[blocks]
         if (runs < 0).any():
             return False
@@ -752,7 +913,7 @@ class RunIndex:
         if self.cached[block]:
             self.remove(ids)
         if h is not None:
-            self.add(ids, [h], at)
+            self.add(ids, [h], at)  # (a run of its own)
 
     def make_oldest(self, h: BlockHash, block: int) -> None:
         members = self.members(h)

@@ -170,6 +170,14 @@ class Sequence:
     def __len__(self) -> int:
         return self._len
 
+    def token_bytes(self, start: int, stop: int) -> bytes:
+        """The int32 bytes of tokens `start .. stop - 1` (a block's, to hash it): read from
+        the buffer, without making the `tokens` view (a decode step appends, so each
+        step's view would be a new one)."""
+        if not 0 <= start <= stop <= self._len:
+            raise IndexError(f"tokens {start}..{stop} outside [0, {self._len}]")
+        return self._buf[start:stop].tobytes()
+
     def append(self, new_tokens: Any) -> None:
         """Append generated token ids (validated like the prompt)."""
         new = as_token_ids(new_tokens, what=f"request {self.request_id!r} appended tokens", allow_empty=True)
