@@ -72,6 +72,7 @@ from cachelib.free_queue import BlockQueue
 from cachelib.hashing import VECTOR_ALGORITHMS, BlockHash, BlockHasher, DictIndex, HashFn, RunIndex, as_keys
 from cachelib.interface import LiveState, Occupancy, PagePartition, PrefixCache
 from cachelib.kv_events import PageKeys, PagesRemoved, PagesStored
+from cachelib.page_table import PageTable
 from cachelib.registry import register_backend
 from cachelib.tiers import (
     H200_HOST_READ_GBPS,
@@ -111,34 +112,31 @@ _NO_HOST: dict[str, Any] = dict(
 
 
 class _Held(LiveState):
-    """An admitted sequence: its block ids (an int64 array, the page table's), how many
-    leading ones are hashed (published), and, with a host tier, its offload state.
+    """An admitted sequence: its block ids (`table`, the sequence's own `page_table`, int64),
+    how many leading ones are hashed (published), and, with a host tier, its offload state.
 
-    `blocks` is a view of a buffer that `extend` grows geometrically: a decode step adding
-    a block writes one entry instead of copying the table (assign `blocks` only here)."""
+    `blocks` is a view of the table's buffer, which grows geometrically: a decode step adding
+    a block writes one entry instead of copying the table, and the ids are never copied into
+    a list of Python ints (`PageTable`)."""
 
-    __slots__ = ("blocks", "num_cached", "offload", "_buf")
+    __slots__ = ("table", "num_cached", "offload")
 
-    def __init__(self, seq: Sequence, blocks: np.ndarray, num_cached: int, offload: Any = None) -> None:
+    def __init__(self, seq: Sequence, table: PageTable, num_cached: int, offload: Any = None) -> None:
         self.seq = seq
-        self.blocks = self._buf = blocks
+        self.table = seq.page_table = table
         self.num_cached = num_cached
         self.offload = offload
 
+    @property
+    def blocks(self) -> np.ndarray:
+        return self.table.array()
+
     def extend(self, new: np.ndarray | int) -> None:
         """Append block ids (an array, or one id as an int)."""
-        n = self.blocks.size
-        need = n + (1 if new.__class__ is int else new.size)
-        buf = self._buf
-        if need > buf.size:  # (the first array is exactly full: never written past)
-            buf = np.empty(max(need, 2 * n, 16), dtype=np.int64)
-            buf[:n] = self.blocks
-            self._buf = buf
-        if need == n + 1 and new.__class__ is int:
-            buf[n] = new
+        if new.__class__ is int:
+            self.table.append(new)
         else:
-            buf[n:need] = new
-        self.blocks = buf[:need]
+            self.table.extend(new)
 
 
 class BlockView:
@@ -544,21 +542,20 @@ class APCCache(PrefixCache):
             blocks = np.concatenate([hit, self._take_new(num_new)])
         else:
             blocks = self._take_new(num_new)
-        seq.page_table = blocks.tolist()
+        held = _Held(seq, PageTable.of(blocks), hit.size)  # the sequence's page table from here
         seq.num_computed = match.num_tokens
-        offload = None
         if self.host is not None:  # R4: the load (instantaneous); the loaded blocks are hashed at commit
             size = self.page_size
             loaded = self._host_load(seq, match, num_tokens)
-            offload = self.host.admit(
+            held.offload = self.host.admit(
                 self._block_hashes(seq, len(seq) // size), match.num_tokens, loaded, seq.page_table
             )
             # R3: every token not recomputed (a load reaching the whole prompt recomputes the last)
             seq.num_computed = min(match.num_tokens + loaded, len(seq) - 1)
             if loaded and self._transfers is not None:
                 self._transfers.append(TierTransfer("host", "gpu", loaded, seq.request_id))
-            return _Held(seq, blocks, hit.size, offload), self.host.take_moves()
-        return _Held(seq, blocks, hit.size, offload), []
+            return held, self.host.take_moves()
+        return held, []
 
     def _take_one(self) -> int:
         """`_take_new(1)` as a plain int: a decode step's block, with scalar steps."""
@@ -613,13 +610,9 @@ class APCCache(PrefixCache):
         if num_new > self.free_queue.num_free:
             return None
         if num_new == 1:  # a decode step's page
-            block = self._take_one()
-            held.extend(block)
-            seq.page_table.append(block)
+            held.extend(self._take_one())
         elif num_new > 0:
-            new = self._take_new(num_new)
-            held.extend(new)
-            seq.page_table.extend(new.tolist())
+            held.extend(self._take_new(num_new))
         if self.host is not None and self.host.moves:  # host stores decided since the last call
             return self.host.take_moves()
         return []
@@ -696,14 +689,13 @@ class APCCache(PrefixCache):
             blocks = np.concatenate([shared, copy])
         else:
             blocks = shared.copy()
-        child.page_table = blocks.tolist()
         child.num_computed = computed
         memo = parent.cache_memo
         if memo is not None and memo[0] is self._memo_key:
             child.cache_memo = [self._memo_key, memo[1][:full], memo[2][:full], _NOT_PROVEN]
         if self.host is not None and self.host.moves:
             ops = [*self.host.take_moves(), *ops]
-        return _Held(child, blocks, full), ops
+        return _Held(child, PageTable.of(blocks), full), ops
 
     def _release(self, seq: Sequence, held: _Held) -> None:
         if held.offload is not None:  # R5, R10: the final offer and the request's finish

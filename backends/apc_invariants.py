@@ -84,8 +84,8 @@ def check_apc(cache: APCCache) -> None:
     # index entries point only at pages whose content matches: rehash every live table
     for rid, held in cache._live.items():
         seq = held.seq
-        if seq.page_table != held.blocks.tolist():
-            fail(f"{rid}: page table differs from the blocks held")
+        if seq.page_table is not held.table:
+            fail(f"{rid}: the sequence's page table is not the table the cache holds for it")
         fresh = cache.hasher.hash_blocks(seq.tokens, seq.extra, 0, held.num_cached, None)
         for i, (block, h) in enumerate(zip(held.blocks.tolist(), fresh, strict=False)):
             if hashes[block] != h:

@@ -10,9 +10,11 @@ only how the ids are stored changes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-
 import numpy as np
+
+from cachelib.page_table import PageTable
+
+__all__ = ["PagePool", "PageTable"]
 
 #: an array given back shorter than this is copied onto the pool's stack instead of
 #: standing as a run of its own (a request's partial last page, a decode leaf, a page-16
@@ -111,85 +113,3 @@ class PagePool:
         out += self._stack[: self._top].tolist()
         out += range(self._fresh, self.num_pages)
         return out
-
-
-class PageTable:
-    """A sequence's page table in a radix cache: page `i` of the sequence is `table[i]`.
-
-    Read like a `list[int]` (length, an index gives an int, a slice a list, iteration ints,
-    equal to a list of the same ids), held as int32 ids in a buffer that grows by doubling
-    (a decode step appends one page without copying the table). The cache works on
-    `array()`, a view of the ids, and tree nodes keep views of it for the pages they hold:
-    the cache therefore only ever appends ids and rewrites slots no node views (the
-    duplicates of a request's own pages, before it inserts them). A buffer outgrown stays
-    alive, unchanged, as long as a node views it.
-    """
-
-    __slots__ = ("_buf", "_len")
-
-    def __init__(self, capacity: int) -> None:
-        self._buf = np.empty(max(capacity, 4), dtype=np.int32)
-        self._len = 0
-
-    def array(self) -> np.ndarray:
-        """The ids, a view (the cache's and the tree's access; do not write it)."""
-        return self._buf[: self._len]
-
-    def append_slots(self, n: int) -> np.ndarray:
-        """`n` more slots at the end, returned (a view) for the caller to fill at once."""
-        start = self._len
-        end = start + n
-        if end > self._buf.size:
-            grown = np.empty(max(end, 2 * self._buf.size), dtype=np.int32)
-            grown[:start] = self._buf[:start]
-            self._buf = grown
-        self._len = end
-        return self._buf[start:end]
-
-    def extend(self, pages: np.ndarray | Iterable[int]) -> None:
-        if pages.__class__ is not np.ndarray:
-            pages = np.fromiter(pages, dtype=np.int32)
-        self.append_slots(pages.size)[:] = pages
-
-    def append(self, page: int) -> None:
-        self.extend(np.array((page,), dtype=np.int32))
-
-    def __setitem__(self, i: slice, pages: np.ndarray | list[int]) -> None:
-        """Slots `i` (a slice, no longer than the table) now hold `pages`, as many: only
-        slots no tree node views (a request's duplicates, before they are inserted)."""
-        self._buf[: self._len][i] = pages
-
-    # -- read as a list[int] ----------------------------------------------------------
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __getitem__(self, i):
-        view = self._buf[: self._len]
-        if i.__class__ is slice:
-            return view[i].tolist()
-        return int(view[i])
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._buf[: self._len].tolist())
-
-    def tolist(self) -> list[int]:
-        return self._buf[: self._len].tolist()
-
-    def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        view = self._buf[: self._len]
-        if dtype is not None and dtype != view.dtype:
-            return view.astype(dtype)
-        return view.copy() if copy else view
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, PageTable):
-            return bool(np.array_equal(self.array(), other.array()))
-        if isinstance(other, (list, tuple)):
-            return self.tolist() == list(other)
-        return NotImplemented
-
-    __hash__ = None  # mutable, like a list
-
-    def __repr__(self) -> str:
-        return f"PageTable({self.tolist()!r:.80})"

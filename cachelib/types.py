@@ -107,7 +107,7 @@ class Sequence:
 
     Tokens live in a growable int32 buffer (`tokens` is a view, never a copy). The page
     table is written by the cache that holds the sequence and reads as a list of ints (a
-    `list`, or radix's `PageTable`, an int32 buffer that reads like one); token t lives at
+    `list`, or a `PageTable` (cachelib/page_table.py), an integer buffer that reads like one); token t lives at
     page `page_table[t // page_size]`, slot `t % page_size`. `cache_memo` is scratch space for
     the cache that matched the sequence (vLLM keeps block hashes on its Request likewise).
     """
@@ -145,7 +145,7 @@ class Sequence:
         self.request_id = request_id
         self.extra = extra
         self.prompt_len = int(tokens.size)
-        self.page_table: list[int] = []  # or a `PageTable` (backends/radix_pages.py)
+        self.page_table: list[int] = []  # or a `PageTable` (cachelib/page_table.py)
         self.num_computed = 0
         self.prefix_id = prefix_id
         self.cache_memo: Any = None
