@@ -192,6 +192,33 @@ def test_extend_ids_refuses_what_append_refuses(bad):
     assert s.tokens.tolist() == [0, 1, 2, 3, 7, 8]
 
 
+@pytest.mark.parametrize("bad", [range(-1, 2), range(2**31 - 1, 2**31 + 1), range(5, 9, 2)])
+def test_extend_ids_refuses_a_bad_run(bad):
+    """A run of fresh ids (a `range`) is validated at its ends and must step by 1; a refused
+    run changes nothing, an accepted one appends exactly the list it stands for."""
+    from cachelib.errors import InvalidRequestError
+    from cachelib.types import Sequence
+
+    s = Sequence("r", np.arange(4, dtype=np.int32))
+    with pytest.raises(InvalidRequestError, match="token id|step by 1"):
+        s.extend_ids(bad)
+    assert len(s) == 4
+    s.extend_ids(range(2**31 - 3, 2**31))  # the largest ids fit
+    s.extend_ids(range(9, 9))  # an empty run is a no-op
+    s.extend_ids(range(100, 105))  # past the buffer: it grows
+    assert s.tokens.tolist() == [0, 1, 2, 3, 2**31 - 3, 2**31 - 2, 2**31 - 1, 100, 101, 102, 103, 104]
+
+
+def test_fresh_token_run_is_fresh_tokens():
+    """`fresh_token_run(k)` hands out the ids `fresh_tokens(k)` would, and moves the counter alike."""
+    a, b = CostModelExecutor(), CostModelExecutor()
+    for k in (1, 5, 0, 3):
+        assert list(a.fresh_token_run(k)) == b.fresh_tokens(k)
+    assert a.fresh_tokens(2) == b.fresh_tokens(2)
+    f, g = FixedStepExecutor(0.01), FixedStepExecutor(0.01)
+    assert list(f.fresh_token_run(4)) == g.fresh_tokens(4)
+
+
 def test_row_kind_is_the_lazy_rule_of_the_vectorised_classification():
     """`row_kind` (one row, Python ints) classifies a step as the vector formula it replaced."""
     from experiments.engine.vllm_rows import CALLS, EXCUSED, FILLS, NEW_PAGE, row_kind

@@ -182,16 +182,18 @@ class VllmRowScheduler(VllmScheduler):
         sync appended (fresh ids, or its forced output), vLLM's counts, the lag."""
         rows = self.rows
         v = r.vllm
-        k = int(rows.known[i]) - len(r.seq)
+        known = int(rows.known[i])
+        k = known - len(r.seq)
         if k > 0:
-            tokens = self.executor.fresh_tokens(k)
+            tokens: list[int] | range = self.executor.fresh_token_run(k)  # consecutive: cheap to append
             if r.forced is not None:  # the request's recorded output overrides what was sampled
+                tokens = list(tokens)
                 lo = len(r.output)
                 tokens[: max(0, min(k, len(r.forced) - lo))] = r.forced[lo : lo + k]
             r.seq.extend_ids(tokens)
             r.output.extend(tokens)
         v.computed = int(rows.computed[i])
-        v.known = int(rows.known[i])
+        v.known = known
         r.lag = v.computed - r.seq.num_computed  # computed, not yet published (lazy steps)
         return r
 
