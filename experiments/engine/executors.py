@@ -231,8 +231,9 @@ class CostModelExecutor:
         s, d = self.shape, self.device
         tokens = int(new.sum())
         per_item = 4.0 * s.num_layers * s.num_heads * s.head_dim * new * (starts + (new + 1) / 2)
-        flops = float(np.cumsum(np.concatenate(([2.0 * s.num_params * tokens], per_item)))[-1])
-        kv_read = int((starts + new).sum())
+        # (methods, not the np.* wrappers: this runs every step on a few hundred items)
+        flops = float(np.concatenate(([2.0 * s.num_params * tokens], per_item)).cumsum()[-1])
+        kv_read = int(starts.sum()) + tokens  # sum(starts + new), in exact ints
         nbytes = s.num_params * s.bytes_per_param + (kv_read + tokens) * s.kv_bytes_per_token
         compute = flops / (d.peak_flops * d.flops_efficiency)
         memory = nbytes / (d.mem_bandwidth * d.bandwidth_efficiency)

@@ -66,7 +66,15 @@ class RunningRows:
     covers; `committed`: tokens published to the cache (`seq.num_computed`); `work`: tokens
     computed over its life (`Request.computed_tokens`); `last`: when its last token came
     (NaN: none yet); `has_first`: it has its first token; `timed`: it counts in ITL (not a
-    parallel sample)."""
+    parallel sample).
+
+    Storage: the int fields are the rows of one int64 block, `last` a float block, the flags
+    a bool block, each with room for more rows than run (doubled when full), and every field
+    is a view of its block's live prefix, remade only when rows join or leave: an admission
+    writes one column instead of reallocating ten arrays, a departure compacts each block
+    once. A step may update a field in place (`rows.known += sampled`) or rebind it to a
+    new array of the same length (`rows.known = rows.known + k`): a rebound field is copied
+    back into its block before rows join or leave (`_settle`), so both forms are safe."""
 
     INT_FIELDS: ClassVar[tuple[str, ...]] = (
         "computed",
@@ -80,25 +88,58 @@ class RunningRows:
     #: every row field, in `append`'s order
     FIELDS: ClassVar[tuple[str, ...]] = (*INT_FIELDS, "last", "has_first", "timed")
 
-    def __init__(self) -> None:
-        empty = np.zeros(0, dtype=np.int64)
-        self.computed = empty
-        self.known = empty.copy()
-        self.generated = empty.copy()
-        self.target = empty.copy()
-        self.capacity = empty.copy()
-        self.committed = empty.copy()
-        self.work = empty.copy()
-        self.last = np.zeros(0, dtype=np.float64)
-        self.has_first = np.zeros(0, dtype=bool)
-        self.timed = np.zeros(0, dtype=bool)
+    def __init__(self, room: int = 64) -> None:
+        self._n = 0
+        self._ints = np.zeros((len(self.INT_FIELDS), max(room, 1)), dtype=np.int64)
+        self._last = np.zeros(self._ints.shape[1], dtype=np.float64)
+        self._flags = np.zeros((2, self._ints.shape[1]), dtype=bool)
+        self._bind()
+
+    def _bind(self) -> None:
+        """Point every field at its block's live prefix."""
+        n = self._n
+        views = (*self._ints[:, :n], self._last[:n], *self._flags[:, :n])
+        (
+            self.computed,
+            self.known,
+            self.generated,
+            self.target,
+            self.capacity,
+            self.committed,
+            self.work,
+            self.last,
+            self.has_first,
+            self.timed,
+        ) = views
+        self._views = views
+
+    def _settle(self) -> None:
+        """Copy a field rebound since the last `_bind` back into its block (its length must
+        still be the row count: anything else is an engine bug, and raises)."""
+        for name, view in zip(self.FIELDS, self._views, strict=True):
+            arr = getattr(self, name)
+            if arr is not view:
+                if arr.shape != view.shape:
+                    raise ValueError(f"row field {name!r} has {arr.shape} rows, the running list {view.shape}")
+                view[...] = arr
 
     def __len__(self) -> int:
-        return self.computed.size
+        return self._n
 
     def append(self, r: Request, computed: int, capacity: int) -> None:
         """A request joins the end of the running list with its object's current state."""
-        values = (
+        self._settle()
+        n = self._n
+        if n == self._last.size:  # full: double the room (the live rows move once)
+            room = 2 * n
+            ints = np.zeros((self._ints.shape[0], room), dtype=np.int64)
+            ints[:, :n] = self._ints[:, :n]
+            last = np.zeros(room, dtype=np.float64)
+            last[:n] = self._last[:n]
+            flags = np.zeros((2, room), dtype=bool)
+            flags[:, :n] = self._flags[:, :n]
+            self._ints, self._last, self._flags = ints, last, flags
+        self._ints[:, n] = (
             computed,
             r.vllm.known,
             r.generated,
@@ -106,23 +147,26 @@ class RunningRows:
             capacity,
             r.seq.num_computed,
             r.computed_tokens,
-            math.nan if r.last_token_at is None else r.last_token_at,
-            r.first_token_at is not None,
-            r.sample_of is None,
         )
-        # one `np.concatenate` per field: `np.append`'s ravel and dispatch cost more than
-        # the copy for a few hundred rows, once per admission
-        for name, value in zip(self.FIELDS, values, strict=True):
-            arr = getattr(self, name)
-            setattr(self, name, np.concatenate((arr, np.array((value,), dtype=arr.dtype))))
+        self._last[n] = math.nan if r.last_token_at is None else r.last_token_at
+        self._flags[:, n] = (r.first_token_at is not None, r.sample_of is None)
+        self._n = n + 1
+        self._bind()
 
     def delete(self, where: int | np.ndarray) -> None:
-        """Rows leave (finished or preempted); the others keep their order (one mask for
-        every field, instead of `np.delete` working it out once per field)."""
-        keep = np.ones(len(self), dtype=bool)
+        """Rows leave (finished or preempted); the others keep their order (each block
+        compacted once by one mask)."""
+        self._settle()
+        n = self._n
+        keep = np.ones(n, dtype=bool)
         keep[where] = False
-        for name in self.FIELDS:
-            setattr(self, name, getattr(self, name)[keep])
+        m = int(np.count_nonzero(keep))
+        if m < n:
+            self._ints[:, :m] = self._ints[:, :n][:, keep]
+            self._last[:m] = self._last[:n][keep]
+            self._flags[:, :m] = self._flags[:, :n][:, keep]
+        self._n = m
+        self._bind()
 
 
 @dataclass(slots=True)
@@ -141,7 +185,7 @@ class RowPlan:
     @property
     def empty(self) -> bool:
         """No row scheduled: the step takes no time."""
-        return not self.n.any()
+        return not np.count_nonzero(self.n)  # (`ndarray.any` costs several times more on a few rows)
 
 
 class VllmRowScheduler(VllmScheduler):
@@ -297,27 +341,36 @@ class VllmRowScheduler(VllmScheduler):
 
     def execute(self, plan: RowPlan) -> None:  # type: ignore[override]
         start = max(self.clock.now, self.gpu_free)
-        on = plan.n > 0
-        seconds = self.executor.batch_seconds(plan.n[on], plan.start[on])
+        n = plan.n
+        if np.count_nonzero(n) == n.size:  # every row scheduled (the common case): no mask
+            seconds = self.executor.batch_seconds(n, plan.start)
+        else:
+            on = n > 0
+            seconds = self.executor.batch_seconds(n[on], plan.start[on])
         plan.end = self.gpu_free = start + seconds
         plan.index = self.result.steps
         self.result.steps += 1
-        self.rows.work = self.rows.work + plan.n
+        self.rows.work += n
         self.record_pages(plan.end)
 
     def process(self, plan: RowPlan) -> None:  # type: ignore[override]
         """Deliveries: a scheduled row whose chunk reached its known end sampled a token."""
         rows = self.rows
-        sampled = (plan.n > 0) & (rows.computed == rows.known)
-        rows.known = rows.known + sampled
-        rows.generated = rows.generated + sampled
-        firsts = np.flatnonzero(sampled & ~rows.has_first)
-        for i in firsts.tolist():
-            r = self.running[i]
-            r.first_token_at, r.first_token_step = plan.end, plan.index
-        rows.has_first[firsts] = True
+        sampled = rows.computed == rows.known
+        sampled &= plan.n > 0
+        rows.known += sampled
+        rows.generated += sampled
+        # (on bools `a > b` is `a & ~b` in one ufunc; `nonzero()[0]` is `np.flatnonzero`
+        # without its wrapper: these run every step on a few hundred rows)
+        firsts = (sampled > rows.has_first).nonzero()[0]
+        if firsts.size:
+            for i in firsts.tolist():
+                r = self.running[i]
+                r.first_token_at, r.first_token_step = plan.end, plan.index
+            rows.has_first[firsts] = True
         rows.last = self.result.itl.step_rows(rows.last, sampled & rows.timed, plan.end)
-        self.stop_rows(np.flatnonzero(sampled & (rows.generated >= rows.target)), plan.end, plan.index)
+        sampled &= rows.generated >= rows.target
+        self.stop_rows(sampled.nonzero()[0], plan.end, plan.index)
 
     def stop_rows(self, done: np.ndarray, at: float, step: int | None) -> None:
         """Rows that produced their last token finish, in running order."""
@@ -336,7 +389,9 @@ class VllmRowScheduler(VllmScheduler):
         n = plan.n
         if plan.admitted or plan.preempted or not len(n) or len(n) != len(self.running):
             return 1
-        if not (n == 1).all() or not (rows.computed == rows.known).all() or not (rows.generated > 0).all():
+        if np.count_nonzero(n != 1) or np.count_nonzero(rows.computed != rows.known):
+            return 1
+        if np.count_nonzero(rows.generated) != n.size:  # (generated is never negative)
             return 1
         k = min(MAX_WINDOW, int((rows.target - rows.generated).min()))
         if k <= 1:
