@@ -48,6 +48,40 @@ def test_cache_client_times_calls_and_enforces_the_call_order():
     client.cache.check_invariants()
 
 
+@pytest.mark.parametrize("backend", ["apc", "radix", "none"])
+def test_advance_makes_the_calls_one_by_one_would(backend):
+    """`CacheClient.advance` (flush, grow, publish in one timed region) leaves the cache, the
+    sequence and the returned copies as the separate calls do, when the grow fits and when
+    it does not (the flush commit made, nothing grown); it refuses a sequence not live."""
+    def run(one_region: bool):
+        client = CacheClient(create_cache(backend, num_pages=4, page_size=4))
+        a, b = _seq("a", 9), _seq("b", 30)
+        client.admit(a, client.match(a), 5)
+        client.commit(a, 5)
+        a.append(np.arange(100, 110, dtype=np.int32))
+        out = []
+        for committed, to, published in ((6, 12, 12), (12, 13, 0), (13, 19, 19)):
+            if one_region:
+                out.append(client.advance(a, committed, to, published))
+            else:
+                if committed > a.num_computed:
+                    client.commit(a, committed)
+                ops = client.grow(a, to)
+                if ops is not None and published > a.num_computed:
+                    client.commit(a, published)
+                out.append(ops)
+            out.append((a.num_computed, list(a.page_table)))
+        with pytest.raises(CallOrderError, match="not admitted"):
+            client.advance(b, 1, 2, 2)
+        stats = client.cache.stats()
+        client.cache.check_invariants()
+        return out, stats.pages_free, stats.pages_cached, stats.hit_tokens
+
+    got, want = run(True), run(False)
+    assert got == want
+    assert got[0][-2] is None  # the last grow did not fit
+
+
 def test_a_failed_admit_leaves_the_sequence_unadmitted():
     client = CacheClient(create_cache("none", num_pages=2, page_size=4))
     s = _seq("big", 20)

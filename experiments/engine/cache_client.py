@@ -95,6 +95,25 @@ class CacheClient:
         self.cache.commit(seq, num_computed)
         self.seconds += clock() - t0
 
+    def advance(self, seq: Sequence, committed: int, num_tokens: int, published: int) -> list[CopyOp] | None:
+        """A running sequence's calls for its next step, in one timed region (each region
+        reads the clock twice, a system call each): `commit` to `committed` if that moves
+        its count (decode tokens whose commit was batched), `grow` to `num_tokens`, then,
+        if that fits, `commit` to `published` if that moves the count. The same calls in
+        the same order as making them one by one; None (nothing grown, the first commit
+        made) when the grow does not fit."""
+        if id(seq) not in self._live:
+            self._require_live(seq, "grow")
+        cache, clock = self.cache, self._clock
+        t0 = clock()
+        if committed > seq.num_computed:
+            cache.commit(seq, committed)
+        ops = cache.grow(seq, num_tokens)
+        if ops is not None and published > seq.num_computed:
+            cache.commit(seq, published)
+        self.seconds += clock() - t0
+        return ops
+
     def grow_commit(self, seq: Sequence, num_tokens: int) -> list[CopyOp] | None:
         """`grow` to `num_tokens` and, when it fits, `commit` them (a decode step whose KV
         the engine writes at once); one timed region."""

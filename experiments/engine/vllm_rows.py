@@ -424,12 +424,12 @@ class VllmRowScheduler(VllmScheduler):
         rows.known = rows.known + k  # the window's k tokens are sampled (appended at a sync)
         for i in np.flatnonzero(calls).tolist():
             r = self.sync(i)  # computed: this step's token, as the object loop flushes it
-            self.flush(r)
-            ops = self.client.grow(r.seq, int(final[i]))
+            to = int(final[i])
+            lag, r.lag = r.lag, 0  # flush, grow, publish: one timed region (`CacheClient.advance`)
+            ops = self.client.advance(r.seq, r.seq.num_computed + lag, to, to)
             if ops is None:
                 raise RuntimeError("decode window ran out of pages; the window check is wrong")
             self.executor.apply_copies(ops)
-            self.publish(r, int(final[i]))
             self.synced(i)
         rows.computed = final
         rows.generated = rows.generated + k

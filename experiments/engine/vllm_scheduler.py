@@ -229,19 +229,20 @@ class VllmScheduler(Scheduler):
         until it fits; False when `r` itself was preempted. `publish=False`: the caller
         knows the commit would publish nothing (a lazy decode step into a new page)."""
         v = r.vllm
-        self.flush(r)
-        while True:
-            ops = self.client.grow(r.seq, v.computed + n)
-            if ops is not None:
-                self.executor.apply_copies(ops)
-                if publish:
-                    self.publish(r, min(v.computed + n, v.known))
-                return True
+        end = v.computed + n
+        published = min(end, v.known) if publish else 0
+        # flush, grow and publish in one timed region (`CacheClient.advance`: the same calls)
+        lag, r.lag = r.lag, 0
+        ops = self.client.advance(r.seq, r.seq.num_computed + lag, end, published)
+        while ops is None:
             victim = self.running.pop()
             self.preempt_request(victim)
             plan.preempted = True
             if victim is r:
                 return False
+            ops = self.client.advance(r.seq, 0, end, published)
+        self.executor.apply_copies(ops)
+        return True
 
     def admit_waiting(self, plan: StepPlan, budget: int) -> None:
         """Rule 3: FCFS admissions while budget and the running limit allow; the first
