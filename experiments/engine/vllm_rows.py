@@ -215,9 +215,9 @@ class VllmRowScheduler(VllmScheduler):
         the counters the results read; returns it."""
         self.sync_for_cache(i, r)
         rows = self.rows
-        r.generated = int(rows.generated[i])
-        r.computed_tokens = int(rows.work[i])
-        last = float(rows.last[i])
+        r.generated = rows.generated.item(i)  # (`item`: a Python number, no numpy scalar between)
+        r.computed_tokens = rows.work.item(i)
+        last = rows.last.item(i)
         r.last_token_at = None if math.isnan(last) else last
         return r
 
@@ -226,7 +226,7 @@ class VllmRowScheduler(VllmScheduler):
         sync appended (fresh ids, or its forced output), vLLM's counts, the lag."""
         rows = self.rows
         v = r.vllm
-        known = int(rows.known[i])
+        known = rows.known.item(i)
         k = known - len(r.seq)
         if k > 0:
             tokens: list[int] | range = self.executor.fresh_token_run(k)  # consecutive: cheap to append
@@ -236,7 +236,7 @@ class VllmRowScheduler(VllmScheduler):
                 tokens[: max(0, min(k, len(r.forced) - lo))] = r.forced[lo : lo + k]
             r.seq.extend_ids(tokens)
             r.output.extend(tokens)
-        v.computed = int(rows.computed[i])
+        v.computed = rows.computed.item(i)
         v.known = known
         r.lag = v.computed - r.seq.num_computed  # computed, not yet published (lazy steps)
         return r
@@ -274,10 +274,13 @@ class VllmRowScheduler(VllmScheduler):
         start = rows.computed.copy()
         need = rows.known - rows.computed
         budget = self.config.token_budget
-        before = np.cumsum(need) - need  # budget the rows ahead of each would take
-        # np.clip(budget - before, 0, need), as two ufuncs (np.clip's wrapper costs more
-        # than the work on a few hundred rows, every step)
-        n = np.minimum(np.maximum(budget - before, 0), need)
+        if int(need.sum()) <= budget:
+            n = need  # every row gets all it needs (a decode step): the split below, short
+        else:
+            before = need.cumsum() - need  # budget the rows ahead of each would take
+            # np.clip(budget - before, 0, need), as two ufuncs (np.clip's wrapper costs more
+            # than the work on a few hundred rows, every step)
+            n = np.minimum(np.maximum(budget - before, 0), need)
         plan = RowPlan(n, start)
         end = start + n
         page = self.cache.page_size
@@ -323,6 +326,8 @@ class VllmRowScheduler(VllmScheduler):
 
     def admit_rows(self, plan: RowPlan, budget: int) -> None:
         """Rule 3 through `VllmScheduler.admit_waiting`; each admitted request becomes a row."""
+        if not self.waiting and not self.loading:
+            return  # nothing to admit (most steps of a lightly loaded replica)
         step = StepPlan()
         self.admit_waiting(step, budget)
         if not step.items:
