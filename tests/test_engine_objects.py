@@ -82,6 +82,48 @@ def test_advance_makes_the_calls_one_by_one_would(backend):
     assert got[0][-2] is None  # the last grow did not fit
 
 
+@pytest.mark.parametrize("backend", ["apc", "radix", "none"])
+def test_advance_all_is_advance_in_order_up_to_the_first_grow_that_does_not_fit(backend):
+    """`CacheClient.advance_all` makes each step's calls as `advance` would, in order, in one
+    timed region; a commit-only step (no grow) publishes; after a grow that does not fit it
+    makes no further call; a sequence not live is refused before any call."""
+    def setup():
+        client = CacheClient(create_cache(backend, num_pages=8, page_size=4))
+        seqs = [Sequence(f"s{j}", np.arange(6, dtype=np.int32) + 100 * j) for j in range(3)]
+        for s in seqs:
+            client.admit(s, client.match(s), 6)  # two pages each, two left
+            client.commit(s, 4)
+            s.append(np.arange(200 + 10 * int(s.request_id[1:]), 206 + 10 * int(s.request_id[1:]), dtype=np.int32))
+        return client, seqs
+
+    def state(client, seqs):
+        client.cache.check_invariants()
+        st = client.cache.stats()
+        return [(s.num_computed, list(s.page_table)) for s in seqs], st.pages_free, st.pages_cached
+
+    plan = [(0, 5, 8, 8), (1, 0, None, 6), (2, 6, 12, 12), (0, 8, 12, 9), (1, 6, 12, 12), (1, 0, None, 8)]
+    a_client, a = setup()
+    got = a_client.advance_all([(a[j], c, n, p) for j, c, n, p in plan])
+    b_client, b = setup()
+    want = []
+    for j, c, n, p in plan:
+        if n is None:
+            if p > b[j].num_computed:
+                b_client.commit(b[j], p)
+            want.append([])
+            continue
+        ops = b_client.advance(b[j], c, n, p)
+        want.append(ops)
+        if ops is None:
+            break
+    assert got == want and got[-1] is None and len(got) == 5  # the fifth grow finds no page
+    assert state(a_client, a) == state(b_client, b)
+    stranger = _seq("x")
+    with pytest.raises(CallOrderError, match="not admitted"):
+        a_client.advance_all([(a[0], 0, 12, 12), (stranger, 0, 1, 1)])
+    assert state(a_client, a) == state(b_client, b)  # refused before any call
+
+
 def test_a_failed_admit_leaves_the_sequence_unadmitted():
     client = CacheClient(create_cache("none", num_pages=2, page_size=4))
     s = _seq("big", 20)

@@ -114,6 +114,33 @@ class CacheClient:
         self.seconds += clock() - t0
         return ops
 
+    def advance_all(self, steps: list[tuple[Sequence, int, int | None, int]]) -> list[list[CopyOp] | None]:
+        """`advance(seq, committed, num_tokens, published)` for each step in order, in one
+        timed region (an engine's calls for the running requests of one step, with its own
+        work done before and after); `num_tokens` None: no grow, only the commits. It stops
+        after the first grow that does not fit: the result is then one shorter than the
+        ones made, its last None, and no call after it is made. Every sequence is checked
+        live before any call."""
+        live = self._live
+        for seq, _, _, _ in steps:
+            if id(seq) not in live:
+                self._require_live(seq, "grow")
+        cache, clock = self.cache, self._clock
+        out: list[list[CopyOp] | None] = []
+        t0 = clock()
+        for seq, committed, num_tokens, published in steps:
+            if committed > seq.num_computed:
+                cache.commit(seq, committed)
+            ops = [] if num_tokens is None else cache.grow(seq, num_tokens)
+            if ops is None:
+                out.append(None)
+                break
+            if published > seq.num_computed:
+                cache.commit(seq, published)
+            out.append(ops)
+        self.seconds += clock() - t0
+        return out
+
     def grow_commit(self, seq: Sequence, num_tokens: int) -> list[CopyOp] | None:
         """`grow` to `num_tokens` and, when it fits, `commit` them (a decode step whose KV
         the engine writes at once); one timed region."""

@@ -296,18 +296,7 @@ class VllmRowScheduler(VllmScheduler):
         # each row's values before any call of this step (a call changes only its own row's
         # table; a preemption ends the loop at the rows it removed)
         calls = zip(todo.tolist(), n[todo].tolist(), end[todo].tolist(), rows.capacity[todo].tolist(), strict=True)
-        for i, ni, ei, cap in calls:
-            if i >= len(self.running):
-                break  # preempted by an earlier row's allocation
-            kind = row_kind(ni, ei, cap, page) if self.lazy else CALLS
-            r = self.sync_for_cache(i, self.running[i])
-            if kind == FILLS:
-                self.publish(r, ei)
-            elif not self.allocate(r, ni, plan, publish=kind == CALLS):  # type: ignore[arg-type]
-                plan.n = plan.n[:i]  # it preempted itself: the running pass stops there
-                plan.start = plan.start[:i]
-                break
-            self.synced(i)
+        self.call_rows([(i, ni, ei, row_kind(ni, ei, cap, page) if self.lazy else CALLS) for i, ni, ei, cap in calls], plan)
         m = len(self.running)
         plan.n, plan.start = plan.n[:m], plan.start[:m]
         rows.computed = rows.computed + plan.n  # `_update_after_schedule`
@@ -316,6 +305,52 @@ class VllmRowScheduler(VllmScheduler):
             self.admit_rows(plan, budget)
         self.finished_pending = False
         return plan
+
+    def call_rows(self, todo: list[tuple[int, int, int, int]], plan: RowPlan) -> None:
+        """The cache calls of the scheduled rows `todo` (row, tokens, end, `row_kind`), in
+        row order, as `VllmScheduler`'s running pass makes them: a FILLS row's publish, any
+        other's flush, grow and (CALLS) publish, preempting the last running request when a
+        grow does not fit (`preempt_for`). Every row is synced first, then the calls run in
+        one timed region (`CacheClient.advance_all`, the same calls in the same order)
+        up to a grow that does not fit; its preemptions run outside it, then the calls of
+        the rows still running resume. (A call reads only its own row's sequence, so
+        syncing the others first changes no call; a victim is synced again when preempted,
+        a no-op.)"""
+        steps = []
+        for i, ni, ei, kind in todo:
+            r = self.sync_for_cache(i, self.running[i])
+            if kind == FILLS:
+                steps.append((r.seq, 0, None, ei))  # its publish only
+            else:
+                v = r.vllm
+                e = v.computed + ni
+                lag, r.lag = r.lag, 0  # flushed by the call
+                steps.append((r.seq, r.seq.num_computed + lag, e, min(e, v.known) if kind == CALLS else 0))
+        pos = 0
+        while pos < len(todo):
+            done = self.client.advance_all(steps[pos:])
+            for (i, _, _, _), ops in zip(todo[pos:], done, strict=False):
+                if ops is None:
+                    break
+                self.executor.apply_copies(ops)
+                self.synced(i)
+            pos += len(done)
+            if done[-1] is not None:
+                continue  # every call made
+            i = todo[pos - 1][0]  # its grow did not fit: its flush is made
+            seq, _, e, published = steps[pos - 1]
+            ops = self.preempt_for(self.running[i], e, published, plan)  # type: ignore[arg-type]
+            if ops is None:
+                plan.n = plan.n[:i]  # it preempted itself: the running pass stops there
+                plan.start = plan.start[:i]
+                return
+            self.executor.apply_copies(ops)
+            self.synced(i)
+            left = len(self.running)  # the rows preempted for it are gone
+            keep = [j for j in range(pos, len(todo)) if todo[j][0] < left]
+            todo = [todo[j] for j in keep]
+            steps = [steps[j] for j in keep]
+            pos = 0
 
     def preempt_request(self, r: Request) -> None:
         """A victim is the last running request: its row is synced, then dropped."""
@@ -427,14 +462,19 @@ class VllmRowScheduler(VllmScheduler):
         page = self.cache.page_size
         calls = (final > rows.capacity) | (final // page > rows.committed // page) | (not self.lazy)
         rows.known = rows.known + k  # the window's k tokens are sampled (appended at a sync)
-        for i in np.flatnonzero(calls).tolist():
+        todo = calls.nonzero()[0].tolist()
+        steps = []
+        for i in todo:
             r = self.sync(i)  # computed: this step's token, as the object loop flushes it
-            to = int(final[i])
-            lag, r.lag = r.lag, 0  # flush, grow, publish: one timed region (`CacheClient.advance`)
-            ops = self.client.advance(r.seq, r.seq.num_computed + lag, to, to)
-            if ops is None:
-                raise RuntimeError("decode window ran out of pages; the window check is wrong")
-            self.executor.apply_copies(ops)
+            to = final.item(i)
+            lag, r.lag = r.lag, 0  # flush, grow, publish
+            steps.append((r.seq, r.seq.num_computed + lag, to, to))
+        # every row synced first, then their calls in one timed region (`call_rows`)
+        done = self.client.advance_all(steps) if steps else []
+        if len(done) < len(steps) or (done and done[-1] is None):
+            raise RuntimeError("decode window ran out of pages; the window check is wrong")
+        for i, ops in zip(todo, done, strict=True):
+            self.executor.apply_copies(ops)  # type: ignore[arg-type]  # none is None (checked)
             self.synced(i)
         rows.computed = final
         rows.generated = rows.generated + k
