@@ -53,6 +53,7 @@ def test_advance_makes_the_calls_one_by_one_would(backend):
     """`CacheClient.advance` (flush, grow, publish in one timed region) leaves the cache, the
     sequence and the returned copies as the separate calls do, when the grow fits and when
     it does not (the flush commit made, nothing grown); it refuses a sequence not live."""
+
     def run(one_region: bool):
         client = CacheClient(create_cache(backend, num_pages=4, page_size=4))
         a, b = _seq("a", 9), _seq("b", 30)
@@ -87,6 +88,7 @@ def test_advance_all_is_advance_in_order_up_to_the_first_grow_that_does_not_fit(
     """`CacheClient.advance_all` makes each step's calls as `advance` would, in order, in one
     timed region; a commit-only step (no grow) publishes; after a grow that does not fit it
     makes no further call; a sequence not live is refused before any call."""
+
     def setup():
         client = CacheClient(create_cache(backend, num_pages=8, page_size=4))
         seqs = [Sequence(f"s{j}", np.arange(6, dtype=np.int32) + 100 * j) for j in range(3)]

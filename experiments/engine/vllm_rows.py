@@ -296,7 +296,8 @@ class VllmRowScheduler(VllmScheduler):
         # each row's values before any call of this step (a call changes only its own row's
         # table; a preemption ends the loop at the rows it removed)
         calls = zip(todo.tolist(), n[todo].tolist(), end[todo].tolist(), rows.capacity[todo].tolist(), strict=True)
-        self.call_rows([(i, ni, ei, row_kind(ni, ei, cap, page) if self.lazy else CALLS) for i, ni, ei, cap in calls], plan)
+        kinds = [(i, ni, ei, row_kind(ni, ei, cap, page) if self.lazy else CALLS) for i, ni, ei, cap in calls]
+        self.call_rows(kinds, plan)
         m = len(self.running)
         plan.n, plan.start = plan.n[:m], plan.start[:m]
         rows.computed = rows.computed + plan.n  # `_update_after_schedule`
