@@ -190,10 +190,14 @@ class Sequence:
         self._len = need
         self._view = None
 
-    def extend_ids(self, ids: list[int]) -> None:
+    def extend_ids(self, ids: list[int] | range) -> None:
         """Append generated token ids given as a short list of Python ints (an engine bringing
         a request's decode tokens up to date): validated on the list itself, which for a few
-        ids is cheaper than `append`'s array round trip."""
+        ids is cheaper than `append`'s array round trip. A `range` (an engine's fresh ids are
+        consecutive) is validated at its ends and written as one `np.arange`."""
+        if ids.__class__ is range:
+            self._extend_run(ids)  # type: ignore[arg-type]
+            return
         if not ids:
             return
         if not all(t.__class__ is int for t in ids):
@@ -210,6 +214,27 @@ class Sequence:
             grown[: self._len] = self._buf[: self._len]
             self._buf = grown
         self._buf[self._len : need] = ids
+        self._len = need
+        self._view = None
+
+    def _extend_run(self, ids: range) -> None:
+        """`extend_ids` for a range: consecutive ids, so its first and last bound them all."""
+        k = len(ids)
+        if not k:
+            return
+        if ids.step != 1:
+            raise InvalidRequestError(f"request {self.request_id!r}: a run of token ids must step by 1, got {ids!r}")
+        lo, hi = ids.start, ids.stop - 1
+        if lo < 0 or hi > INT32_MAX:
+            raise InvalidRequestError(
+                f"request {self.request_id!r}: token id {lo if lo < 0 else hi} outside [0, {INT32_MAX}]"
+            )
+        need = self._len + k
+        if need > self._buf.size:
+            grown = np.empty(max(need, 2 * self._buf.size), dtype=np.int32)
+            grown[: self._len] = self._buf[: self._len]
+            self._buf = grown
+        self._buf[self._len : need] = np.arange(lo, hi + 1, dtype=np.int32)
         self._len = need
         self._view = None
 

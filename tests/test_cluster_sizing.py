@@ -375,3 +375,17 @@ def test_a_plain_cell_reads_and_is_keyed_as_before():
     assert plain.plain and not {"capacity_gb", "time_scale", "request_rate", "slo_ttft_ms"} & set(plain.as_dict())
     timed = dataclasses.replace(plain, request_rate=math.inf)
     assert not timed.plain and timed.as_dict()["request_rate"] == math.inf and timed.key() != plain.key()
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 1000, 100_001])
+def test_latency_quantiles_are_numpys_one_by_one(n):
+    """`latency_ms` takes every quantile in one `np.percentile` call: each must equal the
+    call of its own, to the bit (ties, even and odd counts)."""
+    from experiments.metrics import QUANTILES
+
+    rng = np.random.default_rng(n)
+    seconds = rng.exponential(0.03, n)
+    seconds[::3] = seconds[0]
+    got = latency_ms(seconds)
+    ms = seconds * 1000.0
+    assert got == {"mean": float(ms.mean()), **{k: float(np.percentile(ms, q)) for k, q in QUANTILES}}

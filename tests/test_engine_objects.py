@@ -48,6 +48,84 @@ def test_cache_client_times_calls_and_enforces_the_call_order():
     client.cache.check_invariants()
 
 
+@pytest.mark.parametrize("backend", ["apc", "radix", "none"])
+def test_advance_makes_the_calls_one_by_one_would(backend):
+    """`CacheClient.advance` (flush, grow, publish in one timed region) leaves the cache, the
+    sequence and the returned copies as the separate calls do, when the grow fits and when
+    it does not (the flush commit made, nothing grown); it refuses a sequence not live."""
+
+    def run(one_region: bool):
+        client = CacheClient(create_cache(backend, num_pages=4, page_size=4))
+        a, b = _seq("a", 9), _seq("b", 30)
+        client.admit(a, client.match(a), 5)
+        client.commit(a, 5)
+        a.append(np.arange(100, 110, dtype=np.int32))
+        out = []
+        for committed, to, published in ((6, 12, 12), (12, 13, 0), (13, 19, 19)):
+            if one_region:
+                out.append(client.advance(a, committed, to, published))
+            else:
+                if committed > a.num_computed:
+                    client.commit(a, committed)
+                ops = client.grow(a, to)
+                if ops is not None and published > a.num_computed:
+                    client.commit(a, published)
+                out.append(ops)
+            out.append((a.num_computed, list(a.page_table)))
+        with pytest.raises(CallOrderError, match="not admitted"):
+            client.advance(b, 1, 2, 2)
+        stats = client.cache.stats()
+        client.cache.check_invariants()
+        return out, stats.pages_free, stats.pages_cached, stats.hit_tokens
+
+    got, want = run(True), run(False)
+    assert got == want
+    assert got[0][-2] is None  # the last grow did not fit
+
+
+@pytest.mark.parametrize("backend", ["apc", "radix", "none"])
+def test_advance_all_is_advance_in_order_up_to_the_first_grow_that_does_not_fit(backend):
+    """`CacheClient.advance_all` makes each step's calls as `advance` would, in order, in one
+    timed region; a commit-only step (no grow) publishes; after a grow that does not fit it
+    makes no further call; a sequence not live is refused before any call."""
+
+    def setup():
+        client = CacheClient(create_cache(backend, num_pages=8, page_size=4))
+        seqs = [Sequence(f"s{j}", np.arange(6, dtype=np.int32) + 100 * j) for j in range(3)]
+        for s in seqs:
+            client.admit(s, client.match(s), 6)  # two pages each, two left
+            client.commit(s, 4)
+            s.append(np.arange(200 + 10 * int(s.request_id[1:]), 206 + 10 * int(s.request_id[1:]), dtype=np.int32))
+        return client, seqs
+
+    def state(client, seqs):
+        client.cache.check_invariants()
+        st = client.cache.stats()
+        return [(s.num_computed, list(s.page_table)) for s in seqs], st.pages_free, st.pages_cached
+
+    plan = [(0, 5, 8, 8), (1, 0, None, 6), (2, 6, 12, 12), (0, 8, 12, 9), (1, 6, 12, 12), (1, 0, None, 8)]
+    a_client, a = setup()
+    got = a_client.advance_all([(a[j], c, n, p) for j, c, n, p in plan])
+    b_client, b = setup()
+    want = []
+    for j, c, n, p in plan:
+        if n is None:
+            if p > b[j].num_computed:
+                b_client.commit(b[j], p)
+            want.append([])
+            continue
+        ops = b_client.advance(b[j], c, n, p)
+        want.append(ops)
+        if ops is None:
+            break
+    assert got == want and got[-1] is None and len(got) == 5  # the fifth grow finds no page
+    assert state(a_client, a) == state(b_client, b)
+    stranger = _seq("x")
+    with pytest.raises(CallOrderError, match="not admitted"):
+        a_client.advance_all([(a[0], 0, 12, 12), (stranger, 0, 1, 1)])
+    assert state(a_client, a) == state(b_client, b)  # refused before any call
+
+
 def test_a_failed_admit_leaves_the_sequence_unadmitted():
     client = CacheClient(create_cache("none", num_pages=2, page_size=4))
     s = _seq("big", 20)

@@ -328,3 +328,24 @@ def test_cli_bad_input_is_one_line_and_exit_code(
 def test_largest_seed_is_accepted() -> None:
     w = make_workload("no_sharing", seed=2**63 - 1, num_requests=2)
     assert len(w) == 2
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, MAX_HASH_ID), min_size=1, max_size=12),
+    st.sampled_from([3, 16, 512, 4096]),
+    st.booleans(),
+    st.integers(1, 10_000),
+)
+def test_a_prompt_is_its_blocks_whatever_path_builds_it(ids: list[int], block_size: int, low: bool, cut: int) -> None:
+    """`MooncakePrompt` builds low-id prompts in int32 directly; every prompt, low ids or
+    not, is the int32 of `block_tokens`' blocks cut at its length."""
+    from experiments.workloads.mooncake import MooncakePrompt
+
+    if low:
+        ids = [h % (TOKEN_MODULUS // block_size) for h in ids]
+    length = min(cut, len(ids) * block_size)
+    got = MooncakePrompt(tuple(ids), length, block_size)()
+    want = block_tokens(np.array(ids, dtype=np.int64), block_size).reshape(-1)[:length]
+    assert got.dtype == np.int32 and got.flags.c_contiguous
+    assert got.tolist() == want.tolist()

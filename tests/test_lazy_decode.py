@@ -52,7 +52,9 @@ def withdraw_lazy(cache) -> None:
 
 
 class CountingClient(CacheClient):
-    """A client that counts grow and commit calls and knows whether a decode grow is in progress."""
+    """A client that counts the cache's grow and commit calls, however the engine makes them
+    (one by one, or several in one timed region through `advance`/`advance_all`, which call
+    the cache directly), and knows whether a decode grow is in progress."""
 
     __slots__ = ("grows", "commits", "decode_grow")
 
@@ -60,19 +62,21 @@ class CountingClient(CacheClient):
         super().__init__(cache)
         self.grows = self.commits = 0
         self.decode_grow = False
+        cache.grow = self.counted_grow  # instance attributes: the class's methods are called below
+        cache.commit = self.counted_commit
 
-    def grow(self, seq, num_tokens):
+    def counted_grow(self, seq, num_tokens):
         self.grows += 1
         # a decode step: the table holds the token already (the grow takes no page)
         self.decode_grow = num_tokens > seq.prompt_len and num_tokens <= len(seq.page_table) * self.cache.page_size
         try:
-            return super().grow(seq, num_tokens)
+            return type(self.cache).grow(self.cache, seq, num_tokens)
         finally:
             self.decode_grow = False
 
-    def commit(self, seq, num_computed):
+    def counted_commit(self, seq, num_computed):
         self.commits += 1
-        return super().commit(seq, num_computed)
+        return type(self.cache).commit(self.cache, seq, num_computed)
 
 
 class Log:

@@ -192,6 +192,33 @@ def test_extend_ids_refuses_what_append_refuses(bad):
     assert s.tokens.tolist() == [0, 1, 2, 3, 7, 8]
 
 
+@pytest.mark.parametrize("bad", [range(-1, 2), range(2**31 - 1, 2**31 + 1), range(5, 9, 2)])
+def test_extend_ids_refuses_a_bad_run(bad):
+    """A run of fresh ids (a `range`) is validated at its ends and must step by 1; a refused
+    run changes nothing, an accepted one appends exactly the list it stands for."""
+    from cachelib.errors import InvalidRequestError
+    from cachelib.types import Sequence
+
+    s = Sequence("r", np.arange(4, dtype=np.int32))
+    with pytest.raises(InvalidRequestError, match="token id|step by 1"):
+        s.extend_ids(bad)
+    assert len(s) == 4
+    s.extend_ids(range(2**31 - 3, 2**31))  # the largest ids fit
+    s.extend_ids(range(9, 9))  # an empty run is a no-op
+    s.extend_ids(range(100, 105))  # past the buffer: it grows
+    assert s.tokens.tolist() == [0, 1, 2, 3, 2**31 - 3, 2**31 - 2, 2**31 - 1, 100, 101, 102, 103, 104]
+
+
+def test_fresh_token_run_is_fresh_tokens():
+    """`fresh_token_run(k)` hands out the ids `fresh_tokens(k)` would, and moves the counter alike."""
+    a, b = CostModelExecutor(), CostModelExecutor()
+    for k in (1, 5, 0, 3):
+        assert list(a.fresh_token_run(k)) == b.fresh_tokens(k)
+    assert a.fresh_tokens(2) == b.fresh_tokens(2)
+    f, g = FixedStepExecutor(0.01), FixedStepExecutor(0.01)
+    assert list(f.fresh_token_run(4)) == g.fresh_tokens(4)
+
+
 def test_row_kind_is_the_lazy_rule_of_the_vectorised_classification():
     """`row_kind` (one row, Python ints) classifies a step as the vector formula it replaced."""
     from experiments.engine.vllm_rows import CALLS, EXCUSED, FILLS, NEW_PAGE, row_kind
@@ -205,3 +232,64 @@ def test_row_kind_is_the_lazy_rule_of_the_vectorised_classification():
     got = [row_kind(a, b, c, page) for a, b, c in zip(n.tolist(), end.tolist(), cap.tolist(), strict=True)]
     assert got == want.tolist()
     assert {EXCUSED, FILLS, NEW_PAGE, CALLS} <= set(got)
+
+
+def test_running_rows_keep_their_values_through_growth_rebinding_and_deletes():
+    """`RunningRows` holds fields as views of preallocated blocks: against plain lists, under
+    admissions past the initial room (the blocks double), in-place updates, fields rebound
+    to new arrays (copied back before rows join or leave) and deletes of single rows and of
+    sets of rows, every field of every row stays right."""
+    from types import SimpleNamespace
+
+    from experiments.engine.vllm_rows import RunningRows
+
+    rng = np.random.default_rng(7)
+    rows = RunningRows(room=2)
+    model: list[list] = []  # one list of FIELDS values per row
+    for step in range(400):
+        op = rng.integers(0, 5)
+        if op <= 1 or not model:
+            vals = [int(v) for v in rng.integers(0, 1000, 7)]
+            last = None if rng.random() < 0.3 else float(rng.random())
+            first, timed, private = bool(rng.random() < 0.5), bool(rng.random() < 0.8), bool(rng.random() < 0.5)
+            r = SimpleNamespace(
+                vllm=SimpleNamespace(known=vals[1]), generated=vals[2], target=vals[3],
+                seq=SimpleNamespace(num_computed=vals[5]), computed_tokens=vals[6], last_token_at=last,
+                first_token_at=0.0 if first else None, sample_of=None if timed else "p",
+            )  # fmt: skip
+            rows.append(r, vals[0], vals[4], private)  # type: ignore[arg-type]
+            model.append([*vals, np.nan if last is None else last, first, timed, private])
+        elif op == 2:  # in place, as a step does
+            rows.known += 1
+            rows.capacity[len(model) - 1] = 5
+            rows.has_first[0] = True
+            for row in model:
+                row[1] += 1
+            model[-1][4] = 5
+            model[0][8] = True
+        elif op == 3:  # rebound, as a decode window does
+            rows.computed = rows.computed + 3
+            rows.last = rows.last * 2
+            for row in model:
+                row[0] += 3
+                row[7] *= 2
+        else:
+            if rng.random() < 0.5:
+                where = int(rng.integers(0, len(model)))
+                gone = {where}
+            else:
+                gone = set(rng.choice(len(model), size=min(3, len(model)), replace=False).tolist())
+                where = np.array(sorted(gone))
+            rows.delete(where)
+            model = [row for i, row in enumerate(model) if i not in gone]
+        assert len(rows) == len(model)
+        for j, name in enumerate(RunningRows.FIELDS):
+            got = getattr(rows, name).tolist()
+            want = [row[j] for row in model]
+            if name == "last":
+                assert np.array_equal(np.array(got), np.array(want, dtype=float), equal_nan=True), (step, name)
+            else:
+                assert got == want, (step, name)
+    with pytest.raises(ValueError, match="rows"):  # a rebound field of the wrong length is refused
+        rows.known = np.zeros(len(rows) + 1, dtype=np.int64)
+        rows.delete(np.array([], dtype=np.int64))

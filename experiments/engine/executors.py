@@ -65,6 +65,10 @@ class Executor(Protocol):
     def fresh_tokens(self, k: int) -> list[int]:
         """`k` token ids no prompt uses (only when `samples_fresh_tokens`)."""
 
+    def fresh_token_run(self, k: int) -> range:
+        """`fresh_tokens(k)` as the range they form (they are consecutive): the same ids,
+        without building the list (only when `samples_fresh_tokens`)."""
+
 
 class FreshTokens:
     """Generated token ids: a counter from `GENERATED_TOKEN_BASE`, so no prompt matches them."""
@@ -76,6 +80,12 @@ class FreshTokens:
 
     def take(self, k: int) -> list[int]:
         out = list(range(self.next_id, self.next_id + k))
+        self.next_id += k
+        return out
+
+    def take_run(self, k: int) -> range:
+        """`take(k)` as a range: the same ids, the counter moved the same way."""
+        out = range(self.next_id, self.next_id + k)
         self.next_id += k
         return out
 
@@ -221,8 +231,9 @@ class CostModelExecutor:
         s, d = self.shape, self.device
         tokens = int(new.sum())
         per_item = 4.0 * s.num_layers * s.num_heads * s.head_dim * new * (starts + (new + 1) / 2)
-        flops = float(np.cumsum(np.concatenate(([2.0 * s.num_params * tokens], per_item)))[-1])
-        kv_read = int((starts + new).sum())
+        # (methods, not the np.* wrappers: this runs every step on a few hundred items)
+        flops = float(np.concatenate(([2.0 * s.num_params * tokens], per_item)).cumsum()[-1])
+        kv_read = int(starts.sum()) + tokens  # sum(starts + new), in exact ints
         nbytes = s.num_params * s.bytes_per_param + (kv_read + tokens) * s.kv_bytes_per_token
         compute = flops / (d.peak_flops * d.flops_efficiency)
         memory = nbytes / (d.mem_bandwidth * d.bandwidth_efficiency)
@@ -230,6 +241,9 @@ class CostModelExecutor:
 
     def fresh_tokens(self, k: int) -> list[int]:
         return self.tokens.take(k)
+
+    def fresh_token_run(self, k: int) -> range:
+        return self.tokens.take_run(k)
 
     def step(self, batch: list[BatchItem]) -> tuple[float, list[int | None]]:
         take = self.tokens.take_one
@@ -267,6 +281,9 @@ class FixedStepExecutor:
     def fresh_tokens(self, k: int) -> list[int]:
         return self.tokens.take(k)
 
+    def fresh_token_run(self, k: int) -> range:
+        return self.tokens.take_run(k)
+
     def step(self, batch: list[BatchItem]) -> tuple[float, list[int | None]]:
         take = self.tokens.take_one
         out: list[int | None] = [take() if start + n == len(seq) else None for seq, n, start in batch]
@@ -294,6 +311,9 @@ class ReplayExecutor:
     def fresh_tokens(self, k: int) -> list[int]:
         return self.tokens.take(k)
 
+    def fresh_token_run(self, k: int) -> range:
+        return self.tokens.take_run(k)
+
     def step(self, batch: list[BatchItem]) -> tuple[float, list[int | None]]:
         take = self.tokens.take_one
         return 0.0, [take() if start + n == len(seq) else None for seq, n, start in batch]
@@ -320,6 +340,9 @@ class ModelExecutor:
         raise NotImplementedError("the model executor measures time step by step (supports_decode_windows=False)")
 
     def fresh_tokens(self, k: int) -> list[int]:
+        raise NotImplementedError("the model executor samples its tokens (samples_fresh_tokens=False)")
+
+    def fresh_token_run(self, k: int) -> range:
         raise NotImplementedError("the model executor samples its tokens (samples_fresh_tokens=False)")
 
     def step(self, batch: list[BatchItem]) -> tuple[float, list[int | None]]:

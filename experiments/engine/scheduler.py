@@ -508,10 +508,12 @@ class Scheduler:
         """Append `output_len` tokens (`forced` ones first, then fresh ids) and give all but
         the last KV (it is never fed back, as in vLLM); False if no room."""
         start = len(seq)
-        if output_len > 0:
-            given = np.asarray(forced[:output_len] if forced is not None else (), dtype=np.int32)
-            fresh = np.asarray(self.executor.fresh_tokens(output_len - len(given)), dtype=np.int32)
-            seq.append(np.concatenate([given, fresh]))
+        if output_len > 0 and forced is None:
+            seq.extend_ids(self.executor.fresh_token_run(output_len))  # one run, checked at its ends
+        elif output_len > 0:
+            given = np.asarray(forced[:output_len], dtype=np.int32)
+            run = self.executor.fresh_token_run(output_len - len(given))
+            seq.append(np.concatenate([given, np.arange(run.start, run.stop, dtype=np.int32)]))
         target = start + max(output_len - 1, 0)
         if target <= seq.num_computed:
             return True

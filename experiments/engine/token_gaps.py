@@ -75,31 +75,35 @@ class TokenGaps:
     def step_rows(self, last: np.ndarray, got: np.ndarray, at: float) -> np.ndarray:
         """`step` for requests held as rows (`vllm_rows.RunningRows`): `last` is each row's
         last token time (NaN: none yet), `got` the rows that got a token at `at`. The same
-        pairs in the same order; returns `last` with the rows that got one at `at`."""
+        pairs in the same order; `last` is updated in place (the rows that got one now say
+        `at`) and returned."""
         at = float(at)
         prev = self._last_step
         came = last[got]
-        seen = ~np.isnan(came)
-        regular = seen & (came == prev) if prev is not None else np.zeros(came.size, dtype=bool)
-        odd = came[seen & ~regular]
-        if odd.size:
-            self.values.extend((at - odd).tolist())
-            self.counts.extend([1] * odd.size)
-        count = int(regular.sum())
+        if prev is None:
+            regular, count = None, 0
+        else:
+            regular = came == prev  # NaN (no token yet) equals nothing
+            count = int(np.count_nonzero(regular))
+        if count < came.size:  # rows whose last token came earlier, or never
+            odd = came if regular is None else came[~regular]
+            odd = odd[~np.isnan(odd)]
+            if odd.size:
+                self.values.extend((at - odd).tolist())
+                self.counts.extend([1] * odd.size)
         if count:
             self.values.append(at - prev)  # type: ignore[operator]  # count > 0: prev is a time
             self.counts.append(count)
         self._last_step = at
-        out = last.copy()
-        out[got] = at
-        return out
+        last[got] = at
+        return last
 
     def window_rows(self, last: np.ndarray, timed: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """`window` for rows: the `timed` rows got one token at each of `ends`; returns `last`."""
         if not len(ends):
             return last
         out = self.step_rows(last, timed, float(ends[0]))
-        many = int(timed.sum())
+        many = int(np.count_nonzero(timed))
         if len(ends) > 1 and many:
             self.values.extend(np.diff(np.asarray(ends, dtype=float)).tolist())
             self.counts.extend([many] * (len(ends) - 1))

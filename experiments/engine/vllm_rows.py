@@ -68,7 +68,15 @@ class RunningRows:
     computed over its life (`Request.computed_tokens`); `last`: when its last token came
     (NaN: none yet); `has_first`: it has its first token; `timed`: it counts in ITL (not a
     parallel sample); `private`: under a per-sequence lazy promise (`DECODE_NOOPS_IF_PRIVATE`),
-    the cache's `decode_steps_private` after the row's last call (True otherwise)."""
+    the cache's `decode_steps_private` after the row's last call (True otherwise).
+
+    Storage: the int fields are the rows of one int64 block, `last` a float block, the flags
+    a bool block, each with room for more rows than run (doubled when full), and every field
+    is a view of its block's live prefix, remade only when rows join or leave: an admission
+    writes one column instead of reallocating ten arrays, a departure compacts each block
+    once. A step may update a field in place (`rows.known += sampled`) or rebind it to a
+    new array of the same length (`rows.known = rows.known + k`): a rebound field is copied
+    back into its block before rows join or leave (`_settle`), so both forms are safe."""
 
     INT_FIELDS: ClassVar[tuple[str, ...]] = (
         "computed",
@@ -82,26 +90,59 @@ class RunningRows:
     #: every row field, in `append`'s order
     FIELDS: ClassVar[tuple[str, ...]] = (*INT_FIELDS, "last", "has_first", "timed", "private")
 
-    def __init__(self) -> None:
-        empty = np.zeros(0, dtype=np.int64)
-        self.computed = empty
-        self.known = empty.copy()
-        self.generated = empty.copy()
-        self.target = empty.copy()
-        self.capacity = empty.copy()
-        self.committed = empty.copy()
-        self.work = empty.copy()
-        self.last = np.zeros(0, dtype=np.float64)
-        self.has_first = np.zeros(0, dtype=bool)
-        self.timed = np.zeros(0, dtype=bool)
-        self.private = np.zeros(0, dtype=bool)
+    def __init__(self, room: int = 64) -> None:
+        self._n = 0
+        self._ints = np.zeros((len(self.INT_FIELDS), max(room, 1)), dtype=np.int64)
+        self._last = np.zeros(self._ints.shape[1], dtype=np.float64)
+        self._flags = np.zeros((3, self._ints.shape[1]), dtype=bool)
+        self._bind()
+
+    def _bind(self) -> None:
+        """Point every field at its block's live prefix."""
+        n = self._n
+        views = (*self._ints[:, :n], self._last[:n], *self._flags[:, :n])
+        (
+            self.computed,
+            self.known,
+            self.generated,
+            self.target,
+            self.capacity,
+            self.committed,
+            self.work,
+            self.last,
+            self.has_first,
+            self.timed,
+            self.private,
+        ) = views
+        self._views = views
+
+    def _settle(self) -> None:
+        """Copy a field rebound since the last `_bind` back into its block (its length must
+        still be the row count: anything else is an engine bug, and raises)."""
+        for name, view in zip(self.FIELDS, self._views, strict=True):
+            arr = getattr(self, name)
+            if arr is not view:
+                if arr.shape != view.shape:
+                    raise ValueError(f"row field {name!r} has {arr.shape} rows, the running list {view.shape}")
+                view[...] = arr
 
     def __len__(self) -> int:
-        return self.computed.size
+        return self._n
 
     def append(self, r: Request, computed: int, capacity: int, private: bool = True) -> None:
         """A request joins the end of the running list with its object's current state."""
-        values = (
+        self._settle()
+        n = self._n
+        if n == self._last.size:  # full: double the room (the live rows move once)
+            room = 2 * n
+            ints = np.zeros((self._ints.shape[0], room), dtype=np.int64)
+            ints[:, :n] = self._ints[:, :n]
+            last = np.zeros(room, dtype=np.float64)
+            last[:n] = self._last[:n]
+            flags = np.zeros((self._flags.shape[0], room), dtype=bool)
+            flags[:, :n] = self._flags[:, :n]
+            self._ints, self._last, self._flags = ints, last, flags
+        self._ints[:, n] = (
             computed,
             r.vllm.known,
             r.generated,
@@ -109,24 +150,26 @@ class RunningRows:
             capacity,
             r.seq.num_computed,
             r.computed_tokens,
-            math.nan if r.last_token_at is None else r.last_token_at,
-            r.first_token_at is not None,
-            r.sample_of is None,
-            private,
         )
-        # one `np.concatenate` per field: `np.append`'s ravel and dispatch cost more than
-        # the copy for a few hundred rows, once per admission
-        for name, value in zip(self.FIELDS, values, strict=True):
-            arr = getattr(self, name)
-            setattr(self, name, np.concatenate((arr, np.array((value,), dtype=arr.dtype))))
+        self._last[n] = math.nan if r.last_token_at is None else r.last_token_at
+        self._flags[:, n] = (r.first_token_at is not None, r.sample_of is None, private)
+        self._n = n + 1
+        self._bind()
 
     def delete(self, where: int | np.ndarray) -> None:
-        """Rows leave (finished or preempted); the others keep their order (one mask for
-        every field, instead of `np.delete` working it out once per field)."""
-        keep = np.ones(len(self), dtype=bool)
+        """Rows leave (finished or preempted); the others keep their order (each block
+        compacted once by one mask)."""
+        self._settle()
+        n = self._n
+        keep = np.ones(n, dtype=bool)
         keep[where] = False
-        for name in self.FIELDS:
-            setattr(self, name, getattr(self, name)[keep])
+        m = int(np.count_nonzero(keep))
+        if m < n:
+            self._ints[:, :m] = self._ints[:, :n][:, keep]
+            self._last[:m] = self._last[:n][keep]
+            self._flags[:, :m] = self._flags[:, :n][:, keep]
+        self._n = m
+        self._bind()
 
 
 @dataclass(slots=True)
@@ -145,7 +188,7 @@ class RowPlan:
     @property
     def empty(self) -> bool:
         """No row scheduled: the step takes no time."""
-        return not self.n.any()
+        return not np.count_nonzero(self.n)  # (`ndarray.any` costs several times more on a few rows)
 
 
 class VllmRowScheduler(VllmScheduler):
@@ -175,9 +218,9 @@ class VllmRowScheduler(VllmScheduler):
         the counters the results read; returns it."""
         self.sync_for_cache(i, r)
         rows = self.rows
-        r.generated = int(rows.generated[i])
-        r.computed_tokens = int(rows.work[i])
-        last = float(rows.last[i])
+        r.generated = rows.generated.item(i)  # (`item`: a Python number, no numpy scalar between)
+        r.computed_tokens = rows.work.item(i)
+        last = rows.last.item(i)
         r.last_token_at = None if math.isnan(last) else last
         return r
 
@@ -186,16 +229,18 @@ class VllmRowScheduler(VllmScheduler):
         sync appended (fresh ids, or its forced output), vLLM's counts, the lag."""
         rows = self.rows
         v = r.vllm
-        k = int(rows.known[i]) - len(r.seq)
+        known = rows.known.item(i)
+        k = known - len(r.seq)
         if k > 0:
-            tokens = self.executor.fresh_tokens(k)
+            tokens: list[int] | range = self.executor.fresh_token_run(k)  # consecutive: cheap to append
             if r.forced is not None:  # the request's recorded output overrides what was sampled
+                tokens = list(tokens)
                 lo = len(r.output)
                 tokens[: max(0, min(k, len(r.forced) - lo))] = r.forced[lo : lo + k]
             r.seq.extend_ids(tokens)
             r.output.extend(tokens)
-        v.computed = int(rows.computed[i])
-        v.known = int(rows.known[i])
+        v.computed = rows.computed.item(i)
+        v.known = known
         r.lag = v.computed - r.seq.num_computed  # computed, not yet published (lazy steps)
         return r
 
@@ -234,10 +279,13 @@ class VllmRowScheduler(VllmScheduler):
         start = rows.computed.copy()
         need = rows.known - rows.computed
         budget = self.config.token_budget
-        before = np.cumsum(need) - need  # budget the rows ahead of each would take
-        # np.clip(budget - before, 0, need), as two ufuncs (np.clip's wrapper costs more
-        # than the work on a few hundred rows, every step)
-        n = np.minimum(np.maximum(budget - before, 0), need)
+        if int(need.sum()) <= budget:
+            n = need  # every row gets all it needs (a decode step): the split below, short
+        else:
+            before = need.cumsum() - need  # budget the rows ahead of each would take
+            # np.clip(budget - before, 0, need), as two ufuncs (np.clip's wrapper costs more
+            # than the work on a few hundred rows, every step)
+            n = np.minimum(np.maximum(budget - before, 0), need)
         plan = RowPlan(n, start)
         end = start + n
         page = self.cache.page_size
@@ -259,25 +307,14 @@ class VllmRowScheduler(VllmScheduler):
         # each row's values before any call of this step (a call changes only its own row's
         # table; a preemption ends the loop at the rows it removed)
         calls = zip(todo.tolist(), n[todo].tolist(), end[todo].tolist(), rows.capacity[todo].tolist(), strict=True)
-        for i, ni, ei, cap in calls:
-            if i >= len(self.running):
-                break  # preempted by an earlier row's allocation
-            if not self.lazy:
-                kind = CALLS
-            elif unproven is not None and unproven[i] and not self.decode_step_excused(self.running[i].seq):
-                kind = CALLS  # the condition fails now: every call, as without the promise
-            else:
-                kind = row_kind(ni, ei, cap, page)
-                if kind == EXCUSED:
-                    continue  # an unproven row whose condition holds at its turn
-            r = self.sync_for_cache(i, self.running[i])
-            if kind == FILLS:
-                self.publish(r, ei)
-            elif not self.allocate(r, ni, plan, publish=kind == CALLS):  # type: ignore[arg-type]
-                plan.n = plan.n[:i]  # it preempted itself: the running pass stops there
-                plan.start = plan.start[:i]
-                break
-            self.synced(i)
+        if unproven is not None and unproven[todo].any():
+            # rows whose condition is checked at their turn: the calls one row at a time, as
+            # the object loop makes them (a row's excuse reads the cache after the calls
+            # before it, so they cannot be made ahead in one region)
+            self.call_rows_checked(calls, plan, unproven)
+        else:
+            kinds = [(i, ni, ei, row_kind(ni, ei, cap, page) if self.lazy else CALLS) for i, ni, ei, cap in calls]
+            self.call_rows(kinds, plan)
         m = len(self.running)
         plan.n, plan.start = plan.n[:m], plan.start[:m]
         rows.computed = rows.computed + plan.n  # `_update_after_schedule`
@@ -306,6 +343,76 @@ class VllmRowScheduler(VllmScheduler):
             return np.cumsum(take) - take >= self.cache.pages_free()
         return ~rows.private
 
+    def call_rows_checked(self, calls, plan: RowPlan, unproven: np.ndarray) -> None:
+        """`call_rows` for a step with rows a conditional lazy promise did not clear ahead
+        (`unproven_rows`): each such row is excused only if its condition holds at its turn
+        (`decode_step_excused`), and then needs no call; one that is not excused gets every
+        call, as without the promise. `calls` yields (row, tokens, end, table capacity)."""
+        page = self.cache.page_size
+        for i, ni, ei, cap in calls:
+            if i >= len(self.running):
+                break  # preempted by an earlier row's allocation
+            if unproven[i] and not self.decode_step_excused(self.running[i].seq):
+                kind = CALLS  # the condition fails now: every call, as without the promise
+            else:
+                kind = row_kind(ni, ei, cap, page)
+                if kind == EXCUSED:
+                    continue  # an unproven row whose condition holds at its turn
+            r = self.sync_for_cache(i, self.running[i])
+            if kind == FILLS:
+                self.publish(r, ei)
+            elif not self.allocate(r, ni, plan, publish=kind == CALLS):  # type: ignore[arg-type]
+                plan.n = plan.n[:i]  # it preempted itself: the running pass stops there
+                plan.start = plan.start[:i]
+                break
+            self.synced(i)
+
+    def call_rows(self, todo: list[tuple[int, int, int, int]], plan: RowPlan) -> None:
+        """The cache calls of the scheduled rows `todo` (row, tokens, end, `row_kind`), in
+        row order, as `VllmScheduler`'s running pass makes them: a FILLS row's publish, any
+        other's flush, grow and (CALLS) publish, preempting the last running request when a
+        grow does not fit (`preempt_for`). Every row is synced first, then the calls run in
+        one timed region (`CacheClient.advance_all`, the same calls in the same order)
+        up to a grow that does not fit; its preemptions run outside it, then the calls of
+        the rows still running resume. (A call reads only its own row's sequence, so
+        syncing the others first changes no call; a victim is synced again when preempted,
+        a no-op.)"""
+        steps = []
+        for i, ni, ei, kind in todo:
+            r = self.sync_for_cache(i, self.running[i])
+            if kind == FILLS:
+                steps.append((r.seq, 0, None, ei))  # its publish only
+            else:
+                v = r.vllm
+                e = v.computed + ni
+                lag, r.lag = r.lag, 0  # flushed by the call
+                steps.append((r.seq, r.seq.num_computed + lag, e, min(e, v.known) if kind == CALLS else 0))
+        pos = 0
+        while pos < len(todo):
+            done = self.client.advance_all(steps[pos:])
+            for (i, _, _, _), ops in zip(todo[pos:], done, strict=False):
+                if ops is None:
+                    break
+                self.executor.apply_copies(ops)
+                self.synced(i)
+            pos += len(done)
+            if done[-1] is not None:
+                continue  # every call made
+            i = todo[pos - 1][0]  # its grow did not fit: its flush is made
+            seq, _, e, published = steps[pos - 1]
+            ops = self.preempt_for(self.running[i], e, published, plan)  # type: ignore[arg-type]
+            if ops is None:
+                plan.n = plan.n[:i]  # it preempted itself: the running pass stops there
+                plan.start = plan.start[:i]
+                return
+            self.executor.apply_copies(ops)
+            self.synced(i)
+            left = len(self.running)  # the rows preempted for it are gone
+            keep = [j for j in range(pos, len(todo)) if todo[j][0] < left]
+            todo = [todo[j] for j in keep]
+            steps = [steps[j] for j in keep]
+            pos = 0
+
     def preempt_request(self, r: Request) -> None:
         """A victim is the last running request: its row is synced, then dropped."""
         i = len(self.running)  # `allocate` popped it already: it was row `i`
@@ -315,6 +422,8 @@ class VllmRowScheduler(VllmScheduler):
 
     def admit_rows(self, plan: RowPlan, budget: int) -> None:
         """Rule 3 through `VllmScheduler.admit_waiting`; each admitted request becomes a row."""
+        if not self.waiting and not self.loading:
+            return  # nothing to admit (most steps of a lightly loaded replica)
         step = StepPlan()
         self.admit_waiting(step, budget)
         if not step.items:
@@ -336,27 +445,36 @@ class VllmRowScheduler(VllmScheduler):
 
     def execute(self, plan: RowPlan) -> None:  # type: ignore[override]
         start = max(self.clock.now, self.gpu_free)
-        on = plan.n > 0
-        seconds = self.executor.batch_seconds(plan.n[on], plan.start[on])
+        n = plan.n
+        if np.count_nonzero(n) == n.size:  # every row scheduled (the common case): no mask
+            seconds = self.executor.batch_seconds(n, plan.start)
+        else:
+            on = n > 0
+            seconds = self.executor.batch_seconds(n[on], plan.start[on])
         plan.end = self.gpu_free = start + seconds
         plan.index = self.result.steps
         self.result.steps += 1
-        self.rows.work = self.rows.work + plan.n
+        self.rows.work += n
         self.record_pages(plan.end)
 
     def process(self, plan: RowPlan) -> None:  # type: ignore[override]
         """Deliveries: a scheduled row whose chunk reached its known end sampled a token."""
         rows = self.rows
-        sampled = (plan.n > 0) & (rows.computed == rows.known)
-        rows.known = rows.known + sampled
-        rows.generated = rows.generated + sampled
-        firsts = np.flatnonzero(sampled & ~rows.has_first)
-        for i in firsts.tolist():
-            r = self.running[i]
-            r.first_token_at, r.first_token_step = plan.end, plan.index
-        rows.has_first[firsts] = True
+        sampled = rows.computed == rows.known
+        sampled &= plan.n > 0
+        rows.known += sampled
+        rows.generated += sampled
+        # (on bools `a > b` is `a & ~b` in one ufunc; `nonzero()[0]` is `np.flatnonzero`
+        # without its wrapper: these run every step on a few hundred rows)
+        firsts = (sampled > rows.has_first).nonzero()[0]
+        if firsts.size:
+            for i in firsts.tolist():
+                r = self.running[i]
+                r.first_token_at, r.first_token_step = plan.end, plan.index
+            rows.has_first[firsts] = True
         rows.last = self.result.itl.step_rows(rows.last, sampled & rows.timed, plan.end)
-        self.stop_rows(np.flatnonzero(sampled & (rows.generated >= rows.target)), plan.end, plan.index)
+        sampled &= rows.generated >= rows.target
+        self.stop_rows(sampled.nonzero()[0], plan.end, plan.index)
 
     def stop_rows(self, done: np.ndarray, at: float, step: int | None) -> None:
         """Rows that produced their last token finish, in running order."""
@@ -375,7 +493,9 @@ class VllmRowScheduler(VllmScheduler):
         n = plan.n
         if plan.admitted or plan.preempted or not len(n) or len(n) != len(self.running):
             return 1
-        if not (n == 1).all() or not (rows.computed == rows.known).all() or not (rows.generated > 0).all():
+        if np.count_nonzero(n != 1) or np.count_nonzero(rows.computed != rows.known):
+            return 1
+        if np.count_nonzero(rows.generated) != n.size:  # (generated is never negative)
             return 1
         k = min(MAX_WINDOW, int((rows.target - rows.generated).min()))
         if k <= 1:
@@ -408,17 +528,34 @@ class VllmRowScheduler(VllmScheduler):
         unproven = self.unproven_rows(final) if self.lazy else None
         todo = calls if unproven is None else calls | unproven
         rows.known = rows.known + k  # the window's k tokens are sampled (appended at a sync)
-        for i in np.flatnonzero(todo).tolist():
-            if not calls[i] and self.decode_step_excused(self.running[i].seq):
-                continue  # an unproven row whose condition holds at its turn
-            r = self.sync(i)  # computed: this step's token, as the object loop flushes it
-            self.flush(r)
-            ops = self.client.grow(r.seq, int(final[i]))
-            if ops is None:
+        if unproven is not None and (unproven & ~calls).any():
+            # rows excused only if their condition holds at their turn: one row at a time
+            for i in np.flatnonzero(todo).tolist():
+                if not calls[i] and self.decode_step_excused(self.running[i].seq):
+                    continue  # an unproven row whose condition holds at its turn
+                r = self.sync(i)  # computed: this step's token, as the object loop flushes it
+                to = final.item(i)
+                lag, r.lag = r.lag, 0  # flush, grow, publish
+                ops = self.client.advance(r.seq, r.seq.num_computed + lag, to, to)
+                if ops is None:
+                    raise RuntimeError("decode window ran out of pages; the window check is wrong")
+                self.executor.apply_copies(ops)
+                self.synced(i)
+        else:
+            rows_called = calls.nonzero()[0].tolist()
+            steps = []
+            for i in rows_called:
+                r = self.sync(i)  # computed: this step's token, as the object loop flushes it
+                to = final.item(i)
+                lag, r.lag = r.lag, 0  # flush, grow, publish
+                steps.append((r.seq, r.seq.num_computed + lag, to, to))
+            # every row synced first, then their calls in one timed region (`call_rows`)
+            done = self.client.advance_all(steps) if steps else []
+            if len(done) < len(steps) or (done and done[-1] is None):
                 raise RuntimeError("decode window ran out of pages; the window check is wrong")
-            self.executor.apply_copies(ops)
-            self.publish(r, int(final[i]))
-            self.synced(i)
+            for i, ops in zip(rows_called, done, strict=True):
+                self.executor.apply_copies(ops)  # type: ignore[arg-type]  # none is None (checked)
+                self.synced(i)
         rows.computed = final
         rows.generated = rows.generated + k
         rows.work = rows.work + k

@@ -51,7 +51,7 @@ from typing import ClassVar
 import numpy as np
 
 from cachelib.tiers import PREFETCH_TIMEOUT_BASE_S, PREFETCH_TIMEOUT_PER_KI_TOKEN_S, TierTransfer
-from cachelib.types import Sequence
+from cachelib.types import CopyOp, Sequence
 from experiments.engine.request import Request
 from experiments.engine.scheduler import Scheduler, _new_pages, _pages_limit
 from experiments.engine.transfers import TransferClock
@@ -239,19 +239,31 @@ class VllmScheduler(Scheduler):
         until it fits; False when `r` itself was preempted. `publish=False`: the caller
         knows the commit would publish nothing (a lazy decode step into a new page)."""
         v = r.vllm
-        self.flush(r)
+        end = v.computed + n
+        published = min(end, v.known) if publish else 0
+        # flush, grow and publish in one timed region (`CacheClient.advance`: the same calls)
+        lag, r.lag = r.lag, 0
+        ops = self.client.advance(r.seq, r.seq.num_computed + lag, end, published)
+        if ops is None:
+            ops = self.preempt_for(r, end, published, plan)
+            if ops is None:
+                return False
+        self.executor.apply_copies(ops)
+        return True
+
+    def preempt_for(self, r: Request, end: int, published: int, plan: StepPlan) -> list[CopyOp] | None:
+        """Rule 2 once `r`'s grow to `end` did not fit: preempt the last running request and
+        retry (publishing to `published` when it fits) until it does; None when `r` itself
+        was preempted."""
         while True:
-            ops = self.client.grow(r.seq, v.computed + n)
-            if ops is not None:
-                self.executor.apply_copies(ops)
-                if publish:
-                    self.publish(r, min(v.computed + n, v.known))
-                return True
             victim = self.running.pop()
             self.preempt_request(victim)
             plan.preempted = True
             if victim is r:
-                return False
+                return None
+            ops = self.client.advance(r.seq, 0, end, published)
+            if ops is not None:
+                return ops
 
     def admit_waiting(self, plan: StepPlan, budget: int) -> None:
         """Rule 3: FCFS admissions while budget and the running limit allow; the first
