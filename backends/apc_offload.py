@@ -280,15 +280,20 @@ class _LruPolicy:
                 heapq.heappush(self.heap, rank)
 
     def on_request_finished(self, ordered: list[bytes], inserted_only: set[bytes], reused: set[bytes]) -> None:
-        chunks, evictable, heap = self.chunks, self.evictable, self.heap
+        chunks, evictable, heap, ranks, owner = self.chunks, self.evictable, self.heap, self.ranks, self.owner
+        push = heapq.heappush
+        next_rank = self.next_rank
         for key in reversed(ordered):  # tail first: the head ends up the most recent
             if key not in chunks:
                 continue
-            self.next_rank += 1
-            rank = self.next_rank << _END_BITS
-            self._rerank(key, rank)
+            next_rank += 1
+            rank = next_rank << _END_BITS
+            del owner[ranks[key]]  # `_rerank` inlined: every chunk a request touched passes here
+            ranks[key] = rank
+            owner[rank] = key
             if key in evictable:
-                heapq.heappush(heap, rank)
+                push(heap, rank)
+        self.next_rank = next_rank
 
     def evict(self, n: int, protected: set[bytes]) -> list[tuple[bytes, _Chunk]] | None:
         if n == 0:
