@@ -208,18 +208,32 @@ class _Request:
         self.loaded_tokens = 0
 
 
+#: a rank `(R, -end)` is the int `R << _END_BITS) - end`, which orders as the pair does for
+#: any end below 2**_END_BITS tokens: one int compared in C instead of a pair in a pair,
+#: which made the heap's pops and pushes most of a long serving run's time
+_END_BITS = 40
+
+
 class _LruPolicy:
     """vLLM 0.33 `LRUCachePolicy` (rule R7): ranks, a lazily invalidated min-heap of the
-    evictable chunks."""
+    evictable chunks.
+
+    A rank `(R, -end)` (R7) is stored as the int `(R << _END_BITS) - end` (a finish rank
+    `(R, 0)` as `R << _END_BITS`), so the heap holds bare ints. A rank names its chunk: a
+    request rank R with an end token names the request's chunk there, a finish rank is
+    handed out once. So `owner` maps each chunk's current rank back to it, and a heap entry
+    is live when its rank still has an owner that is evictable (an entry outlives its rank
+    when the chunk is re-ranked or evicted, or stays while the chunk is pinned)."""
 
     name: ClassVar[str] = "lru"
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.chunks: dict[bytes, _Chunk] = {}
-        self.ranks: dict[bytes, tuple[int, int]] = {}
+        self.ranks: dict[bytes, int] = {}
+        self.owner: dict[int, bytes] = {}  # the current rank of each chunk -> the chunk
         self.evictable: set[bytes] = set()
-        self.heap: list[tuple[tuple[int, int], bytes]] = []
+        self.heap: list[int] = []
         self.next_rank = 0
 
     def get(self, key: bytes) -> _Chunk | None:
@@ -231,12 +245,20 @@ class _LruPolicy:
             req.lru_rank = self.next_rank
         return req.lru_rank
 
+    def _rerank(self, key: bytes, rank: int) -> None:
+        old = self.ranks.get(key)
+        if old is not None:
+            del self.owner[old]
+        self.ranks[key] = rank
+        self.owner[rank] = key
+
     def insert(self, key: bytes, chunk: _Chunk, req: _Request) -> None:
         self.chunks[key] = chunk
-        self.ranks[key] = (self._request_rank(req), -req.positions[key])
+        rank = (self._request_rank(req) << _END_BITS) - req.positions[key]
+        self._rerank(key, rank)
         if chunk.ref_cnt == 0:
             self.evictable.add(key)
-            heapq.heappush(self.heap, (self.ranks[key], key))
+            heapq.heappush(self.heap, rank)
 
     def on_store_miss(self, keys: list[bytes], req: _Request) -> None:
         # the base policy's default is `touch`, which re-ranks only cached keys: a store
@@ -244,74 +266,90 @@ class _LruPolicy:
         return
 
     def on_request_access(self, keys: list[bytes], req: _Request) -> None:
-        rank_r = self._request_rank(req)
+        base = self._request_rank(req) << _END_BITS
+        ranks, positions = self.ranks, req.positions
         for key in keys:
-            if key not in self.chunks:
+            old = ranks.get(key)
+            if old is None:
                 continue
-            rank = (rank_r, -req.positions[key])
-            if self.ranks[key] >= rank:
+            rank = base - positions[key]
+            if old >= rank:
                 continue
-            self.ranks[key] = rank
+            self._rerank(key, rank)
             if key in self.evictable:
-                heapq.heappush(self.heap, (rank, key))
+                heapq.heappush(self.heap, rank)
 
     def on_request_finished(self, ordered: list[bytes], inserted_only: set[bytes], reused: set[bytes]) -> None:
+        chunks, evictable, heap, ranks, owner = self.chunks, self.evictable, self.heap, self.ranks, self.owner
+        push = heapq.heappush
+        next_rank = self.next_rank
         for key in reversed(ordered):  # tail first: the head ends up the most recent
-            if key not in self.chunks:
+            if key not in chunks:
                 continue
-            self.next_rank += 1
-            self.ranks[key] = (self.next_rank, 0)
-            if key in self.evictable:
-                heapq.heappush(self.heap, (self.ranks[key], key))
+            next_rank += 1
+            rank = next_rank << _END_BITS
+            del owner[ranks[key]]  # `_rerank` inlined: every chunk a request touched passes here
+            ranks[key] = rank
+            owner[rank] = key
+            if key in evictable:
+                push(heap, rank)
+        self.next_rank = next_rank
 
     def evict(self, n: int, protected: set[bytes]) -> list[tuple[bytes, _Chunk]] | None:
         if n == 0:
             return []
-        heap, selected, chosen, deferred = self.heap, [], set(), []
+        heap, owner, evictable = self.heap, self.owner, self.evictable
+        pop = heapq.heappop
+        selected: list[int] = []
+        chosen: set[bytes] = set()
+        deferred: list[int] = []
         while heap and len(selected) < n:
-            entry = heapq.heappop(heap)
-            rank, key = entry
-            if key not in self.evictable or self.ranks.get(key) != rank or key in chosen:
+            rank = pop(heap)
+            key = owner.get(rank)
+            if key is None or key not in evictable or key in chosen:
                 continue  # a stale entry (re-ranked, pinned or gone since it was pushed)
             if key in protected:
-                deferred.append(entry)
+                deferred.append(rank)
                 continue
-            selected.append(entry)
+            selected.append(rank)
             chosen.add(key)
         if len(selected) < n:  # all or nothing: put every popped live entry back
-            for entry in selected + deferred:
-                heapq.heappush(heap, entry)
+            for rank in selected + deferred:
+                heapq.heappush(heap, rank)
             return None
-        for entry in deferred:
-            heapq.heappush(heap, entry)
+        for rank in deferred:
+            heapq.heappush(heap, rank)
         out = []
-        for _, key in selected:
-            self.evictable.discard(key)
+        for rank in selected:
+            key = owner.pop(rank)
+            evictable.discard(key)
             del self.ranks[key]
             out.append((key, self.chunks.pop(key)))
-        if len(heap) >= max(64, 2 * len(self.evictable)):  # compact (speed only)
-            self.heap = [(self.ranks[k], k) for k in self.evictable]
+        if len(heap) >= max(64, 2 * len(evictable)):  # compact (speed only)
+            self.heap = [self.ranks[k] for k in evictable]
             heapq.heapify(self.heap)
         return out
 
     def mark_evictable(self, key: bytes) -> None:
         self.evictable.add(key)
-        heapq.heappush(self.heap, (self.ranks[key], key))
+        heapq.heappush(self.heap, self.ranks[key])
 
     def mark_non_evictable(self, key: bytes) -> None:
         self.evictable.remove(key)
 
     def order(self) -> list[bytes]:
         """Evictable chunks, next evicted first."""
-        return sorted(self.evictable, key=lambda k: (self.ranks[k], k))
+        return sorted(self.evictable, key=self.ranks.__getitem__)
 
     def check(self, fail) -> None:
         if set(self.ranks) != set(self.chunks):
             fail("LRU ranks and chunks disagree")
+        if len(self.owner) != len(self.ranks) or any(self.owner.get(r) != k for k, r in self.ranks.items()):
+            fail("LRU: two chunks share a rank, or a rank names no chunk")
         want = {k for k, c in self.chunks.items() if c.ref_cnt == 0}
         if self.evictable != want:
             fail("LRU evictable set is not the ready, unpinned chunks")
-        live = {k for r, k in self.heap if k in self.evictable and self.ranks.get(k) == r}
+        live = {self.owner[r] for r in self.heap if self.owner.get(r) in self.evictable}
         if live != self.evictable:
             fail("an evictable chunk has no current heap entry")
 
