@@ -209,8 +209,9 @@ class _Request:
 
 
 #: a rank `(R, -end)` is the int `R << _END_BITS) - end`, which orders as the pair does for
-#: any end below 2**_END_BITS tokens: one int compared in C instead of a pair in a pair,
-#: which made the heap's pops and pushes most of a long serving run's time
+#: any end below 2**_END_BITS tokens (a sequence that long, 4 TB of int32 ids, cannot be
+#: held): one int compared in C instead of a pair in a pair, which made the heap's pops and
+#: pushes most of a long serving run's time
 _END_BITS = 40
 
 
