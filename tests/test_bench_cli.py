@@ -38,6 +38,7 @@ SHARED = {
         "--output",
     },
     "repeat_trace": {"--output"},
+    "same_results": {"--output"},
     "replay_bench": {
         "--trace",
         "--limit",
