@@ -19,15 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cachelib.tiers import (
-    FILE_READ_GBPS,
-    FILE_WRITE_GBPS,
-    LLAMA3_8B_KV_BYTES_PER_TOKEN,
-    TierFigures,
-    check_bandwidth,
-    check_kv_bytes_per_token,
-    tier_capacity_tokens,
-)
+from cachelib.tiers import FILE_READ_GBPS, FILE_WRITE_GBPS, LLAMA3_8B_KV_BYTES_PER_TOKEN, TierFigures
 
 #: GB/s disk -> host (a read) and host -> disk (a write): Samsung PM1733's datasheet sequential
 #: figures, the same drive radix-hicache's `file` storage defaults to (one source of the figures)
@@ -60,8 +52,13 @@ class DiskTier(TierFigures):
         before any work). Exactly one of `disk_capacity_tokens` and `disk_capacity_gb` is
         given (a disk has no default size); a capacity in GB (10**9 bytes) becomes whole
         pages of `kv_bytes_per_token`-byte tokens."""
-        kv_bytes = check_kv_bytes_per_token(kv_bytes_per_token)
-        read = check_bandwidth("disk_read_gbps", read_gbps)
-        write = check_bandwidth("disk_write_gbps", write_gbps)
-        tokens = tier_capacity_tokens("disk", page_size, capacity_tokens, capacity_gb, kv_bytes, absent=None)
-        return cls(tokens, read, write, kv_bytes)
+        return cls.checked(  # type: ignore[return-value]
+            "disk",
+            page_size,
+            capacity_tokens=capacity_tokens,
+            capacity_gb=capacity_gb,
+            read_gbps=read_gbps,
+            write_gbps=write_gbps,
+            kv_bytes_per_token=kv_bytes_per_token,
+            absent=None,  # a disk has no default size
+        )

@@ -139,6 +139,28 @@ class TierFigures:
     write_gbps: float
     kv_bytes_per_token: int
 
+    @classmethod
+    def checked(
+        cls,
+        tier: str,
+        page_size: int,
+        *,
+        capacity_tokens: object,
+        capacity_gb: object,
+        read_gbps: object,
+        write_gbps: object,
+        kv_bytes_per_token: object,
+        absent: int | None,
+    ) -> TierFigures:
+        """The tier's figures from its options (`{tier}_capacity_tokens`, `{tier}_read_gbps`,
+        ...), every one checked by name before any work (`tier_capacity_tokens` for the size,
+        `absent` the size when none is given); what each tier's `build` shares."""
+        kv_bytes = check_kv_bytes_per_token(kv_bytes_per_token)
+        read = check_bandwidth(f"{tier}_read_gbps", read_gbps)
+        write = check_bandwidth(f"{tier}_write_gbps", write_gbps)
+        tokens = tier_capacity_tokens(tier, page_size, capacity_tokens, capacity_gb, kv_bytes, absent=absent)
+        return cls(tokens, read, write, kv_bytes)
+
     def bytes_of(self, tokens: int) -> int:
         """Bytes of KV in `tokens` tokens."""
         return tokens * self.kv_bytes_per_token
@@ -178,13 +200,16 @@ class HostTier(TierFigures):
         before any work). At most one of `capacity_tokens` and `capacity_gb` is given; a
         capacity in GB becomes whole pages of `kv_bytes_per_token`-byte tokens; neither
         (both 0) is SGLang's default `--hicache-ratio 2.0`: twice the GPU's `gpu_tokens`."""
-        kv_bytes = check_kv_bytes_per_token(kv_bytes_per_token)
-        read = check_bandwidth("host_read_gbps", read_gbps)
-        write = check_bandwidth("host_write_gbps", write_gbps)
-        tokens = tier_capacity_tokens(
-            "host", page_size, capacity_tokens, capacity_gb, kv_bytes, absent=DEFAULT_HOST_RATIO * gpu_tokens
+        return cls.checked(  # type: ignore[return-value]
+            "host",
+            page_size,
+            capacity_tokens=capacity_tokens,
+            capacity_gb=capacity_gb,
+            read_gbps=read_gbps,
+            write_gbps=write_gbps,
+            kv_bytes_per_token=kv_bytes_per_token,
+            absent=DEFAULT_HOST_RATIO * gpu_tokens,
         )
-        return cls(tokens, read, write, kv_bytes)
 
 
 #: the way a tier's loads meet the forward pass (a backend's `PrefixCache.load_timing`):
@@ -374,13 +399,19 @@ class StorageTier:
             raise InvalidRequestError(
                 f"unknown storage_backend {backend!r}; choose one of {', '.join(STORAGE_BACKENDS)}"
             )
-        kv_bytes = check_kv_bytes_per_token(kv_bytes_per_token)
         defaults = {"file": (FILE_READ_GBPS, FILE_WRITE_GBPS), "shared": (SHARED_READ_GBPS, SHARED_WRITE_GBPS)}[backend]
-        read = check_bandwidth("storage_read_gbps", defaults[0] if read_gbps is None else read_gbps)
-        write = check_bandwidth("storage_write_gbps", defaults[1] if write_gbps is None else write_gbps)
-        tokens = tier_capacity_tokens("storage", page_size, capacity_tokens, capacity_gb, kv_bytes, absent=0)
+        figures = TierFigures.checked(
+            "storage",
+            page_size,
+            capacity_tokens=capacity_tokens,
+            capacity_gb=capacity_gb,
+            read_gbps=defaults[0] if read_gbps is None else read_gbps,
+            write_gbps=defaults[1] if write_gbps is None else write_gbps,
+            kv_bytes_per_token=kv_bytes_per_token,
+            absent=0,  # unbounded
+        )
         ratio = FILE_EVICTION_RATIO if backend == "file" else SHARED_EVICTION_RATIO
-        return cls(backend, page_size, TierFigures(tokens, read, write, kv_bytes), ratio)
+        return cls(backend, page_size, figures, ratio)
 
     # -- figures ---------------------------------------------------------------------
 
