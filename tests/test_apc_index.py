@@ -11,9 +11,10 @@ import pytest
 import xxhash
 
 from backends.apc import APCCache
-from cachelib import CopyOp, ExtraKeys, Sequence
+from cachelib import ExtraKeys
 from cachelib.errors import InvariantViolation
 from cachelib.hashing import BlockHasher, DictIndex, RunIndex
+from tests.helpers import drive_apc_alike
 
 
 def _fail(msg: str) -> None:
@@ -140,58 +141,7 @@ def test_run_index_and_dict_make_the_same_decisions(monkeypatch, options, seed):
         monkeypatch.setattr(APCCache, "index_type", kind)
         caches.append(APCCache(num_pages=40, page_size=4, **options))
     assert isinstance(caches[0].index, DictIndex) and isinstance(caches[1].index, RunIndex)
-    rng = random.Random(seed)
-    prefixes = [[rng.randrange(50) for _ in range(rng.randrange(1, 14))] for _ in range(4)]
-    live: list[list[Sequence]] = []  # per cache, the same sequences by position
-    for step in range(150):
-        op = rng.random()
-        if op < 0.4 or not live:
-            toks = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 10))]
-            extra = ExtraKeys(lora_id=rng.choice([None, 1]))
-            seqs = [Sequence(f"s{step}", toks, extra) for _ in caches]
-            got = []
-            for c, s in zip(caches, seqs, strict=True):
-                m = c.match(s)
-                ops = c.admit(s, m, len(s))
-                if ops is not None:
-                    c.commit(s, len(s))
-                got.append((m.num_tokens, m.pages, ops, s.page_table))
-            assert got[0] == got[1]
-            if got[0][2] is not None:
-                live.append(seqs)
-        elif op < 0.6:
-            seqs = rng.choice(live)
-            n = rng.randrange(1, 9)
-            new = [rng.randrange(1000, 2000) for _ in range(n)]
-            got = []
-            for c, s in zip(caches, seqs, strict=True):
-                s.append(new)
-                ops = c.grow(s, len(s))
-                if ops is not None:
-                    c.commit(s, len(s) - 1)
-                got.append((ops, s.page_table, s.num_computed))
-            assert got[0] == got[1]
-        elif op < 0.7:
-            parents = rng.choice(live)
-            kids = [p.fork(f"f{step}") for p in parents]
-            got = [c.fork(p, k) for c, p, k in zip(caches, parents, kids, strict=True)]
-            assert got[0] == got[1] and all(o is None or isinstance(o, list) for o in got)
-            assert all(isinstance(op_, CopyOp) for op_ in got[0] or [])
-            if got[0] is not None:
-                assert kids[0].page_table == kids[1].page_table
-                live.append(kids)
-        elif op < 0.95:
-            seqs = live.pop(rng.randrange(len(live)))
-            for c, s in zip(caches, seqs, strict=True):
-                c.release(s)
-        else:
-            k = rng.randrange(0, 6)
-            assert caches[0].evict(k) == caches[1].evict(k)
-        for c in caches:
-            c.check_invariants()
-        assert caches[0].stats() == caches[1].stats()
-        assert caches[0].cached_blocks_in_lru_order() == caches[1].cached_blocks_in_lru_order()
-        assert list(caches[0].free_queue) == list(caches[1].free_queue)
+    drive_apc_alike(caches, seed, 150)
 
 
 def test_run_index_answers_an_older_block_from_a_run_that_starts_later():

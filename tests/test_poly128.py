@@ -16,6 +16,7 @@ from cachelib import ExtraKeys, create_cache
 from cachelib.hashing import BlockHasher
 from cachelib.kv_events import PagesRemoved, PagesStored
 from cachelib.types import MultiModalSpan, Sequence
+from tests.helpers import drive_apc_alike
 
 M64 = (1 << 64) - 1
 P = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F)
@@ -130,60 +131,6 @@ def test_poly128_tells_apart_what_the_chain_tells_apart():
     assert len(set(zeros)) == 16  # the same block content at 16 positions: 16 hashes
 
 
-def drive(caches: list[APCCache], seed: int) -> None:
-    """The same random calls on each cache (shared prefixes, decode, forks, releases,
-    evictions, memory pressure): equal matches, page tables, copies, stats and LRU order
-    after every call."""
-    rng = random.Random(seed)
-    prefixes = [[rng.randrange(50) for _ in range(rng.randrange(1, 30))] for _ in range(5)]
-    live: list[list[Sequence]] = []
-    for step in range(200):
-        op = rng.random()
-        if op < 0.45 or not live:
-            toks = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 12))]
-            extra = ExtraKeys(lora_id=rng.choice([None, 1]), cache_salt=rng.choice([None, None, "t"]))
-            seqs = [Sequence(f"s{step}", toks, extra) for _ in caches]
-            got = []
-            for c, s in zip(caches, seqs, strict=True):
-                m = c.match(s)
-                ops = c.admit(s, m, len(s))
-                if ops is not None:
-                    c.commit(s, len(s))
-                got.append((m.num_tokens, m.pages, ops, s.page_table))
-            assert all(g == got[0] for g in got)
-            if got[0][2] is not None:
-                live.append(seqs)
-        elif op < 0.65:
-            seqs = rng.choice(live)
-            new = [rng.randrange(1000, 2000) for _ in range(rng.randrange(1, 20))]
-            got = []
-            for c, s in zip(caches, seqs, strict=True):
-                s.append(new)
-                ops = c.grow(s, len(s))
-                if ops is not None:
-                    c.commit(s, len(s) - 1)
-                got.append((ops, s.page_table, s.num_computed))
-            assert all(g == got[0] for g in got)
-        elif op < 0.72:
-            parents = rng.choice(live)
-            children = [Sequence(f"f{step}", p.tokens.tolist(), p.extra) for p in parents]
-            got = [c.fork(p, ch) for c, p, ch in zip(caches, parents, children, strict=True)]
-            assert all(g == got[0] for g in got)
-            if got[0] is not None:
-                live.append(children)
-        elif op < 0.95:
-            seqs = live.pop(rng.randrange(len(live)))
-            for c, s in zip(caches, seqs, strict=True):
-                c.release(s)
-        else:
-            n = rng.randrange(1, 6)
-            assert len({c.evict(n) for c in caches}) == 1
-        states = [(c.stats(), c.cached_blocks_in_lru_order()) for c in caches]
-        assert all(st == states[0] for st in states)
-    for c in caches:
-        c.check_invariants()
-
-
 @pytest.mark.parametrize("page", [1, 4, 16])
 @pytest.mark.parametrize("seed", range(4))
 def test_poly128_makes_the_byte_chains_decisions(page, seed):
@@ -192,7 +139,7 @@ def test_poly128_makes_the_byte_chains_decisions(page, seed):
         for a in ("poly128", "xxh3_128", "sha256")
     ]
     assert caches[0].hasher.algorithm == "poly128"
-    drive(caches, seed)
+    drive_apc_alike(caches, seed, 200, salted=True)
 
 
 def test_auto_picks_by_page_size():
