@@ -73,6 +73,19 @@ def _assert_drained(cache) -> None:
     assert cache.stats().pages_pinned == 0, "pages still pinned after every sequence was released"
 
 
+#: the workload in an order that evicts each prefix before it comes back (a cache too small)
+TWO_ROUNDS = ["sys0", "doc0", "sys1", "doc1", "sys2", "repeat", "sys3", "prefix_of_sys2", "sys4", "short"] * 2
+
+
+def assert_same_through_two_rounds(model, cache, alone: dict[str, RequestResult]) -> None:
+    """Run the workload twice through `cache`, a request at a time (the second round finds
+    its prefixes in whatever tier kept them): every output equals the request's alone."""
+    runner = CachedRunner(model, cache)
+    for rid in TWO_ROUNDS:
+        got = runner.run({rid: WORKLOAD[rid]}, NEW_TOKENS)[rid]
+        assert_same(got, alone[rid], rid)
+
+
 @pytest.mark.parametrize("page_size,chunk", [(1, None), (4, None), (4, 8), (16, None)])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_shared_prefix_workload(model, alone, backend, page_size, chunk):
@@ -153,11 +166,7 @@ def test_kv_moved_through_the_host_tier_gives_the_same_output(model, alone, writ
     cache = create_cache(
         "radix-hicache", num_pages=24, page_size=4, write_policy=write_policy, host_capacity_tokens=256
     )
-    runner = CachedRunner(model, cache)
-    order = ["sys0", "doc0", "sys1", "doc1", "sys2", "repeat", "sys3", "prefix_of_sys2", "sys4", "short"]
-    for rid in order + order:  # the second round finds its prefixes on the host
-        got = runner.run({rid: WORKLOAD[rid]}, NEW_TOKENS)[rid]
-        assert_same(got, alone[rid], rid)
+    assert_same_through_two_rounds(model, cache, alone)  # the second round finds its prefixes on the host
     traffic = cache.tier_traffic()
     assert traffic["demoted"] > 0 and traffic["loaded"] > 0, traffic
     _assert_drained(cache)
@@ -176,11 +185,7 @@ def test_kv_moved_through_the_storage_tier_gives_the_same_output(model, alone):
         storage_backend="file",
         prefetch_threshold=8,
     )
-    runner = CachedRunner(model, cache)
-    order = ["sys0", "doc0", "sys1", "doc1", "sys2", "repeat", "sys3", "prefix_of_sys2", "sys4", "short"]
-    for rid in order + order:  # the second round finds its prefixes in storage
-        got = runner.run({rid: WORKLOAD[rid]}, NEW_TOKENS)[rid]
-        assert_same(got, alone[rid], rid)
+    assert_same_through_two_rounds(model, cache, alone)  # the second round finds its prefixes in storage
     traffic = cache.tier_traffic()
     assert traffic["stored"] > 0 and traffic["prefetched"] > 0, traffic
     _assert_drained(cache)
