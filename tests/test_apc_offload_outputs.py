@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 
 from cachelib import create_cache
-from tests.cached_runner import CachedRunner
-from tests.test_output_equivalence import NEW_TOKENS, WORKLOAD, alone, assert_same, model  # noqa: F401 (fixtures)
+from tests.test_output_equivalence import alone, assert_same_through_two_rounds, model  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -20,11 +19,7 @@ def test_kv_loaded_back_from_the_host_tier_gives_the_same_output(model, alone, e
     cache = create_cache(
         "apc", num_pages=24, page_size=4, host_capacity_tokens=256, host_eviction=eviction, host_block_size=block_size
     )
-    runner = CachedRunner(model, cache)
-    order = ["sys0", "doc0", "sys1", "doc1", "sys2", "repeat", "sys3", "prefix_of_sys2", "sys4", "short"]
-    for rid in order + order:  # the second round finds its prefixes on the host
-        got = runner.run({rid: WORKLOAD[rid]}, NEW_TOKENS)[rid]
-        assert_same(got, alone[rid], rid)
+    assert_same_through_two_rounds(model, cache, alone)  # the second round finds its prefixes on the host
     traffic = cache.tier_traffic()
     assert traffic["loaded"] > 0 and traffic["backed_up"] > 0, traffic
     cache.check_invariants()
