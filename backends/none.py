@@ -20,6 +20,7 @@ class NoCache(PrefixCache):
     """A plain page allocator with no prefix index."""
 
     decode_steps_are_noops = True  # nothing is ever published
+    commit_publishes_decode = False  # (nor when a decode step fills a page)
     emits_kv_events = False  # so no KV events: a router that needs them is refused
 
     def __init__(self, num_pages: int, page_size: int) -> None:

@@ -194,6 +194,9 @@ class RadixCache(PrefixCache):
     """
 
     decode_steps_are_noops = True  # decode tokens enter the tree at release, as in SGLang
+    # so a commit past the prompt only moves the count (with `track_contents`, a later commit
+    # records the same tokens into the same held pages)
+    commit_publishes_decode = False
     reuses_kv = True
     emits_kv_events = True  # RadixEvents: a node's pages stored when created, removed when evicted
 

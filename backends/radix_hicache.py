@@ -200,6 +200,7 @@ class HiRadixCache(RadixCache):
         # radix's conditional lazy promise is not extended here: a grow also hands over the
         # tier moves decided since the last call, and a commit acknowledges load-backs
         self.decode_noops_when = None
+        self.commit_publishes_decode = True  # its commits acknowledge load-backs: every fill calls
         self.write_policy = write_policy
         self.prefetch_policy = prefetch_policy
         if self.storage_tier is not None:

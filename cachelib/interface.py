@@ -112,6 +112,13 @@ class PrefixCache(ABC):
     #: An engine may skip such a step's calls exactly when the condition holds, and calls
     #: `commit` before the sequence's next `grow`, `fork` or `release`. None: no condition.
     decode_noops_when: ClassVar[str | None] = None
+    #: False when a commit ending past the prompt publishes nothing (only the computed count
+    #: moves): none never publishes; radix inserts decode tokens at release, as SGLang's
+    #: `cache_finished_req` does. Under one of the decode promises above an engine may then
+    #: also skip a decode step whose token fills a page (True, the safe default: apc
+    #: publishes a block as it fills, as vLLM's scheduler does), committing before the
+    #: sequence's next grow, fork or release as always.
+    commit_publishes_decode: ClassVar[bool] = True
     #: True when `match` can return a hit: the backend then overrides `_verify_match`
     reuses_kv: ClassVar[bool] = False
     #: True when the backend takes declared prefixes (`register_prefix`, `prefix_sequence`,

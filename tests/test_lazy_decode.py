@@ -98,17 +98,29 @@ class Log:
 
 
 def run(
-    loop: str, make_cache, requests, *, eager: bool, windows: bool = True, declare=None
+    loop: str,
+    make_cache,
+    requests,
+    *,
+    eager: bool,
+    windows: bool = True,
+    declare=None,
+    loud: bool = False,
+    budget: int = 512,
 ) -> tuple[dict, CountingClient, Log]:
+    """One run; `eager`: every lazy promise withdrawn; `loud`: only the quiet-fill one
+    (`commit_publishes_decode` set True: a decode step that fills a page calls)."""
     cache = make_cache()
     if eager:
         withdraw_lazy(cache)
+    if loud:
+        cache.commit_publishes_decode = True
     executor = CostModelExecutor() if windows else NoWindows()
     if declare is not None:
         requests, _ = _declare_prefixes(cache, declare, executor)
     client = CountingClient(cache)
     clock = VirtualClock(requests)
-    config = ServingConfig(token_budget=512, max_running=16, scheduler="legacy" if loop == "legacy" else "vllm")
+    config = ServingConfig(token_budget=budget, max_running=16, scheduler="legacy" if loop == "legacy" else "vllm")
     s = LOOPS[loop](client, executor, config, clock)
     log = Log(client)
     log.scheduler = s
@@ -217,6 +229,56 @@ def test_radix_page_size_one_keeps_its_unconditional_promise(loop):
     a, _, _ = run(loop, lambda: create_cache("radix", num_pages=40_000, page_size=1), requests, eager=False)
     b, _, _ = run(loop, lambda: create_cache("radix", num_pages=40_000, page_size=1), requests, eager=True)
     assert_same(a, b)
+
+
+# -- quiet fills: a decode step filling a page, on a backend whose commit publishes nothing --
+
+QUIET = {
+    "none": lambda pages: create_cache("none", num_pages=pages, page_size=16),
+    "radix": lambda pages: create_cache("radix", num_pages=pages, page_size=16),
+    "radix-unreserved": lambda pages: create_cache("radix", num_pages=pages, page_size=16, reserve_page=False),
+    "radix-aged": lambda pages: create_cache("radix-aged", num_pages=pages, page_size=16),
+    "radix-page-1": lambda pages: create_cache("radix", num_pages=pages * 16, page_size=1),
+}
+
+
+@pytest.mark.parametrize("loop", ["rows", "objects"])
+@pytest.mark.parametrize(
+    "workload,pages,budget", [("docs", 30, 512), ("docs", 30, 17), ("chat", 40, 512), ("chat", 40, 17), ("mooncake", 2_500, 512)]
+)
+@pytest.mark.parametrize("backend", sorted(QUIET))
+def test_quiet_fills_change_nothing_but_the_calls(loop, budget, workload, pages, backend):
+    """none and radix commit nothing past the prompt (`commit_publishes_decode` False), so the
+    vLLM loops also skip a decode step that fills a page (vLLM's scheduler would publish
+    it: apc keeps calling). The run equals the eager one and the lazy one that calls at each
+    fill, and makes fewer commits than the latter. A budget of 17 splits prompts into chunks
+    that end on page boundaries one token at a time (those inside the prompt must call: radix
+    inserts there)."""
+    if workload == "mooncake":
+        requests = _mooncake(40)
+    else:
+        name, knobs = SYNTHETIC[workload]
+        requests = make_workload(name, seed=3, **knobs).requests
+    make = lambda: QUIET[backend](pages)  # noqa: E731
+    quiet, cq, _ = run(loop, make, requests, eager=False, budget=budget)
+    loud, cl, _ = run(loop, make, requests, eager=False, loud=True, budget=budget)
+    eager, _, _ = run(loop, make, requests, eager=True, budget=budget)
+    assert_same(quiet, eager)
+    assert_same(loud, eager)
+    assert cq.commits <= cl.commits
+    if workload == "chat" and backend != "radix-page-1":  # (at page size 1 every step takes a page)
+        assert cq.commits < cl.commits, "no fill was skipped"
+    assert cq.grows <= cl.grows
+
+
+def test_apc_and_the_tiers_keep_calling_at_fills():
+    """apc publishes a block as it fills (vLLM); a tiered radix acknowledges load-backs at
+    commit: neither declares quiet fills."""
+    assert create_cache("apc", num_pages=8, page_size=16).commit_publishes_decode
+    hi = create_cache("radix-hicache", num_pages=8, page_size=1, host_capacity_tokens=256)
+    assert hi.decode_steps_are_noops and hi.commit_publishes_decode  # page 1: the promise, not the quiet one
+    assert not create_cache("radix", num_pages=8, page_size=16).commit_publishes_decode
+    assert not create_cache("none", num_pages=8, page_size=16).commit_publishes_decode
 
 
 def test_radix_declares_the_condition_only_with_its_reserve():

@@ -220,17 +220,24 @@ def test_fresh_token_run_is_fresh_tokens():
 
 
 def test_row_kind_is_the_lazy_rule_of_the_vectorised_classification():
-    """`row_kind` (one row, Python ints) classifies a step as the vector formula it replaced."""
+    """`row_kind` (one row, Python ints) classifies a step as the vector formula it replaced:
+    a one-token prefill chunk (ending at or before the prompt's end) always calls; with
+    `quiet` a decode step filling a held page needs no call, and one into a new page only
+    its grow."""
     from experiments.engine.vllm_rows import CALLS, EXCUSED, FILLS, NEW_PAGE, row_kind
 
     page = 16
-    n, end, cap = (a.ravel() for a in np.meshgrid(np.arange(0, 4), np.arange(1, 70), np.arange(0, 80, 16)))
-    one, inside, fills = n == 1, end <= cap, end % page == 0
+    grid = np.meshgrid(np.arange(0, 4), np.arange(1, 70), np.arange(0, 80, 16), np.array([0, 20, 48]), [False, True])
+    n, end, cap, prompt, quiet = (a.ravel() for a in grid)
+    one, inside, fills = (n == 1) & (end > prompt), end <= cap, (end % page == 0) & ~quiet
     want = np.where(
         one & inside & ~fills, EXCUSED, np.where(one & inside, FILLS, np.where(one & ~fills, NEW_PAGE, CALLS))
     )
-    got = [row_kind(a, b, c, page) for a, b, c in zip(n.tolist(), end.tolist(), cap.tolist(), strict=True)]
+    args = zip(n.tolist(), end.tolist(), cap.tolist(), prompt.tolist(), quiet.tolist(), strict=True)
+    got = [row_kind(a, b, c, page, d, q) for a, b, c, d, q in args]
     assert got == want.tolist()
+    assert row_kind(1, 20, 32, page, 20) == CALLS  # the prompt's last token, one-token chunk
+    assert row_kind(1, 21, 32, page, 20) == EXCUSED
     assert {EXCUSED, FILLS, NEW_PAGE, CALLS} <= set(got)
 
 
@@ -249,12 +256,13 @@ def test_running_rows_keep_their_values_through_growth_rebinding_and_deletes():
     for step in range(400):
         op = rng.integers(0, 5)
         if op <= 1 or not model:
-            vals = [int(v) for v in rng.integers(0, 1000, 7)]
+            vals = [int(v) for v in rng.integers(0, 1000, 8)]
             last = None if rng.random() < 0.3 else float(rng.random())
             first, timed, private = bool(rng.random() < 0.5), bool(rng.random() < 0.8), bool(rng.random() < 0.5)
             r = SimpleNamespace(
                 vllm=SimpleNamespace(known=vals[1]), generated=vals[2], target=vals[3],
-                seq=SimpleNamespace(num_computed=vals[5]), computed_tokens=vals[6], last_token_at=last,
+                seq=SimpleNamespace(num_computed=vals[5], prompt_len=vals[7]), computed_tokens=vals[6],
+                last_token_at=last,
                 first_token_at=0.0 if first else None, sample_of=None if timed else "p",
             )  # fmt: skip
             rows.append(r, vals[0], vals[4], private)  # type: ignore[arg-type]
@@ -266,13 +274,13 @@ def test_running_rows_keep_their_values_through_growth_rebinding_and_deletes():
             for row in model:
                 row[1] += 1
             model[-1][4] = 5
-            model[0][8] = True
+            model[0][9] = True  # has_first
         elif op == 3:  # rebound, as a decode window does
             rows.computed = rows.computed + 3
             rows.last = rows.last * 2
             for row in model:
                 row[0] += 3
-                row[7] *= 2
+                row[8] *= 2  # last
         else:
             if rng.random() < 0.5:
                 where = int(rng.integers(0, len(model)))

@@ -44,19 +44,23 @@ from experiments.engine.vllm_scheduler import MAX_WINDOW, StepPlan, VllmSchedule
 EXCUSED, FILLS, NEW_PAGE, CALLS = 0, 1, 2, 3
 
 
-def row_kind(n: int, end: int, capacity: int, page: int) -> int:
+def row_kind(n: int, end: int, capacity: int, page: int, prompt: int, quiet: bool = False) -> int:
     """What a scheduled row's step of `n` tokens, to `end`, asks of the cache under the lazy
-    rule, its table covering `capacity` tokens: a one-token step that fills a held page
-    needs only the commit that publishes it (FILLS: the object loop's flush and grow around
-    it are no-ops); one that needs a new page, only the grow (NEW_PAGE: its commit would
-    publish nothing); any other, the calls of the object loop (CALLS). A one-token step
-    inside a held page that fills nothing needs none (EXCUSED)."""
-    if n != 1:
+    rule, its table covering `capacity` tokens, its prompt `prompt` long: a decode step
+    that fills a held page needs only the commit that publishes it (FILLS: the object
+    loop's flush and grow around it are no-ops); one that needs a new page, only the grow
+    (NEW_PAGE: its commit would publish nothing); any other, the calls of the object loop
+    (CALLS), a one-token prefill chunk included (the promise is for generated tokens:
+    radix's prefill grow evicts by tokens, page or not). A decode step inside a held page
+    that fills nothing needs none (EXCUSED), nor one that fills a page when its commit
+    would publish nothing either (`quiet`: a cache whose commits past the prompt publish
+    nothing, `VllmScheduler.quiet_fills`)."""
+    if n != 1 or end <= prompt:
         return CALLS
     fills = end % page == 0
     if end <= capacity:
-        return FILLS if fills else EXCUSED
-    return CALLS if fills else NEW_PAGE
+        return FILLS if fills and not quiet else EXCUSED
+    return CALLS if fills and not quiet else NEW_PAGE
 
 
 class RunningRows:
@@ -67,7 +71,7 @@ class RunningRows:
     covers; `committed`: tokens published to the cache (`seq.num_computed`); `work`: tokens
     computed over its life (`Request.computed_tokens`); `last`: when its last token came
     (NaN: none yet); `has_first`: it has its first token; `timed`: it counts in ITL (not a
-    parallel sample); `private`: under a per-sequence lazy promise (`DECODE_NOOPS_IF_PRIVATE`),
+    parallel sample); `prompt`: its prompt's length; `private`: under a per-sequence lazy promise (`DECODE_NOOPS_IF_PRIVATE`),
     the cache's `decode_steps_private` after the row's last call (True otherwise).
 
     Storage: the int fields are the rows of one int64 block, `last` a float block, the flags
@@ -86,6 +90,7 @@ class RunningRows:
         "capacity",
         "committed",
         "work",
+        "prompt",
     )
     #: every row field, in `append`'s order
     FIELDS: ClassVar[tuple[str, ...]] = (*INT_FIELDS, "last", "has_first", "timed", "private")
@@ -109,6 +114,7 @@ class RunningRows:
             self.capacity,
             self.committed,
             self.work,
+            self.prompt,
             self.last,
             self.has_first,
             self.timed,
@@ -150,6 +156,7 @@ class RunningRows:
             capacity,
             r.seq.num_computed,
             r.computed_tokens,
+            r.seq.prompt_len,
         )
         self._last[n] = math.nan if r.last_token_at is None else r.last_token_at
         self._flags[:, n] = (r.first_token_at is not None, r.sample_of is None, private)
@@ -295,8 +302,9 @@ class VllmRowScheduler(VllmScheduler):
             # below, row by row, for the few that need a call. Under a conditional promise
             # the rows it cannot clear for the whole step (`unproven`) are checked there,
             # one by one at their turn, as the object loop checks them
-            one = n == 1
-            excused = one & (end <= rows.capacity) & (end % page != 0)
+            # (a generated token: a one-token prefill chunk calls, `row_kind`)
+            inside = (n == 1) & (end <= rows.capacity) & (end > rows.prompt)
+            excused = inside if self.quiet_fills else inside & (end % page != 0)  # quiet: fills too
             unproven = self.unproven_rows(end)
             if unproven is not None:
                 excused &= ~unproven
@@ -306,14 +314,25 @@ class VllmRowScheduler(VllmScheduler):
             unproven = None
         # each row's values before any call of this step (a call changes only its own row's
         # table; a preemption ends the loop at the rows it removed)
-        calls = zip(todo.tolist(), n[todo].tolist(), end[todo].tolist(), rows.capacity[todo].tolist(), strict=True)
+        calls = zip(
+            todo.tolist(),
+            n[todo].tolist(),
+            end[todo].tolist(),
+            rows.capacity[todo].tolist(),
+            rows.prompt[todo].tolist(),
+            strict=True,
+        )
         if unproven is not None and unproven[todo].any():
             # rows whose condition is checked at their turn: the calls one row at a time, as
             # the object loop makes them (a row's excuse reads the cache after the calls
             # before it, so they cannot be made ahead in one region)
             self.call_rows_checked(calls, plan, unproven)
         else:
-            kinds = [(i, ni, ei, row_kind(ni, ei, cap, page) if self.lazy else CALLS) for i, ni, ei, cap in calls]
+            quiet = self.quiet_fills
+            kinds = [
+                (i, ni, ei, row_kind(ni, ei, cap, page, prompt, quiet) if self.lazy else CALLS)
+                for i, ni, ei, cap, prompt in calls
+            ]
             self.call_rows(kinds, plan)
         m = len(self.running)
         plan.n, plan.start = plan.n[:m], plan.start[:m]
@@ -347,15 +366,16 @@ class VllmRowScheduler(VllmScheduler):
         """`call_rows` for a step with rows a conditional lazy promise did not clear ahead
         (`unproven_rows`): each such row is excused only if its condition holds at its turn
         (`decode_step_excused`), and then needs no call; one that is not excused gets every
-        call, as without the promise. `calls` yields (row, tokens, end, table capacity)."""
-        page = self.cache.page_size
-        for i, ni, ei, cap in calls:
+        call, as without the promise. `calls` yields (row, tokens, end, table capacity, prompt
+        length)."""
+        page, quiet = self.cache.page_size, self.quiet_fills
+        for i, ni, ei, cap, prompt in calls:
             if i >= len(self.running):
                 break  # preempted by an earlier row's allocation
             if unproven[i] and not self.decode_step_excused(self.running[i].seq):
                 kind = CALLS  # the condition fails now: every call, as without the promise
             else:
-                kind = row_kind(ni, ei, cap, page)
+                kind = row_kind(ni, ei, cap, page, prompt, quiet)
                 if kind == EXCUSED:
                     continue  # an unproven row whose condition holds at its turn
             r = self.sync_for_cache(i, self.running[i])
@@ -524,7 +544,10 @@ class VllmRowScheduler(VllmScheduler):
         self.gpu_free = end
         final = plan.start + k
         page = self.cache.page_size
-        calls = (final > rows.capacity) | (final // page > rows.committed // page) | (not self.lazy)
+        if self.quiet_fills:  # every row is past its prompt (`window_steps`): fills publish nothing
+            calls = final > rows.capacity
+        else:
+            calls = (final > rows.capacity) | (final // page > rows.committed // page) | (not self.lazy)
         unproven = self.unproven_rows(final) if self.lazy else None
         todo = calls if unproven is None else calls | unproven
         rows.known = rows.known + k  # the window's k tokens are sampled (appended at a sync)

@@ -107,6 +107,9 @@ class VllmScheduler(Scheduler):
         self.lazy = (
             self.cache.decode_steps_are_noops or self.lazy_when is not None
         ) and not self.config.async_scheduling
+        # ... and so is one whose token fills a page, past the prompt, on a backend whose
+        # commits there publish nothing (`commit_publishes_decode` False: none, radix)
+        self.quiet_fills = self.lazy and not self.cache.commit_publishes_decode
         self.gpu_free = 0.0  # when the last non-empty step ends
         self.finished_pending = False  # vLLM's finished_req_ids: one more schedule() after a finish
         self.async_scheduling = self.config.async_scheduling
@@ -206,7 +209,7 @@ class VllmScheduler(Scheduler):
         budget = self.config.token_budget
         running, items = self.running, plan.items
         page = self.cache.page_size
-        lazy, conditional = self.lazy, self.lazy_when is not None
+        lazy, conditional, quiet_fills = self.lazy, self.lazy_when is not None, self.quiet_fills
         i = 0
         while i < len(running) and budget > 0:
             r = running[i]
@@ -223,11 +226,12 @@ class VllmScheduler(Scheduler):
             if (
                 lazy
                 and n == 1
-                and end % page
+                and end > r.seq.prompt_len  # a generated token (a one-token prefill chunk calls)
+                and (end % page or quiet_fills)
                 and end <= len(r.seq.page_table) * page
                 and (not conditional or self.decode_step_excused(r.seq))
             ):
-                r.lag = end - r.seq.num_computed  # no new page and none fills: nothing to call
+                r.lag = end - r.seq.num_computed  # no new page, none published: nothing to call
             elif not self.allocate(r, n, plan):
                 break  # it preempted itself: the running pass stops
             items.append((r, n, v.computed))
