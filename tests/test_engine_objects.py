@@ -126,6 +126,42 @@ def test_advance_all_is_advance_in_order_up_to_the_first_grow_that_does_not_fit(
     assert state(a_client, a) == state(b_client, b)  # refused before any call
 
 
+@pytest.mark.parametrize("backend", ["apc", "radix", "paged", "none"])
+def test_prefill_is_match_admit_commit_in_one_region(backend):
+    """`CacheClient.prefill` (the replay's match, admit of the whole sequence and commit, one
+    timed region) leaves the cache and the sequences as the separate calls do, returns the
+    computed count right after admit (the hit), admits nothing when the sequence does not
+    fit, and refuses a sequence already live before any call."""
+
+    def run(one_region: bool):
+        client = CacheClient(create_cache(backend, num_pages=6, page_size=4))
+        out = []
+        for rid, n in (("a", 9), ("b", 13), ("c", 30), ("d", 11)):
+            s = Sequence(rid, np.arange(n, dtype=np.int32) % 9)  # shared prefixes: hits
+            if one_region:
+                m, ops, hit = client.prefill(s)
+            else:
+                m = client.match(s)
+                ops = client.admit(s, m, len(s))
+                hit = s.num_computed if ops is not None else 0
+                if ops is not None:
+                    client.commit(s, len(s))
+            out.append((m.num_tokens, m.pages, ops, hit, s.num_computed, list(s.page_table), client.is_live(s)))
+            if rid == "a":  # (it fits everywhere)
+                with pytest.raises(CallOrderError, match="already admitted"):
+                    client.prefill(s)
+        client.cache.check_invariants()
+        st = client.cache.stats()
+        return out, st.pages_free, st.pages_cached, st.hit_tokens, client.num_live
+
+    got, want = run(True), run(False)
+    assert got == want
+    c = got[0][2]
+    assert c[2] is None and not c[-1] and c[4] == 0  # "c" did not fit: not live, nothing computed
+    if backend in ("apc", "radix"):  # (paged reuses declared prefixes only)
+        assert any(row[3] > 0 for row in got[0])  # a hit was returned
+
+
 def test_a_failed_admit_leaves_the_sequence_unadmitted():
     client = CacheClient(create_cache("none", num_pages=2, page_size=4))
     s = _seq("big", 20)

@@ -9,9 +9,9 @@ An `admit` of a sequence already admitted, a `grow`/`commit`/`fork`/`release` of
 is not, or a `fork` into a child that is live raises `CallOrderError` before the cache is
 touched. The check runs outside the timed region, so it never shows in `seconds`.
 
-Calls an engine makes back to back for its running requests share one timed region
-(`advance`: a request's flush, grow and publish; `advance_all`: those of every request a
-step calls for, in order): a region reads the clock twice, a system call each (about
+Calls an engine makes back to back share one timed region (`prefill`: the replay's match,
+admit and commit of a prompt; `advance`: a running request's flush, grow and publish;
+`advance_all`: those of every request a step calls for, in order): a region reads the clock twice, a system call each (about
 1 µs in all, as much as a decode step's whole commit on the `none` backend). The engine's
 own work (bringing requests up to date) runs before and after a region, never inside.
 """
@@ -80,6 +80,27 @@ class CacheClient:
         if ops is not None:
             self._live.add(id(seq))
         return ops
+
+    def prefill(self, seq: Sequence) -> tuple[Match, list[CopyOp] | None, int]:
+        """`match`, `admit` of the whole sequence and, when it fits, `commit` of it, in one
+        timed region (the replay protocol's prefill: one region reads the clock twice
+        instead of three times two). Returns the match, the copies (None: it did not fit,
+        nothing admitted or committed) and the sequence's computed count right after
+        `admit` (the match, plus what a tiered cache loaded back)."""
+        if id(seq) in self._live:
+            raise CallOrderError(f"admit {seq.request_id!r}: already admitted; release it first")
+        cache = self.cache
+        t0 = self._clock()
+        m = cache.match(seq)
+        ops = cache.admit(seq, m, len(seq))
+        if ops is None:
+            self.seconds += self._clock() - t0
+            return m, None, 0
+        admitted = seq.num_computed
+        cache.commit(seq, len(seq))
+        self.seconds += self._clock() - t0
+        self._live.add(id(seq))
+        return m, ops, admitted
 
     # grow and commit run for a request every few decode steps: the live check is inlined
     # (`_require_live` only raises) and the clock read through a local

@@ -459,21 +459,20 @@ class Scheduler:
         finishing the oldest for room; False when it does not fit even with nothing running."""
         client, seq = self.client, r.seq
         while True:
-            m = client.match(seq)
-            ops = client.admit(seq, m, len(seq))
+            # match, admit and commit (one timed region); `hit`: the match, plus what a
+            # tiered cache loaded back in admit
+            m, ops, hit = client.prefill(seq)
             if ops is not None:
                 break
             if not self.finish_oldest():
                 return False
-        self.executor.apply_copies(ops)
-        hit = seq.num_computed  # the match, plus what a tiered cache loaded back in admit
+        self.executor.apply_copies(ops)  # (a copy goes before the next KV write: none here)
         r.first_admit_hit = hit
         r.hit_tokens += hit
         r.host_hit_tokens += hit - m.num_tokens
         if hit > m.num_tokens:  # of those loaded back, from storage (L3)
             r.storage_hit_tokens += self.cache.storage_hit_tokens(seq)
         r.computed_tokens += len(seq) - hit
-        client.commit(seq, len(seq))
         return True
 
     def run_to_completion(self, r: Request) -> None:
