@@ -556,7 +556,7 @@ class VllmRowScheduler(VllmScheduler):
             for i in np.flatnonzero(todo).tolist():
                 if not calls[i] and self.decode_step_excused(self.running[i].seq):
                     continue  # an unproven row whose condition holds at its turn
-                r = self.sync(i)  # computed: this step's token, as the object loop flushes it
+                r = self.sync_for_cache(i, self.running[i])  # its flush: this step's token too
                 to = final.item(i)
                 lag, r.lag = r.lag, 0  # flush, grow, publish
                 ops = self.client.advance(r.seq, r.seq.num_computed + lag, to, to)
@@ -568,7 +568,7 @@ class VllmRowScheduler(VllmScheduler):
             rows_called = calls.nonzero()[0].tolist()
             steps = []
             for i in rows_called:
-                r = self.sync(i)  # computed: this step's token, as the object loop flushes it
+                r = self.sync_for_cache(i, self.running[i])  # its flush: this step's token too
                 to = final.item(i)
                 lag, r.lag = r.lag, 0  # flush, grow, publish
                 steps.append((r.seq, r.seq.num_computed + lag, to, to))
