@@ -149,3 +149,18 @@ def test_old_spellings_parse_as_the_new_ones():
     assert sharing.parse_args(["--backends", "apc"]).backends == sharing.parse_args(["--backend", "apc"]).backends
     speed = parser_of("speed_targets")
     assert speed.parse_args(["--trace-full", "x"]).trace_full == speed.parse_args(["--trace", "x"]).trace_full
+
+
+def test_speed_rows_report_the_clock_regions_they_measure():
+    """A speed row says how many timed regions a replayed request opens (a counting clock's
+    pass: a prefill, a decode's grow and commit, a release, and the releases an eviction
+    forces) and what an empty region measures, so a reader can tell the clock from the cache."""
+    from experiments.bench.speed_targets import CountingClock, Row, empty_region_us, measure_row
+
+    clock = CountingClock()
+    clock(), clock()
+    assert clock.reads == 2
+    r = measure_row(Row("tiny", "radix", 16, 40, 200_000, 25.0, "none"), runs=1, clock="perf")
+    assert 2.5 <= r["timed_regions_per_request"] < 4  # (a one-token answer has no decode region)
+    assert r["clock_us_per_request"] == round(r["timed_regions_per_request"] * r["empty_region_us"], 2)
+    assert 0 <= empty_region_us("perf", repeats=100) < 50
