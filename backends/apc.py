@@ -131,13 +131,6 @@ class _Held(LiveState):
     def blocks(self) -> np.ndarray:
         return self.table.array()
 
-    def extend(self, new: np.ndarray | int) -> None:
-        """Append block ids (an array, or one id as an int)."""
-        if new.__class__ is int:
-            self.table.append(new)
-        else:
-            self.table.extend(new)
-
 
 class BlockView:
     """Block `block_id` of an `APCCache`, seen through the cache's arrays: `ref_cnt`,
@@ -286,6 +279,10 @@ class APCCache(PrefixCache):
         self.index: RunIndex | DictIndex = index()
         self._key_arrays = self.index.takes_arrays  # how `_index_keys` hands hashes to it
         self._arrays_native = self.hasher.algorithm in VECTOR_ALGORITHMS  # poly128 makes arrays
+        self._byte_fn = self.hasher.byte_fn
+        #: a decode step's one-block commit takes `_commit_one`: byte chains into a `RunIndex`,
+        #: with no contents to record
+        self._scalar_commit = self._key_arrays and not self._arrays_native and not verify_tokens
         self._num_cached_free = 0  # hashed blocks with ref 0 (in the free queue)
         self._num_hashed = 0  # hashed blocks = table entries (each hashed block is one entry)
         self._memo_key = object()
@@ -376,7 +373,7 @@ class APCCache(PrefixCache):
             have = keys.size
             if have < num_blocks:
                 new = hasher.hash_keys(
-                    seq.tokens, seq.extra, have, num_blocks, keys[have - 1].tobytes() if have else None
+                    seq.tokens, seq.extra, have, num_blocks, keys[have - 1 : have].tobytes() if have else None
                 )
                 memo[2] = np.concatenate([keys, new]) if have else new
         else:
@@ -426,7 +423,7 @@ class APCCache(PrefixCache):
         if keys.size <= start:  # the array has none of them: the list has them all
             return hashes[start:full], hashes[start - 1] if start else None
         keys = self._index_keys(seq, full)
-        return keys[start:full], keys[start - 1].tobytes() if start else None
+        return keys[start:full], keys[start - 1 : start].tobytes() if start else None
 
     # -- the contract: the hooks the base class calls after its checks -----------------
 
@@ -483,7 +480,7 @@ class APCCache(PrefixCache):
             or len(hit) != n
             or n * self.page_size != match.num_tokens
             or hit != list(pages)
-            or (n and (ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= self._ref.size))
+            or (n and (ids.dtype != np.int64 or ids.view(np.uint64).max() >= self._ref.size))
         ):
             raise InvalidRequestError(
                 f"request {seq.request_id!r}: the match's blocks are not this cache's (another cache's match, or forged)"
@@ -494,7 +491,7 @@ class APCCache(PrefixCache):
             raise InvalidRequestError(
                 f"request {seq.request_id!r}: the match's blocks hold other tokens (a match made for another sequence)"
             )
-        if n and ids.dtype == np.int64:
+        if n:
             self._hashed(seq, 0)[3] = (match, ids)  # for `_hit_ids` (scratch: not cache state)
 
     def _hit_ids(self, seq: Sequence, match: Match) -> np.ndarray:
@@ -524,25 +521,30 @@ class APCCache(PrefixCache):
         return loaded if match.num_tokens + loaded < num_tokens or num_tokens == len(seq) else 0
 
     def _fits(self, hit: np.ndarray, num_tokens: int) -> bool:
-        num_free_hit = int(np.count_nonzero(self._ref[hit] == 0)) if hit.size else 0
-        return self.pages_for(num_tokens) - hit.size <= self.free_queue.num_free - num_free_hit
+        return self._fits_with(hit.size, int(np.count_nonzero(self._ref[hit] == 0)) if hit.size else 0, num_tokens)
+
+    def _fits_with(self, num_hit: int, num_free_hit: int, num_tokens: int) -> bool:
+        """The fit test of `_fits`, given the hit's size and how many of its blocks are in
+        the free queue (`_admit` has those blocks at hand: it takes them out next)."""
+        return self.pages_for(num_tokens) - num_hit <= self.free_queue.num_free - num_free_hit
 
     def _admit(self, seq: Sequence, match: Match, num_tokens: int) -> tuple[_Held, list[CopyOp]] | None:
         hit = self._hit_ids(seq, match)
-        if not self._fits(hit, num_tokens):
-            return None
-        num_new = self.pages_for(num_tokens) - hit.size
         if hit.size:
             ref = self._ref
             waiting = hit[ref[hit] == 0]  # cached blocks nobody uses: a hit takes them out of the queue
+            if not self._fits_with(hit.size, waiting.size, num_tokens):
+                return None
             if waiting.size:
                 self.free_queue.remove_queued(waiting)  # (ref 0: queued; a match's blocks are distinct)
                 self._num_cached_free -= waiting.size
             ref[hit] += 1
-            blocks = np.concatenate([hit, self._take_new(num_new)])
+            table = PageTable.of(hit, self._take_new(self.pages_for(num_tokens) - hit.size))
         else:
-            blocks = self._take_new(num_new)
-        held = _Held(seq, PageTable.of(blocks), hit.size)  # the sequence's page table from here
+            if not self._fits_with(0, 0, num_tokens):
+                return None
+            table = PageTable.of(self._take_new(self.pages_for(num_tokens)))
+        held = _Held(seq, table, hit.size)  # the sequence's page table from here
         seq.num_computed = match.num_tokens
         if self.host is not None:  # R4: the load (instantaneous); the loaded blocks are hashed at commit
             size = self.page_size
@@ -561,12 +563,29 @@ class APCCache(PrefixCache):
         """`_take_new(1)` as a plain int: a decode step's block, with scalar steps."""
         queue = self.free_queue
         block = queue.popleft_one()
-        if queue.num_used > self._ref.size:
-            self._cover(queue.num_used)
-        if self.index.cached[block]:  # lazy eviction, as in `_take_new`
-            self._uncache(np.array([block], dtype=np.int64))
-        self._ref[block] = 1
+        ref = self._ref
+        if block >= ref.size:  # (ids are handed out in order: this one is the highest)
+            self._cover(block + 1)
+            ref = self._ref
+        elif self.index.cached.item(block):  # lazy eviction, as in `_take_new`
+            self._uncache_one(block)
+        ref[block] = 1
         return block
+
+    def _uncache_one(self, block: int) -> None:
+        """`_uncache` of one block given as an int."""
+        listener = self._kv_listener
+        keys = self.index.digests([block]) if listener is not None else None
+        self.index.remove_one(block)
+        if self.verify_tokens:
+            self._evicted(np.array([block], dtype=np.int64))
+        else:  # `_evicted`'s book-keeping, for one block
+            self._num_cached_free -= 1
+            self._num_hashed -= 1
+            self._counters["evicted_pages"] += 1
+            self._epoch += 1
+        if keys is not None:
+            listener.on_kv_event(PagesRemoved(keys))
 
     def _take_new(self, n: int) -> np.ndarray:
         """Pop `n` blocks from the queue head, evicting those that still hold a cached block."""
@@ -606,13 +625,14 @@ class APCCache(PrefixCache):
                 self._parent_hash[block] = None
 
     def _grow(self, seq: Sequence, held: _Held, num_tokens: int) -> list[CopyOp] | None:
-        num_new = self.pages_for(num_tokens) - held.blocks.size
+        table = held.table
+        num_new = -(-num_tokens // self.page_size) - len(table)  # (`pages_for`, inlined)
         if num_new > self.free_queue.num_free:
             return None
         if num_new == 1:  # a decode step's page
-            held.extend(self._take_one())
+            table.append(self._take_one())
         elif num_new > 0:
-            held.extend(self._take_new(num_new))
+            table.extend(self._take_new(num_new))
         if self.host is not None and self.host.moves:  # host stores decided since the last call
             return self.host.take_moves()
         return []
@@ -624,6 +644,8 @@ class APCCache(PrefixCache):
         if held.offload is not None:
             self._offer_host(seq, held, num_computed)
         if full <= start:
+            return
+        if full == start + 1 and start and self._scalar_commit and self._commit_one(seq, held, start):
             return
         ids = held.blocks[start:full]
         # write-once: a block's hash is set when it fills and cleared only on eviction
@@ -639,6 +661,34 @@ class APCCache(PrefixCache):
         if self._kv_listener is not None:  # vLLM's BlockStored from cache_full_blocks
             hashes = self._block_hashes(seq, full)
             self._emit_kv_event(PagesStored(hashes[start:full], hashes[start - 1] if start else None))
+
+    def _commit_one(self, seq: Sequence, held: _Held, start: int) -> bool:
+        """`_commit` of block `start` alone (a decode step's; start > 0), with scalar steps:
+        hashed from the memo's last hash and the block's token bytes, added to the index as
+        ints and bytes. False (nothing done) where the memo is not in the form this needs
+        (its list ending at block `start - 1`, its array not past it): the general path
+        then. Same hash, same index entry, same event as the general path."""
+        memo = seq.cache_memo
+        if memo is None or memo[0] is not self._memo_key:
+            return False
+        hashes = memo[1]
+        if len(hashes) != start or memo[2].size > start:
+            return False
+        size = self.page_size
+        parent = hashes[-1]
+        extra = seq.extra
+        data = parent + seq.token_bytes(start * size, start * size + size)
+        if extra.lora_id is not None or extra.mm:  # (a salt enters block 0 only)
+            data += self.hasher.extra_bytes(extra, start)
+        h = self._byte_fn(data)
+        hashes.append(h)
+        table = held.table
+        self.index.add_one(table.item(start), h, start, table.item(start - 1), parent)
+        self._num_hashed += 1
+        held.num_cached = start + 1
+        if self._kv_listener is not None:  # vLLM's BlockStored from cache_full_blocks
+            self._emit_kv_event(PagesStored([h], parent))
+        return True
 
     def _offer_host(self, seq: Sequence, held: _Held, num_computed: int, final: bool = False) -> None:
         """R5: offer the chunks that are computed and allocated to the host tier (at release,
@@ -708,7 +758,7 @@ class APCCache(PrefixCache):
         left = self._ref[blocks]
         left -= 1
         self._ref[blocks] = left
-        if left.any():  # some are still another table's (a fork's, or a hit shared)
+        if np.count_nonzero(left):  # some are still another table's (a fork's, or a hit shared)
             unused = left == 0
             to_head, to_tail = blocks[k:][unused[k:]], blocks[:k][unused[:k]]
         else:

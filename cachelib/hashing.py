@@ -261,6 +261,9 @@ class BlockHasher:
         else:
             self.algorithm = algorithm if hash_fn is HASH_ALGORITHMS.get(algorithm) else "custom"
         self._fn = hash_fn
+        #: the byte chains' function, `H_i = byte_fn(H_{i-1} + tokens + extra)` (None for
+        #: poly128): what a caller hashing one block with plain bytes calls directly
+        self.byte_fn: HashFn | None = hash_fn
 
     def extra_bytes(self, extra: ExtraKeys, block: int) -> bytes:
         """The extra-key bytes of block number `block`."""
@@ -446,6 +449,10 @@ class DictIndex:
         self.digest[blocks] = None
         self.cached[blocks] = False
 
+    def remove_one(self, block: int) -> None:
+        """`remove` of one block given as an int."""
+        self.remove(np.array([block], dtype=np.int64))
+
     def _remove_one(self, block: int, h: BlockHash) -> None:
         others = self._dups.get(h)
         if self._first[h] == block:
@@ -527,10 +534,11 @@ class _Run:
         self._block_buf = blocks  # (its own copy: the buffer grows in place)
         self.size = blocks.size
         self.live = blocks.size  # of its blocks, how many are still cached
-        self.first = keys[0].tobytes()  # what `RunIndex._starts` files the run under
+        # (bytes of one-item slices: a void scalar costs more to make than the slice)
+        self.first = keys[:1].tobytes()  # what `RunIndex._starts` files the run under
         # what `RunIndex._continued` asks, as plain Python objects: no numpy scalar per test
-        self.tail = int(blocks[-1])
-        self.last = keys[-1].tobytes()
+        self.tail = blocks.item(-1)
+        self.last = keys[-1:].tobytes()
 
     @property
     def keys(self) -> np.ndarray:
@@ -547,15 +555,20 @@ class _Run:
         self._room(need)
         self._key_buf[n:need] = keys
         self._block_buf[n:need] = blocks
-        self._grown(need, int(blocks[-1]), keys[-1].tobytes())
+        self._grown(need, blocks.item(-1), keys[-1:].tobytes())
 
     def append(self, block: int, key: BlockHash) -> None:
-        """`extend` by one block, given as an int and its hash's bytes."""
+        """`extend` by one block, given as an int and its hash's bytes (a decode step's:
+        `_grown` inlined)."""
         n = self.size
-        self._room(n + 1)
+        if n == self._block_buf.size:
+            self._room(n + 1)
         self._key_buf[n] = key
         self._block_buf[n] = block
-        self._grown(n + 1, block, key)
+        self.size = n + 1
+        self.live += 1
+        self.tail = block
+        self.last = key
 
     def _room(self, need: int) -> None:
         if need > self._block_buf.size:  # (the first buffer is exactly full: never written past)
@@ -678,6 +691,41 @@ class RunIndex:
         self._off[blocks] = np.arange(off, off + n)
         self._seq[blocks] = np.arange(seq, seq + n)
 
+    def add_one(self, block: int, h: BlockHash, start: int, prev: int, parent: BlockHash) -> None:
+        """`add(blocks=[block], hashes=[h], start, after=(prev, parent))` for a decode step's
+        block, given as plain ints and bytes: when it continues the run `prev` ends (the
+        common case), scalar steps only; else `add` decides."""
+        r = self._run.item(prev)
+        run = self._runs.get(r)  # (r = -1, prev not cached: none)
+        if (
+            run is None
+            or run.tail != prev
+            or run.start + run.size != start
+            or run.live != run.size
+            or run.last != parent
+        ):  # (`_continued`'s tests)
+            self.add(np.array([block], dtype=np.int64), [h], start, (prev, parent))
+            return
+        off = run.size
+        run.append(block, h)
+        seq = self._next_seq
+        self._next_seq = seq + 1
+        self.cached[block] = True
+        self._run[block] = r
+        self._off[block] = off
+        self._seq[block] = seq
+
+    def remove_one(self, block: int) -> None:
+        """`remove([block])` for one cached block given as an int (a decode step's new
+        block evicting its old content): scalar steps."""
+        self.cached[block] = False
+        r = self._run.item(block)
+        self._run[block] = -1
+        run = self._runs[r]
+        run.live -= 1
+        if not run.live:
+            self._forget(r, run)
+
     def _continued(self, after: tuple[int, BlockHash], start: int) -> _Run | None:
         """The run that blocks from chain position `start` on, after block `after[0]` cached
         under `after[1]`, continue (`add`), or None."""
@@ -728,11 +776,15 @@ class RunIndex:
             run = self._runs[r]
             run.live -= k
             if not run.live:
-                del self._runs[r]
-                others = self._starts[run.first]
-                others.remove(r)
-                if not others:
-                    del self._starts[run.first]
+                self._forget(r, run)
+
+    def _forget(self, r: int, run: _Run) -> None:
+        """Run `r`, with no block cached any more, goes."""
+        del self._runs[r]
+        others = self._starts[run.first]
+        others.remove(r)
+        if not others:
+            del self._starts[run.first]
 
     # -- reading ---------------------------------------------------------------------
 
@@ -763,7 +815,7 @@ class RunIndex:
         # (most lookups of a small cache), before any array is made
         if not m:
             return []
-        first = hashes[0].tobytes() if listed is None else listed[0]
+        first = hashes[:1].tobytes() if listed is None else listed[0]
         at_zero = [r for r in starts(first, ()) if runs[r].start == 0]
         if not at_zero:
             return []
@@ -850,7 +902,7 @@ class RunIndex:
         blocks = np.asarray(blocks, dtype=np.int64)
         runs = self._runs
         return [
-            None if r < 0 else runs[r].keys[o].tobytes()
+            None if r < 0 else runs[r]._key_buf[o : o + 1].tobytes()
             for r, o in zip(self._run[blocks].tolist(), self._off[blocks].tolist(), strict=True)
         ]
 
