@@ -383,6 +383,8 @@ class APCCache(PrefixCache):
                 size = self.page_size
                 block = seq.token_bytes(have * size, num_blocks * size)
                 keys.append(hasher.hash_block(keys[-1] if have else None, block, hasher.extra_bytes(seq.extra, have)))
+            elif not have and num_blocks > 0:  # (the list made is the memo's: no copy into it)
+                memo[1] = hasher.hash_blocks(seq.tokens, seq.extra, 0, num_blocks, None)
             elif have < num_blocks:
                 keys.extend(hasher.hash_blocks(seq.tokens, seq.extra, have, num_blocks, keys[-1] if have else None))
         return memo
@@ -405,7 +407,7 @@ class APCCache(PrefixCache):
         memo = self._hashed(seq, num_blocks)
         hashes, keys = memo[1], memo[2]
         if keys.size < len(hashes):
-            new = as_keys(hashes[keys.size :])
+            new = as_keys(hashes[keys.size :] if keys.size else hashes)
             keys = memo[2] = np.concatenate([keys, new]) if keys.size else new
         return keys
 

@@ -256,6 +256,7 @@ class BlockHasher:
                     f"unknown hash algorithm {algorithm!r}; choose one of {sorted([*HASH_ALGORITHMS, *VECTOR_ALGORITHMS])}"
                 ) from None
         self.page_size = page_size
+        self._block_bytes = np.dtype((np.void, 4 * page_size))  # a block's int32 tokens as one item
         if self._poly is not None:
             self.algorithm = algorithm
         else:
@@ -302,7 +303,10 @@ class BlockHasher:
         span = np.ascontiguousarray(tokens[start * size : stop * size])
         # one C call turns the span into a list of per-block byte strings (a void view per
         # block): cheaper than slicing a bytes buffer block by block in the loop
-        chunks = span.reshape(-1, size).view(np.dtype((np.void, 4 * size))).ravel().tolist()
+        chunks = span.view(self._block_bytes).tolist()
+        if extra.lora_id is None and not extra.mm and (start or extra.cache_salt is None):
+            # no extra key (the common case): the plain chain, no `extra_bytes` call
+            return [h := fn(h + chunk) for chunk in chunks]
         if extra.mm:
             # Multimodal spans vary the extra keys block by block: the slow path.
             return [h := fn(h + chunk + self.extra_bytes(extra, start + i)) for i, chunk in enumerate(chunks)]
