@@ -835,12 +835,18 @@ class RunIndex:
         lo, end = 0, 0  # scan run starts at positions lo .. end (end: first uncovered so far)
         while True:
             scan = hashes[lo : end + 1].tolist() if listed is None else listed[lo : end + 1]
-            for i, found in enumerate(map(starts, scan), lo):
-                if found:
-                    for r in found:
-                        run = runs[r]
-                        if run.start == i:
-                            self._fold(r, run, hashes, i, best, best_block)
+            # the stretch's hashes that start a run, in order, found by C loops (`filter`,
+            # `list.index` from the last one found on: each occurrence once, in order),
+            # not by a Python step per position
+            j = 0
+            for h in filter(self._starts.__contains__, scan):
+                j = scan.index(h, j)
+                i = lo + j
+                j += 1
+                for r in starts(h):
+                    run = runs[r]
+                    if run.start == i:
+                        self._fold(r, run, hashes, i, best, best_block)
             now = m  # the first uncovered position from `end` on (m: none)
             if end < m:
                 gap = best[end:] == _NEVER
@@ -859,7 +865,7 @@ class RunIndex:
         The common lookup (a conversation's next turn) takes this path: no array per position."""
         n = self._agreement(run, hashes, 0)
         blocks = run.blocks[:n]
-        if run.live != run.size and not (self._run[blocks] == run.id).all():
+        if run.live != run.size and np.count_nonzero(self._run[blocks] != run.id):
             return None
         scan = hashes[1 : n + 1].tolist() if listed is None else listed[1 : n + 1]
         if any(map(self._starts.__contains__, scan)):
@@ -921,14 +927,15 @@ class RunIndex:
             return True
         # most often one stretch of one run: its blocks there are `blocks` and each is still
         # its own (then at that offset: a run holds no block id twice, `add`)
-        r, o = int(self._run[blocks[0]]), int(self._off[blocks[0]])
+        b0 = blocks.item(0)
+        r, o = self._run.item(b0), self._off.item(b0)
         run = self._runs.get(r)
         n = blocks.size
         if (
             run is not None
             and run.blocks[o : o + n].tobytes() == blocks.tobytes()
             and run.keys[o : o + n].tobytes() == hashes.tobytes()
-            and (run.live == run.size or bool((self._run[blocks] == r).all()))
+            and (run.live == run.size or not np.count_nonzero(self._run[blocks] != r))
         ):
             return True
         runs, offs = self._run[blocks], self._off[blocks]
