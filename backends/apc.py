@@ -28,16 +28,17 @@ block id, the free queue a `BlockQueue` of ids (`cachelib/free_queue.py`), and t
 table an index (`cachelib/hashing.py`) that holds per block whether it is cached and
 answers, per chain position, the oldest cached block of a hash: `RunIndex` for the
 built-in hashes, which chain (one entry per run: a commit's blocks, continued by the
-one-block commits of a decode; publishing and evicting do no operation per block on a
-hash table), `DictIndex` for a custom `hash_fn` (one dict entry
+sequence's later commits, its next prefill chunks and decode steps; publishing and evicting
+do no operation per block on a hash table), `DictIndex` for a custom `hash_fn` (one dict entry
 per hash). So admit, commit, release and eviction handle a request's blocks with a fixed
 number of numpy calls instead of a Python step per block. `RunIndex` keeps a run's hashes as
 one numpy void array and compares them as machine words; with poly128 they are made as
 such an array (`_index_keys`), so at page 1 no Python object per block is made or freed
 for the hashes (a list of bytes is built only for KV events, the host tier or
 verify_tokens). A decode step's page and block take scalar paths (one free id popped,
-the held table grown in place, one block hashed from its token bytes, the run continued
-by one entry). Arrays grow with the highest
+an evicted block uncached as an int, the held table grown in place, one block hashed from
+the memo's last hash and its token bytes, the run continued by one entry: `_take_one`,
+`_commit_one`). Arrays grow with the highest
 block id handed out, so a pool of 10**9 blocks (`replay` with unlimited capacity) costs
 nothing until its blocks are used. For inspection and tests, `cache.blocks[i]` is a view
 of block i (`block_id`, `ref_cnt`, `block_hash`) and `cache._table` a view of the hash

@@ -593,16 +593,12 @@ class _Run:
 
 _NEVER = np.iinfo(np.int64).max
 
-#: `RunIndex.add` continues a run by commits of up to this many blocks (decode steps'): the
-#: first continuation copies the run into a growable buffer, which pays off over the many
-#: one-block commits of a decode, not for one larger commit (a replayed request's output)
-_CONTINUE_MAX = 8
-
 
 class RunIndex:
     """The cached blocks by *chained* hash, kept per run: a run is the blocks one commit
     published, at chain positions `start, start + 1, ...`, with their hashes, and those of
-    the few-block commits that continued it from its last block (a decode's, `add`).
+    the commits that continued it from its last block (a sequence's next prefill chunks and
+    decode steps, `add`).
     Publishing a run is one dict operation (`_starts`: its first hash -> its id) and a few array writes
     (its hashes are one void array, `as_keys`, compared as machine words);
     evicting a block clears its `cached` flag (a run goes when its last block does). No
@@ -659,15 +655,17 @@ class RunIndex:
         """Cache `blocks[i]` under `hashes[i]`, at chain positions `start + i`, as one run.
         `after` is the committing sequence's block at position `start - 1` and its hash (the
         parent of `hashes[0]`): when that block ends a run all of whose blocks are still
-        cached, a few blocks (up to `_CONTINUE_MAX`: a decode step's) continue that run
-        instead, so a decode makes one run, not one per block. Exact: chained hashes make a
+        cached, the blocks continue that run instead, so a sequence's prefill chunks and
+        decode steps make one run, not one per commit (a lookup then walks one run where it
+        walked one per chunk; the buffers grow geometrically, so continuing costs about what
+        a new run's copy does). Exact: chained hashes make a
         query that agrees with the new blocks agree with the run's blocks before them, so
         each position is offered the same blocks; and a run whose blocks are all cached
         holds no block id twice (`_fold`'s ownership test)."""
         n = blocks.size
         if not n:
             return
-        run = self._continued(after, start) if after is not None and n <= _CONTINUE_MAX else None
+        run = self._continued(after, start) if after is not None else None
         if run is None:
             r = self._next_run
             self._next_run += 1
