@@ -474,7 +474,13 @@ class APCCache(PrefixCache):
     def _verify_match(self, seq: Sequence, match: Match) -> None:
         """The hit must be this cache's blocks (not evicted since: the epoch says so), holding
         `seq`'s first blocks: their hashes equal the sequence's chained hashes (and, with
-        `verify_tokens`, their recorded tokens, extra keys and parents equal its own)."""
+        `verify_tokens`, their recorded tokens, extra keys and parents equal its own).
+        A match proven already (`can_admit`, then `admit` with the same match) is proven
+        still: the base class found its epoch current, so no block was evicted since, and
+        the sequence's first blocks cannot change."""
+        memo = seq.cache_memo
+        if memo is not None and memo[0] is self._memo_key and memo[3][0] is match:
+            return
         hit, pages = match.handle, match.pages
         n = len(pages)
         ids = np.asarray(pages)
