@@ -92,6 +92,7 @@ _ENTRY_BYTES = 20
 _NO_BLOCKS = np.empty(0, dtype=np.int64)
 _NO_KEYS = np.empty(0, dtype="V16")  # no hashes yet (never concatenated: the first ones replace it)
 _NOT_PROVEN = (None, _NO_BLOCKS)  # a memo's last proven match and its block ids: none yet
+_NOT_MATCHED = (None, None, -1)  # a memo's last hit made by `_match` (pages, handle, epoch): none yet
 
 #: `hash_algorithm="auto"` hashes with poly128 up to this page size, xxh3_128 above: measured
 #: on the conversation trace, poly128 takes a 14k-token prompt's blocks at page 1 in about
@@ -361,13 +362,14 @@ class APCCache(PrefixCache):
 
     def _hashed(self, seq: Sequence, num_blocks: int) -> list:
         """`seq`'s memo, `[owner, hashes as a list, hashes as a void array, (the last match
-        `_verify_match` proved, its block ids as an int64 array)]`, with the
+        `_verify_match` proved, its block ids as an int64 array), (the pages tuple and handle
+        of the last hit `_match` made for it, the epoch then)]`, with the
         hasher's own form (poly128: the array; the byte chains: the list) covering at least
         its first `num_blocks` full blocks. The other form is brought up to date on demand
         (`_block_hashes`, `_index_keys`), so each call converts only what is new."""
         memo = seq.cache_memo
         if memo is None or memo[0] is not self._memo_key:
-            memo = seq.cache_memo = [self._memo_key, [], _NO_KEYS, _NOT_PROVEN]
+            memo = seq.cache_memo = [self._memo_key, [], _NO_KEYS, _NOT_PROVEN, _NOT_MATCHED]
         hasher = self.hasher
         if self._arrays_native:
             keys = memo[2]
@@ -438,7 +440,10 @@ class APCCache(PrefixCache):
             keys = self._index_keys(seq, max_blocks)[:max_blocks]
             listed = seq.cache_memo[1]  # the byte chains' own form (poly128: empty, not passed)
             hit = self.index.first_run(keys, listed if len(listed) >= max_blocks else None)
-        return len(hit) * self.page_size, tuple(hit), hit
+        pages = tuple(hit)
+        if hit:  # what `_verify_match` need not prove again (the tuple is immutable: `is` names it)
+            seq.cache_memo[4] = (pages, hit, self._epoch)
+        return len(hit) * self.page_size, pages, hit
 
     def _verified_walk(self, seq: Sequence, hashes: list[BlockHash], chosen: list[int] | None = None) -> list[int]:
         """The longest run of cached blocks whose recorded contents are `seq`'s first blocks.
@@ -479,9 +484,16 @@ class APCCache(PrefixCache):
         still: the base class found its epoch current, so no block was evicted since, and
         the sequence's first blocks cannot change."""
         memo = seq.cache_memo
-        if memo is not None and memo[0] is self._memo_key and memo[3][0] is match:
+        ours = memo is not None and memo[0] is self._memo_key
+        if ours and memo[3][0] is match:
             return
         hit, pages = match.handle, match.pages
+        if ours and memo[4][0] is pages and memo[4][1] is hit and memo[4][2] == self._epoch:
+            # the very pages `_match` found for this sequence, at this epoch: nothing was
+            # evicted since, so they still hold its blocks (no need to re-read the index)
+            if len(pages) * self.page_size == match.num_tokens:
+                memo[3] = (match, np.array(pages, dtype=np.int64))  # for `_hit_ids`
+                return
         n = len(pages)
         ids = np.asarray(pages)
         if (
@@ -751,7 +763,7 @@ class APCCache(PrefixCache):
         child.num_computed = computed
         memo = parent.cache_memo
         if memo is not None and memo[0] is self._memo_key:
-            child.cache_memo = [self._memo_key, memo[1][:full], memo[2][:full], _NOT_PROVEN]
+            child.cache_memo = [self._memo_key, memo[1][:full], memo[2][:full], _NOT_PROVEN, _NOT_MATCHED]
         if self.host is not None and self.host.moves:
             ops = [*self.host.take_moves(), *ops]
         return _Held(child, PageTable.of(blocks), full), ops
