@@ -28,16 +28,17 @@ block id, the free queue a `BlockQueue` of ids (`cachelib/free_queue.py`), and t
 table an index (`cachelib/hashing.py`) that holds per block whether it is cached and
 answers, per chain position, the oldest cached block of a hash: `RunIndex` for the
 built-in hashes, which chain (one entry per run: a commit's blocks, continued by the
-one-block commits of a decode; publishing and evicting do no operation per block on a
-hash table), `DictIndex` for a custom `hash_fn` (one dict entry
+sequence's later commits, its next prefill chunks and decode steps; publishing and evicting
+do no operation per block on a hash table), `DictIndex` for a custom `hash_fn` (one dict entry
 per hash). So admit, commit, release and eviction handle a request's blocks with a fixed
 number of numpy calls instead of a Python step per block. `RunIndex` keeps a run's hashes as
 one numpy void array and compares them as machine words; with poly128 they are made as
 such an array (`_index_keys`), so at page 1 no Python object per block is made or freed
 for the hashes (a list of bytes is built only for KV events, the host tier or
 verify_tokens). A decode step's page and block take scalar paths (one free id popped,
-the held table grown in place, one block hashed from its token bytes, the run continued
-by one entry). Arrays grow with the highest
+an evicted block uncached as an int, the held table grown in place, one block hashed from
+the memo's last hash and its token bytes, the run continued by one entry: `_take_one`,
+`_commit_one`). Arrays grow with the highest
 block id handed out, so a pool of 10**9 blocks (`replay` with unlimited capacity) costs
 nothing until its blocks are used. For inspection and tests, `cache.blocks[i]` is a view
 of block i (`block_id`, `ref_cnt`, `block_hash`) and `cache._table` a view of the hash
@@ -91,6 +92,7 @@ _ENTRY_BYTES = 20
 _NO_BLOCKS = np.empty(0, dtype=np.int64)
 _NO_KEYS = np.empty(0, dtype="V16")  # no hashes yet (never concatenated: the first ones replace it)
 _NOT_PROVEN = (None, _NO_BLOCKS)  # a memo's last proven match and its block ids: none yet
+_NOT_MATCHED = (None, None, -1)  # a memo's last hit made by `_match` (pages, handle, epoch): none yet
 
 #: `hash_algorithm="auto"` hashes with poly128 up to this page size, xxh3_128 above: measured
 #: on the conversation trace, poly128 takes a 14k-token prompt's blocks at page 1 in about
@@ -130,13 +132,6 @@ class _Held(LiveState):
     @property
     def blocks(self) -> np.ndarray:
         return self.table.array()
-
-    def extend(self, new: np.ndarray | int) -> None:
-        """Append block ids (an array, or one id as an int)."""
-        if new.__class__ is int:
-            self.table.append(new)
-        else:
-            self.table.extend(new)
 
 
 class BlockView:
@@ -286,6 +281,10 @@ class APCCache(PrefixCache):
         self.index: RunIndex | DictIndex = index()
         self._key_arrays = self.index.takes_arrays  # how `_index_keys` hands hashes to it
         self._arrays_native = self.hasher.algorithm in VECTOR_ALGORITHMS  # poly128 makes arrays
+        self._byte_fn = self.hasher.byte_fn
+        #: a decode step's one-block commit takes `_commit_one`: byte chains into a `RunIndex`,
+        #: with no contents to record
+        self._scalar_commit = self._key_arrays and not self._arrays_native and not verify_tokens
         self._num_cached_free = 0  # hashed blocks with ref 0 (in the free queue)
         self._num_hashed = 0  # hashed blocks = table entries (each hashed block is one entry)
         self._memo_key = object()
@@ -363,20 +362,21 @@ class APCCache(PrefixCache):
 
     def _hashed(self, seq: Sequence, num_blocks: int) -> list:
         """`seq`'s memo, `[owner, hashes as a list, hashes as a void array, (the last match
-        `_verify_match` proved, its block ids as an int64 array)]`, with the
+        `_verify_match` proved, its block ids as an int64 array), (the pages tuple and handle
+        of the last hit `_match` made for it, the epoch then)]`, with the
         hasher's own form (poly128: the array; the byte chains: the list) covering at least
         its first `num_blocks` full blocks. The other form is brought up to date on demand
         (`_block_hashes`, `_index_keys`), so each call converts only what is new."""
         memo = seq.cache_memo
         if memo is None or memo[0] is not self._memo_key:
-            memo = seq.cache_memo = [self._memo_key, [], _NO_KEYS, _NOT_PROVEN]
+            memo = seq.cache_memo = [self._memo_key, [], _NO_KEYS, _NOT_PROVEN, _NOT_MATCHED]
         hasher = self.hasher
         if self._arrays_native:
             keys = memo[2]
             have = keys.size
             if have < num_blocks:
                 new = hasher.hash_keys(
-                    seq.tokens, seq.extra, have, num_blocks, keys[have - 1].tobytes() if have else None
+                    seq.tokens, seq.extra, have, num_blocks, keys[have - 1 : have].tobytes() if have else None
                 )
                 memo[2] = np.concatenate([keys, new]) if have else new
         else:
@@ -386,6 +386,8 @@ class APCCache(PrefixCache):
                 size = self.page_size
                 block = seq.token_bytes(have * size, num_blocks * size)
                 keys.append(hasher.hash_block(keys[-1] if have else None, block, hasher.extra_bytes(seq.extra, have)))
+            elif not have and num_blocks > 0:  # (the list made is the memo's: no copy into it)
+                memo[1] = hasher.hash_blocks(seq.tokens, seq.extra, 0, num_blocks, None)
             elif have < num_blocks:
                 keys.extend(hasher.hash_blocks(seq.tokens, seq.extra, have, num_blocks, keys[-1] if have else None))
         return memo
@@ -408,7 +410,7 @@ class APCCache(PrefixCache):
         memo = self._hashed(seq, num_blocks)
         hashes, keys = memo[1], memo[2]
         if keys.size < len(hashes):
-            new = as_keys(hashes[keys.size :])
+            new = as_keys(hashes[keys.size :] if keys.size else hashes)
             keys = memo[2] = np.concatenate([keys, new]) if keys.size else new
         return keys
 
@@ -426,7 +428,7 @@ class APCCache(PrefixCache):
         if keys.size <= start:  # the array has none of them: the list has them all
             return hashes[start:full], hashes[start - 1] if start else None
         keys = self._index_keys(seq, full)
-        return keys[start:full], keys[start - 1].tobytes() if start else None
+        return keys[start:full], keys[start - 1 : start].tobytes() if start else None
 
     # -- the contract: the hooks the base class calls after its checks -----------------
 
@@ -438,7 +440,10 @@ class APCCache(PrefixCache):
             keys = self._index_keys(seq, max_blocks)[:max_blocks]
             listed = seq.cache_memo[1]  # the byte chains' own form (poly128: empty, not passed)
             hit = self.index.first_run(keys, listed if len(listed) >= max_blocks else None)
-        return len(hit) * self.page_size, tuple(hit), hit
+        pages = tuple(hit)
+        if hit:  # what `_verify_match` need not prove again (the tuple is immutable: `is` names it)
+            seq.cache_memo[4] = (pages, hit, self._epoch)
+        return len(hit) * self.page_size, pages, hit
 
     def _verified_walk(self, seq: Sequence, hashes: list[BlockHash], chosen: list[int] | None = None) -> list[int]:
         """The longest run of cached blocks whose recorded contents are `seq`'s first blocks.
@@ -474,8 +479,21 @@ class APCCache(PrefixCache):
     def _verify_match(self, seq: Sequence, match: Match) -> None:
         """The hit must be this cache's blocks (not evicted since: the epoch says so), holding
         `seq`'s first blocks: their hashes equal the sequence's chained hashes (and, with
-        `verify_tokens`, their recorded tokens, extra keys and parents equal its own)."""
+        `verify_tokens`, their recorded tokens, extra keys and parents equal its own).
+        A match proven already (`can_admit`, then `admit` with the same match) is proven
+        still: the base class found its epoch current, so no block was evicted since, and
+        the sequence's first blocks cannot change."""
+        memo = seq.cache_memo
+        ours = memo is not None and memo[0] is self._memo_key
+        if ours and memo[3][0] is match:
+            return
         hit, pages = match.handle, match.pages
+        if ours and memo[4][0] is pages and memo[4][1] is hit and memo[4][2] == self._epoch:
+            # the very pages `_match` found for this sequence, at this epoch: nothing was
+            # evicted since, so they still hold its blocks (no need to re-read the index)
+            if len(pages) * self.page_size == match.num_tokens:
+                memo[3] = (match, np.array(pages, dtype=np.int64))  # for `_hit_ids`
+                return
         n = len(pages)
         ids = np.asarray(pages)
         if (
@@ -483,7 +501,7 @@ class APCCache(PrefixCache):
             or len(hit) != n
             or n * self.page_size != match.num_tokens
             or hit != list(pages)
-            or (n and (ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= self._ref.size))
+            or (n and (ids.dtype != np.int64 or ids.view(np.uint64).max() >= self._ref.size))
         ):
             raise InvalidRequestError(
                 f"request {seq.request_id!r}: the match's blocks are not this cache's (another cache's match, or forged)"
@@ -494,7 +512,7 @@ class APCCache(PrefixCache):
             raise InvalidRequestError(
                 f"request {seq.request_id!r}: the match's blocks hold other tokens (a match made for another sequence)"
             )
-        if n and ids.dtype == np.int64:
+        if n:
             self._hashed(seq, 0)[3] = (match, ids)  # for `_hit_ids` (scratch: not cache state)
 
     def _hit_ids(self, seq: Sequence, match: Match) -> np.ndarray:
@@ -524,25 +542,30 @@ class APCCache(PrefixCache):
         return loaded if match.num_tokens + loaded < num_tokens or num_tokens == len(seq) else 0
 
     def _fits(self, hit: np.ndarray, num_tokens: int) -> bool:
-        num_free_hit = int(np.count_nonzero(self._ref[hit] == 0)) if hit.size else 0
-        return self.pages_for(num_tokens) - hit.size <= self.free_queue.num_free - num_free_hit
+        return self._fits_with(hit.size, int(np.count_nonzero(self._ref[hit] == 0)) if hit.size else 0, num_tokens)
+
+    def _fits_with(self, num_hit: int, num_free_hit: int, num_tokens: int) -> bool:
+        """The fit test of `_fits`, given the hit's size and how many of its blocks are in
+        the free queue (`_admit` has those blocks at hand: it takes them out next)."""
+        return self.pages_for(num_tokens) - num_hit <= self.free_queue.num_free - num_free_hit
 
     def _admit(self, seq: Sequence, match: Match, num_tokens: int) -> tuple[_Held, list[CopyOp]] | None:
         hit = self._hit_ids(seq, match)
-        if not self._fits(hit, num_tokens):
-            return None
-        num_new = self.pages_for(num_tokens) - hit.size
         if hit.size:
             ref = self._ref
             waiting = hit[ref[hit] == 0]  # cached blocks nobody uses: a hit takes them out of the queue
+            if not self._fits_with(hit.size, waiting.size, num_tokens):
+                return None
             if waiting.size:
                 self.free_queue.remove_queued(waiting)  # (ref 0: queued; a match's blocks are distinct)
                 self._num_cached_free -= waiting.size
             ref[hit] += 1
-            blocks = np.concatenate([hit, self._take_new(num_new)])
+            table = PageTable.of(hit, self._take_new(self.pages_for(num_tokens) - hit.size))
         else:
-            blocks = self._take_new(num_new)
-        held = _Held(seq, PageTable.of(blocks), hit.size)  # the sequence's page table from here
+            if not self._fits_with(0, 0, num_tokens):
+                return None
+            table = PageTable.of(self._take_new(self.pages_for(num_tokens)))
+        held = _Held(seq, table, hit.size)  # the sequence's page table from here
         seq.num_computed = match.num_tokens
         if self.host is not None:  # R4: the load (instantaneous); the loaded blocks are hashed at commit
             size = self.page_size
@@ -561,12 +584,29 @@ class APCCache(PrefixCache):
         """`_take_new(1)` as a plain int: a decode step's block, with scalar steps."""
         queue = self.free_queue
         block = queue.popleft_one()
-        if queue.num_used > self._ref.size:
-            self._cover(queue.num_used)
-        if self.index.cached[block]:  # lazy eviction, as in `_take_new`
-            self._uncache(np.array([block], dtype=np.int64))
-        self._ref[block] = 1
+        ref = self._ref
+        if block >= ref.size:  # (ids are handed out in order: this one is the highest)
+            self._cover(block + 1)
+            ref = self._ref
+        elif self.index.cached.item(block):  # lazy eviction, as in `_take_new`
+            self._uncache_one(block)
+        ref[block] = 1
         return block
+
+    def _uncache_one(self, block: int) -> None:
+        """`_uncache` of one block given as an int."""
+        listener = self._kv_listener
+        keys = self.index.digests([block]) if listener is not None else None
+        self.index.remove_one(block)
+        if self.verify_tokens:
+            self._evicted(np.array([block], dtype=np.int64))
+        else:  # `_evicted`'s book-keeping, for one block
+            self._num_cached_free -= 1
+            self._num_hashed -= 1
+            self._counters["evicted_pages"] += 1
+            self._epoch += 1
+        if keys is not None:
+            listener.on_kv_event(PagesRemoved(keys))
 
     def _take_new(self, n: int) -> np.ndarray:
         """Pop `n` blocks from the queue head, evicting those that still hold a cached block."""
@@ -606,13 +646,14 @@ class APCCache(PrefixCache):
                 self._parent_hash[block] = None
 
     def _grow(self, seq: Sequence, held: _Held, num_tokens: int) -> list[CopyOp] | None:
-        num_new = self.pages_for(num_tokens) - held.blocks.size
+        table = held.table
+        num_new = -(-num_tokens // self.page_size) - len(table)  # (`pages_for`, inlined)
         if num_new > self.free_queue.num_free:
             return None
         if num_new == 1:  # a decode step's page
-            held.extend(self._take_one())
+            table.append(self._take_one())
         elif num_new > 0:
-            held.extend(self._take_new(num_new))
+            table.extend(self._take_new(num_new))
         if self.host is not None and self.host.moves:  # host stores decided since the last call
             return self.host.take_moves()
         return []
@@ -624,6 +665,8 @@ class APCCache(PrefixCache):
         if held.offload is not None:
             self._offer_host(seq, held, num_computed)
         if full <= start:
+            return
+        if full == start + 1 and start and self._scalar_commit and self._commit_one(seq, held, start):
             return
         ids = held.blocks[start:full]
         # write-once: a block's hash is set when it fills and cleared only on eviction
@@ -639,6 +682,34 @@ class APCCache(PrefixCache):
         if self._kv_listener is not None:  # vLLM's BlockStored from cache_full_blocks
             hashes = self._block_hashes(seq, full)
             self._emit_kv_event(PagesStored(hashes[start:full], hashes[start - 1] if start else None))
+
+    def _commit_one(self, seq: Sequence, held: _Held, start: int) -> bool:
+        """`_commit` of block `start` alone (a decode step's; start > 0), with scalar steps:
+        hashed from the memo's last hash and the block's token bytes, added to the index as
+        ints and bytes. False (nothing done) where the memo is not in the form this needs
+        (its list ending at block `start - 1`, its array not past it): the general path
+        then. Same hash, same index entry, same event as the general path."""
+        memo = seq.cache_memo
+        if memo is None or memo[0] is not self._memo_key:
+            return False
+        hashes = memo[1]
+        if len(hashes) != start or memo[2].size > start:
+            return False
+        size = self.page_size
+        parent = hashes[-1]
+        extra = seq.extra
+        data = parent + seq.token_bytes(start * size, start * size + size)
+        if extra.lora_id is not None or extra.mm:  # (a salt enters block 0 only)
+            data += self.hasher.extra_bytes(extra, start)
+        h = self._byte_fn(data)
+        hashes.append(h)
+        table = held.table
+        self.index.add_one(table.item(start), h, start, table.item(start - 1), parent)
+        self._num_hashed += 1
+        held.num_cached = start + 1
+        if self._kv_listener is not None:  # vLLM's BlockStored from cache_full_blocks
+            self._emit_kv_event(PagesStored([h], parent))
+        return True
 
     def _offer_host(self, seq: Sequence, held: _Held, num_computed: int, final: bool = False) -> None:
         """R5: offer the chunks that are computed and allocated to the host tier (at release,
@@ -692,7 +763,7 @@ class APCCache(PrefixCache):
         child.num_computed = computed
         memo = parent.cache_memo
         if memo is not None and memo[0] is self._memo_key:
-            child.cache_memo = [self._memo_key, memo[1][:full], memo[2][:full], _NOT_PROVEN]
+            child.cache_memo = [self._memo_key, memo[1][:full], memo[2][:full], _NOT_PROVEN, _NOT_MATCHED]
         if self.host is not None and self.host.moves:
             ops = [*self.host.take_moves(), *ops]
         return _Held(child, PageTable.of(blocks), full), ops
@@ -708,7 +779,7 @@ class APCCache(PrefixCache):
         left = self._ref[blocks]
         left -= 1
         self._ref[blocks] = left
-        if left.any():  # some are still another table's (a fork's, or a hit shared)
+        if np.count_nonzero(left):  # some are still another table's (a fork's, or a hit shared)
             unused = left == 0
             to_head, to_tail = blocks[k:][unused[k:]], blocks[:k][unused[:k]]
         else:

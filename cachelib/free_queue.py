@@ -236,15 +236,15 @@ class BlockQueue:
         fresh_left = self._fresh < self.num_blocks
         limit = self._fresh_at if fresh_left else self._tail
         while head < limit:
-            entry = int(ring[head])
+            entry = ring.item(head)
             if entry == _HOLE:  # holes (blocks a hit took) up to the next id: skip them a window at a time
                 window = ring[head : min(limit, head + 64)]
                 found = np.flatnonzero(window)
                 if not found.size:
                     head += window.size
                     continue
-                head += int(found[0])
-                entry = int(ring[head])
+                head += found.item(0)
+                entry = ring.item(head)
             ring[head] = _HOLE  # (its position goes stale, as in `_take`)
             self._head = head + 1
             self.num_free -= 1
@@ -253,8 +253,9 @@ class BlockQueue:
         if not fresh_left:
             raise InvariantViolation("free queue: a free count with no id left")
         block = self._fresh  # nothing before the never-used run: its first id
-        self._fresh += 1
-        self._grow_pos()
+        self._fresh = block + 1
+        if block >= self._pos.size:
+            self._grow_pos()
         self.num_free -= 1
         return block
 
@@ -266,8 +267,8 @@ class BlockQueue:
         while n and head < limit:
             stop = min(limit, head + n)
             window = ring[head:stop]
-            holes = np.count_nonzero(window == _HOLE)
-            got = window[window != _HOLE] if holes else window.copy()
+            queued = window != _HOLE
+            got = window[queued] if np.count_nonzero(queued) != window.size else window.copy()
             ring[head:stop] = _HOLE  # (positions of taken ids go stale: `_positions` sees it)
             got -= 1
             parts.append(got)
@@ -294,18 +295,24 @@ class BlockQueue:
         self.num_free -= ids.size
 
     def remove_queued(self, ids: np.ndarray) -> None:
-        """`remove_n` for int64 ids the caller knows are queued and distinct (apc's hit
+        """`remove_n` for int64 ids >= 0 the caller knows are queued and distinct (apc's hit
         blocks with no user): their positions are exact, so no range or duplicate checks.
         Ids that are not where their position says go to `remove_n`, which raises."""
-        pos = (
-            self._pos[ids] + self._shift
-            if ids.size and ids.max() < self._pos.size
-            else np.full(ids.size, -1, dtype=np.int64)
-        )
-        if ids.size and (pos.min() < 0 or pos.max() >= self._ring.size or not np.array_equal(self._ring[pos] - 1, ids)):
+        if not ids.size:
+            return
+        try:
+            pos = self._pos[ids]
+        except IndexError:  # an id never handed out (or negative past the start)
             self.remove_n(ids)
             return
-        self._ring[pos] = _HOLE
+        pos += self._shift
+        # a queued id's position is exact, and no slot holds an id that is not queued: so
+        # the slots at `pos` (clipped into the ring) hold exactly `ids` iff all are queued
+        ring = self._ring
+        if np.count_nonzero(ring.take(pos, mode="clip") != ids + 1):
+            self.remove_n(ids)
+            return
+        ring[pos] = _HOLE
         self._pos[ids] = _NOWHERE
         self.num_free -= ids.size
 

@@ -256,11 +256,15 @@ class BlockHasher:
                     f"unknown hash algorithm {algorithm!r}; choose one of {sorted([*HASH_ALGORITHMS, *VECTOR_ALGORITHMS])}"
                 ) from None
         self.page_size = page_size
+        self._block_bytes = np.dtype((np.void, 4 * page_size))  # a block's int32 tokens as one item
         if self._poly is not None:
             self.algorithm = algorithm
         else:
             self.algorithm = algorithm if hash_fn is HASH_ALGORITHMS.get(algorithm) else "custom"
         self._fn = hash_fn
+        #: the byte chains' function, `H_i = byte_fn(H_{i-1} + tokens + extra)` (None for
+        #: poly128): what a caller hashing one block with plain bytes calls directly
+        self.byte_fn: HashFn | None = hash_fn
 
     def extra_bytes(self, extra: ExtraKeys, block: int) -> bytes:
         """The extra-key bytes of block number `block`."""
@@ -299,7 +303,10 @@ class BlockHasher:
         span = np.ascontiguousarray(tokens[start * size : stop * size])
         # one C call turns the span into a list of per-block byte strings (a void view per
         # block): cheaper than slicing a bytes buffer block by block in the loop
-        chunks = span.reshape(-1, size).view(np.dtype((np.void, 4 * size))).ravel().tolist()
+        chunks = span.view(self._block_bytes).tolist()
+        if extra.lora_id is None and not extra.mm and (start or extra.cache_salt is None):
+            # no extra key (the common case): the plain chain, no `extra_bytes` call
+            return [h := fn(h + chunk) for chunk in chunks]
         if extra.mm:
             # Multimodal spans vary the extra keys block by block: the slow path.
             return [h := fn(h + chunk + self.extra_bytes(extra, start + i)) for i, chunk in enumerate(chunks)]
@@ -446,6 +453,10 @@ class DictIndex:
         self.digest[blocks] = None
         self.cached[blocks] = False
 
+    def remove_one(self, block: int) -> None:
+        """`remove` of one block given as an int."""
+        self.remove(np.array([block], dtype=np.int64))
+
     def _remove_one(self, block: int, h: BlockHash) -> None:
         others = self._dups.get(h)
         if self._first[h] == block:
@@ -527,10 +538,11 @@ class _Run:
         self._block_buf = blocks  # (its own copy: the buffer grows in place)
         self.size = blocks.size
         self.live = blocks.size  # of its blocks, how many are still cached
-        self.first = keys[0].tobytes()  # what `RunIndex._starts` files the run under
+        # (bytes of one-item slices: a void scalar costs more to make than the slice)
+        self.first = keys[:1].tobytes()  # what `RunIndex._starts` files the run under
         # what `RunIndex._continued` asks, as plain Python objects: no numpy scalar per test
-        self.tail = int(blocks[-1])
-        self.last = keys[-1].tobytes()
+        self.tail = blocks.item(-1)
+        self.last = keys[-1:].tobytes()
 
     @property
     def keys(self) -> np.ndarray:
@@ -547,15 +559,20 @@ class _Run:
         self._room(need)
         self._key_buf[n:need] = keys
         self._block_buf[n:need] = blocks
-        self._grown(need, int(blocks[-1]), keys[-1].tobytes())
+        self._grown(need, blocks.item(-1), keys[-1:].tobytes())
 
     def append(self, block: int, key: BlockHash) -> None:
-        """`extend` by one block, given as an int and its hash's bytes."""
+        """`extend` by one block, given as an int and its hash's bytes (a decode step's:
+        `_grown` inlined)."""
         n = self.size
-        self._room(n + 1)
+        if n == self._block_buf.size:
+            self._room(n + 1)
         self._key_buf[n] = key
         self._block_buf[n] = block
-        self._grown(n + 1, block, key)
+        self.size = n + 1
+        self.live += 1
+        self.tail = block
+        self.last = key
 
     def _room(self, need: int) -> None:
         if need > self._block_buf.size:  # (the first buffer is exactly full: never written past)
@@ -576,16 +593,12 @@ class _Run:
 
 _NEVER = np.iinfo(np.int64).max
 
-#: `RunIndex.add` continues a run by commits of up to this many blocks (decode steps'): the
-#: first continuation copies the run into a growable buffer, which pays off over the many
-#: one-block commits of a decode, not for one larger commit (a replayed request's output)
-_CONTINUE_MAX = 8
-
 
 class RunIndex:
     """The cached blocks by *chained* hash, kept per run: a run is the blocks one commit
     published, at chain positions `start, start + 1, ...`, with their hashes, and those of
-    the few-block commits that continued it from its last block (a decode's, `add`).
+    the commits that continued it from its last block (a sequence's next prefill chunks and
+    decode steps, `add`).
     Publishing a run is one dict operation (`_starts`: its first hash -> its id) and a few array writes
     (its hashes are one void array, `as_keys`, compared as machine words);
     evicting a block clears its `cached` flag (a run goes when its last block does). No
@@ -642,15 +655,17 @@ class RunIndex:
         """Cache `blocks[i]` under `hashes[i]`, at chain positions `start + i`, as one run.
         `after` is the committing sequence's block at position `start - 1` and its hash (the
         parent of `hashes[0]`): when that block ends a run all of whose blocks are still
-        cached, a few blocks (up to `_CONTINUE_MAX`: a decode step's) continue that run
-        instead, so a decode makes one run, not one per block. Exact: chained hashes make a
+        cached, the blocks continue that run instead, so a sequence's prefill chunks and
+        decode steps make one run, not one per commit (a lookup then walks one run where it
+        walked one per chunk; the buffers grow geometrically, so continuing costs about what
+        a new run's copy does). Exact: chained hashes make a
         query that agrees with the new blocks agree with the run's blocks before them, so
         each position is offered the same blocks; and a run whose blocks are all cached
         holds no block id twice (`_fold`'s ownership test)."""
         n = blocks.size
         if not n:
             return
-        run = self._continued(after, start) if after is not None and n <= _CONTINUE_MAX else None
+        run = self._continued(after, start) if after is not None else None
         if run is None:
             r = self._next_run
             self._next_run += 1
@@ -677,6 +692,41 @@ class RunIndex:
         self._run[blocks] = r
         self._off[blocks] = np.arange(off, off + n)
         self._seq[blocks] = np.arange(seq, seq + n)
+
+    def add_one(self, block: int, h: BlockHash, start: int, prev: int, parent: BlockHash) -> None:
+        """`add(blocks=[block], hashes=[h], start, after=(prev, parent))` for a decode step's
+        block, given as plain ints and bytes: when it continues the run `prev` ends (the
+        common case), scalar steps only; else `add` decides."""
+        r = self._run.item(prev)
+        run = self._runs.get(r)  # (r = -1, prev not cached: none)
+        if (
+            run is None
+            or run.tail != prev
+            or run.start + run.size != start
+            or run.live != run.size
+            or run.last != parent
+        ):  # (`_continued`'s tests)
+            self.add(np.array([block], dtype=np.int64), [h], start, (prev, parent))
+            return
+        off = run.size
+        run.append(block, h)
+        seq = self._next_seq
+        self._next_seq = seq + 1
+        self.cached[block] = True
+        self._run[block] = r
+        self._off[block] = off
+        self._seq[block] = seq
+
+    def remove_one(self, block: int) -> None:
+        """`remove([block])` for one cached block given as an int (a decode step's new
+        block evicting its old content): scalar steps."""
+        self.cached[block] = False
+        r = self._run.item(block)
+        self._run[block] = -1
+        run = self._runs[r]
+        run.live -= 1
+        if not run.live:
+            self._forget(r, run)
 
     def _continued(self, after: tuple[int, BlockHash], start: int) -> _Run | None:
         """The run that blocks from chain position `start` on, after block `after[0]` cached
@@ -728,11 +778,15 @@ class RunIndex:
             run = self._runs[r]
             run.live -= k
             if not run.live:
-                del self._runs[r]
-                others = self._starts[run.first]
-                others.remove(r)
-                if not others:
-                    del self._starts[run.first]
+                self._forget(r, run)
+
+    def _forget(self, r: int, run: _Run) -> None:
+        """Run `r`, with no block cached any more, goes."""
+        del self._runs[r]
+        others = self._starts[run.first]
+        others.remove(r)
+        if not others:
+            del self._starts[run.first]
 
     # -- reading ---------------------------------------------------------------------
 
@@ -763,7 +817,7 @@ class RunIndex:
         # (most lookups of a small cache), before any array is made
         if not m:
             return []
-        first = hashes[0].tobytes() if listed is None else listed[0]
+        first = hashes[:1].tobytes() if listed is None else listed[0]
         at_zero = [r for r in starts(first, ()) if runs[r].start == 0]
         if not at_zero:
             return []
@@ -779,12 +833,18 @@ class RunIndex:
         lo, end = 0, 0  # scan run starts at positions lo .. end (end: first uncovered so far)
         while True:
             scan = hashes[lo : end + 1].tolist() if listed is None else listed[lo : end + 1]
-            for i, found in enumerate(map(starts, scan), lo):
-                if found:
-                    for r in found:
-                        run = runs[r]
-                        if run.start == i:
-                            self._fold(r, run, hashes, i, best, best_block)
+            # the stretch's hashes that start a run, in order, found by C loops (`filter`,
+            # `list.index` from the last one found on: each occurrence once, in order),
+            # not by a Python step per position
+            j = 0
+            for h in filter(self._starts.__contains__, scan):
+                j = scan.index(h, j)
+                i = lo + j
+                j += 1
+                for r in starts(h):
+                    run = runs[r]
+                    if run.start == i:
+                        self._fold(r, run, hashes, i, best, best_block)
             now = m  # the first uncovered position from `end` on (m: none)
             if end < m:
                 gap = best[end:] == _NEVER
@@ -803,7 +863,7 @@ class RunIndex:
         The common lookup (a conversation's next turn) takes this path: no array per position."""
         n = self._agreement(run, hashes, 0)
         blocks = run.blocks[:n]
-        if run.live != run.size and not (self._run[blocks] == run.id).all():
+        if run.live != run.size and np.count_nonzero(self._run[blocks] != run.id):
             return None
         scan = hashes[1 : n + 1].tolist() if listed is None else listed[1 : n + 1]
         if any(map(self._starts.__contains__, scan)):
@@ -850,7 +910,7 @@ class RunIndex:
         blocks = np.asarray(blocks, dtype=np.int64)
         runs = self._runs
         return [
-            None if r < 0 else runs[r].keys[o].tobytes()
+            None if r < 0 else runs[r]._key_buf[o : o + 1].tobytes()
             for r, o in zip(self._run[blocks].tolist(), self._off[blocks].tolist(), strict=True)
         ]
 
@@ -865,14 +925,15 @@ class RunIndex:
             return True
         # most often one stretch of one run: its blocks there are `blocks` and each is still
         # its own (then at that offset: a run holds no block id twice, `add`)
-        r, o = int(self._run[blocks[0]]), int(self._off[blocks[0]])
+        b0 = blocks.item(0)
+        r, o = self._run.item(b0), self._off.item(b0)
         run = self._runs.get(r)
         n = blocks.size
         if (
             run is not None
             and run.blocks[o : o + n].tobytes() == blocks.tobytes()
             and run.keys[o : o + n].tobytes() == hashes.tobytes()
-            and (run.live == run.size or bool((self._run[blocks] == r).all()))
+            and (run.live == run.size or not np.count_nonzero(self._run[blocks] != r))
         ):
             return True
         runs, offs = self._run[blocks], self._off[blocks]

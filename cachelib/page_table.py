@@ -33,17 +33,26 @@ class PageTable:
         self._len = 0
 
     @classmethod
-    def of(cls, ids: np.ndarray) -> PageTable:
-        """A table holding `ids` (copied), of their dtype, with room to grow."""
+    def of(cls, ids: np.ndarray, more: np.ndarray | None = None) -> PageTable:
+        """A table holding `ids` (copied), then `more` if given (of the same dtype), of
+        their dtype, with room to grow."""
         n = ids.size
-        table = cls(n + n // 8 + 16, ids.dtype.type)
+        end = n if more is None else n + more.size
+        table = cls(end + end // 8 + 16, ids.dtype.type)
         table._buf[:n] = ids
-        table._len = n
+        if more is not None:
+            table._buf[n:end] = more
+        table._len = end
         return table
 
     def array(self) -> np.ndarray:
         """The ids, a view (the cache's and the tree's access; do not write it)."""
         return self._buf[: self._len]
+
+    def item(self, i: int) -> int:
+        """Id `i` (0 <= i < len) as a Python int, without a view or a numpy scalar: a
+        decode step reads one or two ids."""
+        return self._buf.item(i)
 
     def append_slots(self, n: int) -> np.ndarray:
         """`n` more slots at the end, returned (a view) for the caller to fill at once."""

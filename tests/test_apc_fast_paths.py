@@ -1,7 +1,9 @@
 """apc's fast paths for a decode step and a lookup, each against the general path it
 shortcuts: one free id popped (`BlockQueue.popleft_one`), one block hashed from the token
-bytes, runs continued by a sequence's next blocks (`RunIndex.add`'s `after`), a lookup one
-run answers alone (`RunIndex._sole_run`), a hit proven in one stretch (`RunIndex.holds`)."""
+bytes, runs continued by a sequence's next blocks (`RunIndex.add`'s `after`, prefill chunks
+included), a decode step's block added and evicted as ints (`RunIndex.add_one`,
+`remove_one`), a lookup one run answers alone (`RunIndex._sole_run`), a hit proven in one
+stretch (`RunIndex.holds`), and a hit proven once per epoch (`APCCache._verify_match`)."""
 
 from __future__ import annotations
 
@@ -255,3 +257,94 @@ def test_a_decode_continues_its_run():
     assert index.first_run(hashes) == list(range(12))
     assert index.holds(np.arange(12), hashes)
     assert [index.position(b) for b in range(12)] == list(range(12))
+
+
+def test_a_sequences_prefill_chunks_continue_its_run_until_a_block_of_it_is_evicted():
+    """Commits of any size that follow a run's last block (a chunked prefill's) continue it:
+    one run per sequence. Once a block of the run is evicted, the next commit starts a run of
+    its own (an evicted id may come back), and lookups still find every cached block."""
+    hashes = BlockHasher(1).hash_blocks(np.arange(100, dtype=np.int32), ExtraKeys(), 0, 100, None)
+    index = RunIndex()
+    index.cover(100)
+    index.add(np.arange(20), hashes[:20], 0)
+    for lo in range(20, 60, 20):  # two chunks of 20 blocks
+        index.add(np.arange(lo, lo + 20), hashes[lo : lo + 20], lo, (lo - 1, hashes[lo - 1]))
+    assert len(index._runs) == 1
+    assert index.first_run(hashes) == list(range(60))
+    assert index.holds(np.arange(60), hashes[:60])
+    index.remove(np.array([5]))
+    index.add(np.arange(60, 80), hashes[60:80], 60, (59, hashes[59]))
+    assert len(index._runs) == 2
+    index.check(_fail)
+    assert index.first_run(hashes) == list(range(5))
+    assert [index.position(b) for b in range(60, 80)] == list(range(60, 80))
+    assert index.digests([59, 60, 79]) == [hashes[59], hashes[60], hashes[79]]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_add_one_and_remove_one_keep_the_index_that_add_and_remove_keep(seed):
+    """The scalar paths of a decode step (`add_one`, `remove_one`) against `add` and
+    `remove` of one-item arrays on a twin index: the same runs, lookups and digests, under
+    random commits, continuations, evictions and recycled ids."""
+    rng = random.Random(seed)
+    hashes = BlockHasher(1).hash_blocks(
+        np.array([rng.randrange(2) for _ in range(80)], np.int32), ExtraKeys(), 0, 80, None
+    )
+    fast, slow = RunIndex(), RunIndex()
+    fast.cover(200)
+    slow.cover(200)
+    free = list(range(200))
+    rng.shuffle(free)
+    cached: list[int] = []
+    for _ in range(30):  # a prompt, then its decode one block at a time
+        n = rng.randrange(1, 10)
+        blocks = [free.pop() for _ in range(n)]
+        for index in (fast, slow):
+            index.add(np.array(blocks, dtype=np.int64), hashes[:n], 0)
+        cached += blocks
+        for pos in range(n, min(80, n + rng.randrange(0, 12))):
+            block = free.pop()
+            fast.add_one(block, hashes[pos], pos, blocks[-1], hashes[pos - 1])
+            slow.add(np.array([block], dtype=np.int64), [hashes[pos]], pos, (blocks[-1], hashes[pos - 1]))
+            blocks.append(block)
+            cached.append(block)
+        evictions = rng.randrange(0, 6)
+        while cached and (evictions > 0 or len(free) < 25):  # ids back to the free list
+            gone = cached.pop(rng.randrange(len(cached)))
+            fast.remove_one(gone)
+            slow.remove(np.array([gone], dtype=np.int64))
+            free.insert(0, gone)
+            evictions -= 1
+        fast.check(_fail)
+        assert {r: (run.start, run.blocks.tolist(), run.keys.tobytes()) for r, run in fast._runs.items()} == {
+            r: (run.start, run.blocks.tolist(), run.keys.tobytes()) for r, run in slow._runs.items()
+        }
+        assert fast.first_run(hashes) == slow.first_run(hashes)
+        assert fast.digests(np.arange(200)) == slow.digests(np.arange(200))
+
+
+def test_a_hit_proven_once_is_not_trusted_after_an_eviction():
+    """`admit` skips proving a hit that `_match` (or `can_admit`) proved for the same
+    sequence at the current epoch; a match whose pages were found before an eviction, even
+    restamped with the current epoch, is proven again and refused."""
+    from cachelib.errors import InvalidRequestError
+    from cachelib.types import Match
+
+    cache = APCCache(6, 4)
+    a = Sequence("a", np.arange(1, 14, dtype=np.int32))
+    cache.admit(a, cache.match(a), len(a))
+    cache.commit(a, len(a))
+    cache.release(a)
+    b = Sequence("b", np.arange(1, 14, dtype=np.int32))
+    m = cache.match(b)
+    assert m.num_tokens == 12 and cache.can_admit(b, m, len(b))
+    x = Sequence("x", np.arange(100, 120, dtype=np.int32))  # evicts a's blocks
+    cache.admit(x, cache.match(x), len(x))
+    cache.commit(x, len(x))
+    cache.release(x)
+    restamped = tuple.__new__(Match, (m.request_id, m.num_tokens, m.pages, m.handle, cache._epoch, m.owner))
+    with pytest.raises(InvalidRequestError, match="hold other tokens"):
+        cache.admit(b, restamped, len(b))
+    fresh = cache.match(b)  # matched again: proven, and admitted
+    assert cache.admit(b, fresh, len(b)) == []
+    cache.check_invariants()
