@@ -14,9 +14,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from experiments.backend_options import BackendVariant
-from experiments.cell_pool import CellPool, Failure, Task, TasksFailed
+from experiments.cell_pool import CellPool, Failure, PickledOnce, Task, TasksFailed
 from experiments.cell_store import CellStore
-from experiments.runner import CellConfig, bounds, build_workload, run_cell
+from experiments.results import EncodedRows
+from experiments.runner import PER_REQUEST, CellConfig, bounds, build_workload, run_cell
 from experiments.workloads.generators import Workload
 
 
@@ -73,21 +74,24 @@ def run_cells(
     """Results of `cells` in input order, and of `side` (the bounds, run beside them).
 
     `workload`: the workload every cell runs on, built by the caller (`compare`'s cells all
-    share one); each cell then takes it instead of re-reading and re-parsing its trace (a
-    child process gets it pickled, a few times cheaper than parsing the trace again).
-    None: each cell builds its own (a sweep's cells differ in workload).
+    share one); each cell then takes it instead of re-reading and re-parsing its trace (child
+    processes get it pickled once for all of them, `PickledOnce`, and so does `side` where
+    its arguments hold it). None: each cell builds its own (a sweep's cells differ in workload).
 
     Cells already in `store` are reused; each cell that runs is saved there as it finishes.
     `jobs` > 1 runs each cell in its own process (experiments/cell_pool.py); then a cell
     that raises or dies does not stop the others, and `TasksFailed` names it at the end.
+    Such a cell saves itself and sends back its per-request rows encoded (`run_and_save`).
     With one job cells run in this process and the first failure stops the run."""
     results: list[dict[str, Any] | None] = [store.load(c) for c in cells]
     todo = [i for i, r in enumerate(results) if r is None]
     if jobs <= 1 or len(todo) <= 1:
         return _run_here(cells, todo, results, store, progress, workload), (side.fn(*side.args) if side else None)
-    tasks = [Task(cell_label(cells[i]), run_cell, (cells[i], workload)) for i in todo]
+    shared = PickledOnce(workload) if workload is not None else None
+    tasks = [Task(cell_label(cells[i]), run_and_save, (cells[i], shared, store)) for i in todo]
     if side is not None:
-        tasks.insert(0, side)  # first: it is the longest
+        args = tuple(shared if workload is not None and a is workload else a for a in side.args)
+        tasks.insert(0, dataclasses.replace(side, args=args))  # first: it is the longest
     side_result, done = None, 0
     for t, res in CellPool(jobs).results(tasks):
         if side is not None and t == 0:
@@ -95,10 +99,21 @@ def run_cells(
             continue
         i = todo[t - (side is not None)]
         results[i] = res
-        store.save(cells[i], res)
         done += 1
         _progress(progress, done, len(todo), cells[i], res)
     return results, side_result  # type: ignore[return-value]
+
+
+def run_and_save(cfg: CellConfig, workload: Workload | None, store: CellStore) -> dict[str, Any]:
+    """A cell as a child process runs it: saved in `store` by the child itself, and its
+    per-request records replaced by their rows in per_request.jsonl (`EncodedRows`): the
+    JSON encoding of both runs beside the other cells instead of in the parent, and the
+    records are not pickled to the parent at all."""
+    res = run_cell(cfg, workload)
+    store.save(cfg, res)
+    if PER_REQUEST in res:
+        res[PER_REQUEST] = EncodedRows.of(cfg, res[PER_REQUEST])
+    return res
 
 
 def _run_here(

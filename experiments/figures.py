@@ -32,6 +32,7 @@ PNG_DPI = 200
 FORMATS = ("png", "pdf")
 #: figure stems, in the report's order
 HIT_RATE, TTFT_CDF, PAGES_IN_USE = "hit_rate_vs_capacity", "ttft_cdf", "pages_in_use"
+STEMS = (HIT_RATE, TTFT_CDF, PAGES_IN_USE)
 #: the lowest TTFT the log axis shows (ms) unless a measured one is lower; a TTFT of 0
 #: (nothing to compute, if an executor ever reports it) is drawn there, and the axis says so
 TTFT_FLOOR_MS = 1.0
@@ -80,12 +81,13 @@ def _legend(fig: Any, handles: list[Any], names: list[str], title: str) -> None:
     fig.legend(handles, wrapped, loc="outside right upper", fontsize=7, title=title, title_fontsize=8)
 
 
-def draw_all(results: dict[str, Any], out_dir: Path) -> list[str]:
-    """Write every figure the document has data for into `out_dir`; returns their stems."""
-    drawn = [HIT_RATE]
-    _save(hit_rate_figure(results), out_dir, HIT_RATE)
-    for stem, make in ((TTFT_CDF, ttft_figure), (PAGES_IN_USE, pages_figure)):
-        fig = make(results)
+def draw_all(results: dict[str, Any], out_dir: Path, stems: tuple[str, ...] = STEMS) -> list[str]:
+    """Write every figure of `stems` the document has data for into `out_dir`; returns
+    their stems, in the report's order. Each figure is drawn alone (its own `Figure`), so
+    drawing some here and the others in another process writes the same bytes."""
+    drawn = []
+    for stem, make in ((HIT_RATE, hit_rate_figure), (TTFT_CDF, ttft_figure), (PAGES_IN_USE, pages_figure)):
+        fig = make(results) if stem in stems else None
         if fig is not None:
             _save(fig, out_dir, stem)
             drawn.append(stem)

@@ -6,6 +6,7 @@ import json
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ TIME_KEYS = {"arrival": "arrival_s", "first_token_at": "first_token_at_s", "fini
 
 __all__ = [
     "PER_REQUEST_FILE",
+    "EncodedRows",
     "REPORT_ENTRIES",
     "code_version",
     "command_line",
@@ -94,58 +96,112 @@ def document(
     }
 
 
-def write(doc: dict[str, Any], out_dir: str | Path) -> list[Path]:
-    """`results.json` plus the rendered report (Markdown, CSV, plots) in `out_dir`."""
+def write(doc: dict[str, Any], out_dir: str | Path, jobs: int = 1) -> list[Path]:
+    """`results.json` plus the rendered report (Markdown, CSV, plots) in `out_dir`; `jobs`
+    > 1 draws some figures in a child process (`report.render`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(doc, indent=1) + "\n")
-    return [out / "results.json", *render(doc, out)]
+    return [out / "results.json", *render(doc, out, jobs)]
 
 
-def per_request_rows(cells: list[CellConfig], results: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-    """Every request of every serving cell, by cell then `request_index` (its line in the
-    trace, its position in the workload's requests; a parallel sample shares its parent's
-    and follows it), every row with the same keys, so the file loads as one table (README
-    *Per-request results*): the cell (`backend` label, `capacity_tokens`, `page_size`,
-    `replicas`, `router`: null for one replica), then every key of the engine's per-request
-    record, times renamed with their unit (`TIME_KEYS`) and `e2e_s` (arrival to last token)
-    after `finished_at_s`, and last the `replica` that served it (0 for one replica)."""
-    # a cell with memory tiers adds keys to its records (`request.TIER_RECORD_KEYS`): every
-    # row carries them then, None in the other cells' rows
-    tiered = any(TIER_RECORD_KEYS[0] in rec for res in results for rec in res.get(PER_REQUEST) or ())
-    for cfg, res in zip(cells, results, strict=True):
-        records = res.get(PER_REQUEST)
-        if records is None:
-            continue  # replay only
-        head = {
-            "backend": cfg.backend_label,
-            "capacity_tokens": cfg.capacity_tokens,
-            "page_size": cfg.page_size,
-            "replicas": cfg.replicas,
-            "router": cfg.router_label,
-        }
-        for rec in sorted(records, key=lambda r: (r["request_index"], r.get("sample_of") is not None)):
-            row = dict(head)
-            for k, v in rec.items():
-                if k == "replica":
-                    continue  # last, below
-                row[TIME_KEYS.get(k, k)] = v
-                if k == "finished_at":
-                    row["e2e_s"] = None if v is None else v - rec["arrival"]
-            if tiered:
-                for k in TIER_RECORD_KEYS:
-                    row.setdefault(k, None)
-            row["replica"] = rec.get("replica", 0)
-            yield row
+#: encodes each row as `json.dumps(row, separators=(",", ":"), allow_nan=False)` does, one
+#: encoder for every row (json.dumps builds a new one per call)
+_ROW_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+#: a row's last key as it is encoded, and the tier keys an untiered row gets before it in a
+#: document with a tiered cell (`per_request_rows`)
+_REPLICA_KEY = "," + _ROW_ENCODER.encode({"replica": 0})[1:-2]
+_NULL_TIER_KEYS = "," + _ROW_ENCODER.encode(dict.fromkeys(TIER_RECORD_KEYS))[1:-1]
+
+
+def per_request_rows(cfg: CellConfig, records: list[dict[str, Any]], tiered: bool) -> Iterator[dict[str, Any]]:
+    """The rows of one serving cell's `records` in per_request.jsonl, by `request_index`
+    (its line in the trace, its position in the workload's requests; a parallel sample
+    shares its parent's and follows it). Every row of a file has the same keys, so the file
+    loads as one table (README *Per-request results*): the cell (`backend` label,
+    `capacity_tokens`, `page_size`, `replicas`, `router`: null for one replica), then every
+    key of the engine's per-request record, times renamed with their unit (`TIME_KEYS`) and
+    `e2e_s` (arrival to last token) after `finished_at_s`, and last the `replica` that
+    served it (0 for one replica). `tiered`: some cell of the file has memory tiers; its
+    records add keys (`request.TIER_RECORD_KEYS`), and every row carries them then, None in
+    the other cells' rows."""
+    head = {
+        "backend": cfg.backend_label,
+        "capacity_tokens": cfg.capacity_tokens,
+        "page_size": cfg.page_size,
+        "replicas": cfg.replicas,
+        "router": cfg.router_label,
+    }
+    for rec in sorted(records, key=lambda r: (r["request_index"], r.get("sample_of") is not None)):
+        row = dict(head)
+        for k, v in rec.items():
+            if k == "replica":
+                continue  # last, below
+            row[TIME_KEYS.get(k, k)] = v
+            if k == "finished_at":
+                row["e2e_s"] = None if v is None else v - rec["arrival"]
+        if tiered:
+            for k in TIER_RECORD_KEYS:
+                row.setdefault(k, None)
+        row["replica"] = rec.get("replica", 0)
+        yield row
+
+
+def _has_tiers(records: list[dict[str, Any]]) -> bool:
+    """Whether a cell's records carry the tier keys (its cache had memory tiers: every
+    record has all of them, `scheduler.finish`, or none)."""
+    return any(TIER_RECORD_KEYS[0] in rec for rec in records)
+
+
+@dataclass(frozen=True)
+class EncodedRows:
+    """One serving cell's lines of per_request.jsonl, encoded where the cell ran.
+
+    A cell run in a child process (experiments/cell_runs.py) sends these back instead of
+    its records: the encoding (0.1 s per 12k requests) then runs beside the other cells,
+    not in the parent after the last, and the records are not pickled to the parent. The
+    lines are encoded as if the file had no tiered cell unless this one is (`tiered`);
+    `text_in` adds the null tier keys an untiered cell's rows carry in a file with one."""
+
+    text: str  # the lines, each ending in a newline
+    tiered: bool  # the cell's records carry the tier keys
+
+    @classmethod
+    def of(cls, cfg: CellConfig, records: list[dict[str, Any]]) -> EncodedRows:
+        tiered = _has_tiers(records)
+        return cls("".join(_ROW_ENCODER.encode(row) + "\n" for row in per_request_rows(cfg, records, tiered)), tiered)
+
+    def text_in(self, tiered_file: bool) -> str:
+        """The lines as a file with (`tiered_file`) or without a tiered cell holds them.
+
+        An untiered row in a tiered file has the tier keys, null, just before `replica`,
+        its last key (`per_request_rows`). Inserting them there in the text is exact: JSON
+        escapes every quote inside a string and a row is flat, so `,"replica":` occurs in a
+        line only as that key; each line is checked to have it once."""
+        if self.tiered or not tiered_file:
+            return self.text
+        if self.text.count(_REPLICA_KEY) != self.text.count("\n"):
+            raise RuntimeError("per-request rows without exactly one replica key each: cannot add the tier keys")
+        return self.text.replace(_REPLICA_KEY, _NULL_TIER_KEYS + _REPLICA_KEY)
 
 
 def write_per_request(cells: list[CellConfig], results: list[dict[str, Any]], out_dir: str | Path) -> Path | None:
     """`per_request.jsonl` in `out_dir` (a run's staging folder: it is published with the
-    report), or None when no cell ran the serving protocol."""
+    report): every request of every serving cell, by cell then request (`per_request_rows`),
+    or None when no cell ran the serving protocol. A cell's `PER_REQUEST` holds its records,
+    or its rows already encoded (`EncodedRows`, from a child process)."""
     if not any(PER_REQUEST in r for r in results):
         return None
+    kept = [r.get(PER_REQUEST) for r in results]
+    tiered = any(rows.tiered if isinstance(rows, EncodedRows) else _has_tiers(rows) for rows in kept if rows)
     path = Path(out_dir) / PER_REQUEST_FILE
     with path.open("w") as fh:
-        for row in per_request_rows(cells, results):
-            fh.write(json.dumps(row, separators=(",", ":"), allow_nan=False) + "\n")
+        for cfg, rows in zip(cells, kept, strict=True):
+            if rows is None:
+                continue  # replay only
+            if isinstance(rows, EncodedRows):
+                fh.write(rows.text_in(tiered))
+            else:
+                for row in per_request_rows(cfg, rows, tiered):
+                    fh.write(_ROW_ENCODER.encode(row) + "\n")
     return path

@@ -166,7 +166,7 @@ def _compare_locked(plan: Comparison) -> int:
     out["wall_seconds"] = time.perf_counter() - started
     out["run_config"] = plan.settings
     with StagedDir(plan.out_dir, owned=(*REPORT_ENTRIES, CONFIG_FILE)) as stage:
-        names = [p.name for p in write(out, stage.path)]
+        names = [p.name for p in write(out, stage.path, plan.jobs)]
         names.append(write_config(plan.settings, stage.path).name)
         rows = write_per_request(cells, results, stage.path)
         names += [rows.name] if rows else []
