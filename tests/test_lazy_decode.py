@@ -244,7 +244,8 @@ QUIET = {
 
 @pytest.mark.parametrize("loop", ["rows", "objects"])
 @pytest.mark.parametrize(
-    "workload,pages,budget", [("docs", 30, 512), ("docs", 30, 17), ("chat", 40, 512), ("chat", 40, 17), ("mooncake", 2_500, 512)]
+    "workload,pages,budget",
+    [("docs", 30, 512), ("docs", 30, 17), ("chat", 40, 512), ("chat", 40, 17), ("mooncake", 2_500, 512)],
 )
 @pytest.mark.parametrize("backend", sorted(QUIET))
 def test_quiet_fills_change_nothing_but_the_calls(loop, budget, workload, pages, backend):

@@ -71,8 +71,9 @@ class RunningRows:
     covers; `committed`: tokens published to the cache (`seq.num_computed`); `work`: tokens
     computed over its life (`Request.computed_tokens`); `last`: when its last token came
     (NaN: none yet); `has_first`: it has its first token; `timed`: it counts in ITL (not a
-    parallel sample); `prompt`: its prompt's length; `private`: under a per-sequence lazy promise (`DECODE_NOOPS_IF_PRIVATE`),
-    the cache's `decode_steps_private` after the row's last call (True otherwise).
+    parallel sample); `prompt`: its prompt's length; `private`: under a per-sequence lazy
+    promise (`DECODE_NOOPS_IF_PRIVATE`), the cache's `decode_steps_private` after the row's
+    last call (True otherwise).
 
     Storage: the int fields are the rows of one int64 block, `last` a float block, the flags
     a bool block, each with room for more rows than run (doubled when full), and every field
