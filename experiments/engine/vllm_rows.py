@@ -297,22 +297,7 @@ class VllmRowScheduler(VllmScheduler):
         plan = RowPlan(n, start)
         end = start + n
         page = self.cache.page_size
-        if self.lazy:
-            # the lazy rule, by the cache's promise (`decode_steps_are_noops`): a one-token
-            # step inside a held page needs no call (EXCUSED); the others are classified
-            # below, row by row, for the few that need a call. Under a conditional promise
-            # the rows it cannot clear for the whole step (`unproven`) are checked there,
-            # one by one at their turn, as the object loop checks them
-            # (a generated token: a one-token prefill chunk calls, `row_kind`)
-            inside = (n == 1) & (end <= rows.capacity) & (end > rows.prompt)
-            excused = inside if self.quiet_fills else inside & (end % page != 0)  # quiet: fills too
-            unproven = self.unproven_rows(end)
-            if unproven is not None:
-                excused &= ~unproven
-            todo = np.flatnonzero((n > 0) & ~excused)
-        else:
-            todo = np.flatnonzero(n > 0)
-            unproven = None
+        todo, unproven = self.rows_to_call(n, end)
         # each row's values before any call of this step (a call changes only its own row's
         # table; a preemption ends the loop at the rows it removed)
         calls = zip(
@@ -343,6 +328,24 @@ class VllmRowScheduler(VllmScheduler):
             self.admit_rows(plan, budget)
         self.finished_pending = False
         return plan
+
+    def rows_to_call(self, n: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """The scheduled rows (`n` tokens each, to `end`) whose step may need a cache call, in
+        order, and the rows a conditional promise did not clear (`unproven_rows`; None: no
+        condition). Under the lazy rule, by the cache's promise (`decode_steps_are_noops`),
+        a decode step inside a held page needs no call (EXCUSED), nor one that fills it when
+        fills are quiet; the others are classified row by row (`row_kind`), the unproven
+        ones at their turn, as the object loop checks them. A one-token prefill chunk is no
+        decode step: it calls."""
+        if not self.lazy:
+            return np.flatnonzero(n > 0), None
+        rows = self.rows
+        inside = (n == 1) & (end <= rows.capacity) & (end > rows.prompt)
+        excused = inside if self.quiet_fills else inside & (end % self.cache.page_size != 0)
+        unproven = self.unproven_rows(end)
+        if unproven is not None:
+            excused &= ~unproven
+        return np.flatnonzero((n > 0) & ~excused), unproven
 
     def unproven_rows(self, end: np.ndarray) -> np.ndarray | None:
         """Under a conditional lazy promise, the rows for which it is not proven, before any
