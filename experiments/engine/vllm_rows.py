@@ -36,6 +36,7 @@ from typing import ClassVar
 import numpy as np
 
 from cachelib.interface import DECODE_NOOPS_IF_PRIVATE, DECODE_NOOPS_WHILE_FREE
+from cachelib.types import CopyOp, Sequence
 from experiments.engine.request import Request
 from experiments.engine.scheduler import Loads, _new_pages, _pages_limit
 from experiments.engine.vllm_scheduler import MAX_WINDOW, StepPlan, VllmScheduler
@@ -165,10 +166,23 @@ class RunningRows:
         self._bind()
 
     def delete(self, where: int | np.ndarray) -> None:
-        """Rows leave (finished or preempted); the others keep their order (each block
-        compacted once by one mask)."""
+        """Rows leave (finished or preempted; `where`: a row number or an array of them); the
+        others keep their order (each block compacted once)."""
         self._settle()
         n = self._n
+        if where.__class__ is int or (where.size == 1 and where.dtype.kind in "iu"):
+            # one row (most finishes, every preemption): the rows after it move up one
+            # place, three slice copies (numpy copies overlapping slices correctly) instead
+            # of a mask and three gathers
+            i = where if where.__class__ is int else where.item()
+            if not 0 <= i < n:
+                raise IndexError(f"row {i} is not among the {n} running")
+            self._ints[:, i : n - 1] = self._ints[:, i + 1 : n]
+            self._last[i : n - 1] = self._last[i + 1 : n]
+            self._flags[:, i : n - 1] = self._flags[:, i + 1 : n]
+            self._n = n - 1
+            self._bind()
+            return
         keep = np.ones(n, dtype=bool)
         keep[where] = False
         m = int(np.count_nonzero(keep))
@@ -240,17 +254,22 @@ class VllmRowScheduler(VllmScheduler):
         known = rows.known.item(i)
         k = known - len(r.seq)
         if k > 0:
-            tokens: list[int] | range = self.executor.fresh_token_run(k)  # consecutive: cheap to append
-            if r.forced is not None:  # the request's recorded output overrides what was sampled
-                tokens = list(tokens)
-                lo = len(r.output)
-                tokens[: max(0, min(k, len(r.forced) - lo))] = r.forced[lo : lo + k]
-            r.seq.extend_ids(tokens)
-            r.output.extend(tokens)
+            self.append_sampled(r, k)
         v.computed = rows.computed.item(i)
         v.known = known
         r.lag = v.computed - r.seq.num_computed  # computed, not yet published (lazy steps)
         return r
+
+    def append_sampled(self, r: Request, k: int) -> None:
+        """Append the `k` tokens `r` sampled since its last sync: fresh ids, or its forced output."""
+        tokens: list[int] | range = self.executor.fresh_token_run(k)  # consecutive: cheap to append
+        if r.forced is not None:  # the request's recorded output overrides what was sampled
+            tokens = list(tokens)
+            lo = len(r.output)
+            tokens[: max(0, min(k, len(r.forced) - lo))] = r.forced[lo : lo + k]
+        r.seq.extend_ids(tokens)
+        if self.keep_outputs or r.forced is not None:  # `Request.output`'s only readers
+            r.output.extend(tokens)
 
     def synced(self, i: int) -> None:
         """After cache calls for row `i`'s object: its table and published count."""
@@ -319,7 +338,7 @@ class VllmRowScheduler(VllmScheduler):
                 (i, ni, ei, row_kind(ni, ei, cap, page, prompt, quiet) if self.lazy else CALLS)
                 for i, ni, ei, cap, prompt in calls
             ]
-            self.call_rows(kinds, plan)
+            self.call_rows(kinds, rows.known[todo].tolist(), plan)
         m = len(self.running)
         plan.n, plan.start = plan.n[:m], plan.start[:m]
         rows.computed = rows.computed + plan.n  # `_update_after_schedule`
@@ -391,34 +410,22 @@ class VllmRowScheduler(VllmScheduler):
                 break
             self.synced(i)
 
-    def call_rows(self, todo: list[tuple[int, int, int, int]], plan: RowPlan) -> None:
-        """The cache calls of the scheduled rows `todo` (row, tokens, end, `row_kind`), in
-        row order, as `VllmScheduler`'s running pass makes them: a FILLS row's publish, any
-        other's flush, grow and (CALLS) publish, preempting the last running request when a
-        grow does not fit (`preempt_for`). Every row is synced first, then the calls run in
-        one timed region (`CacheClient.advance_all`, the same calls in the same order)
-        up to a grow that does not fit; its preemptions run outside it, then the calls of
-        the rows still running resume. (A call reads only its own row's sequence, so
-        syncing the others first changes no call; a victim is synced again when preempted,
-        a no-op.)"""
-        steps = []
-        for i, ni, ei, kind in todo:
-            r = self.sync_for_cache(i, self.running[i])
-            if kind == FILLS:
-                steps.append((r.seq, 0, None, ei))  # its publish only
-            else:
-                v = r.vllm
-                e = v.computed + ni
-                lag, r.lag = r.lag, 0  # flushed by the call
-                steps.append((r.seq, r.seq.num_computed + lag, e, min(e, v.known) if kind == CALLS else 0))
+    def call_rows(self, todo: list[tuple[int, int, int, int]], known: list[int], plan: RowPlan) -> None:
+        """The cache calls of the scheduled rows `todo` (row, tokens, end, `row_kind`; `known`:
+        each one's token count), in row order, as `VllmScheduler`'s running pass makes them:
+        a FILLS row's publish, any other's flush, grow and (CALLS) publish, preempting the
+        last running request when a grow does not fit (`preempt_for`). Every row is synced
+        first (`advance_steps`), then the calls run in one timed region
+        (`CacheClient.advance_all`, the same calls in the same order) up to a grow that
+        does not fit; its preemptions run outside it, then the calls of the rows still
+        running resume. (A call reads only its own row's sequence, so syncing the others
+        first changes no call; a victim is synced again when preempted, a no-op.)"""
+        steps = self.advance_steps(todo, known)
         pos = 0
         while pos < len(todo):
             done = self.client.advance_all(steps[pos:])
-            for (i, _, _, _), ops in zip(todo[pos:], done, strict=False):
-                if ops is None:
-                    break
-                self.executor.apply_copies(ops)
-                self.synced(i)
+            made = done if done[-1] is not None else done[:-1]
+            self.rows_called([row[0] for row in todo[pos : pos + len(made)]], made)
             pos += len(done)
             if done[-1] is not None:
                 continue  # every call made
@@ -436,6 +443,50 @@ class VllmRowScheduler(VllmScheduler):
             todo = [todo[j] for j in keep]
             steps = [steps[j] for j in keep]
             pos = 0
+
+    def advance_steps(
+        self, todo: list[tuple[int, int, int, int]], known: list[int]
+    ) -> list[tuple[Sequence, int, int | None, int]]:
+        """Each row of `todo` synced for its calls and its `CacheClient.advance_all` step.
+        `sync_for_cache` row by row, with the counts read from `known` and the step (a row
+        computed `end - tokens` before it) instead of one numpy read each: a flushing row's
+        commit goes to its computed count, since its lag is what it computed past its
+        published count."""
+        running = self.running
+        steps: list[tuple[Sequence, int, int | None, int]] = []
+        for (i, ni, ei, kind), kn in zip(todo, known, strict=True):
+            r = running[i]
+            seq = r.seq
+            if kn > len(seq):
+                self.append_sampled(r, kn - len(seq))
+            v = r.vllm
+            computed = ei - ni
+            v.computed = computed
+            v.known = kn
+            if kind == FILLS:
+                r.lag = computed - seq.num_computed  # its step is only its publish
+                steps.append((seq, 0, None, ei))
+            else:
+                r.lag = 0  # flushed by the call
+                steps.append((seq, computed, ei, min(ei, kn) if kind == CALLS else 0))
+        return steps
+
+    def rows_called(self, called: list[int], ops: list[list[CopyOp]]) -> None:
+        """After the calls made for rows `called` (each one's copies `ops`): the copies
+        applied, each row's table and published count read back (`synced`, row by row)."""
+        rows, running, page = self.rows, self.running, self.cache.page_size
+        capacity, committed = rows.capacity, rows.committed
+        apply = self.executor.apply_copies
+        for i, o in zip(called, ops, strict=True):
+            if o:
+                apply(o)
+            seq = running[i].seq
+            capacity[i] = len(seq.page_table) * page
+            committed[i] = seq.num_computed
+        if self.lazy_when == DECODE_NOOPS_IF_PRIVATE:  # a call may have shared or copied its blocks
+            private = self.cache.decode_steps_private
+            for i in called:
+                rows.private[i] = private(running[i].seq)
 
     def preempt_request(self, r: Request) -> None:
         """A victim is the last running request: its row is synced, then dropped."""
@@ -569,20 +620,16 @@ class VllmRowScheduler(VllmScheduler):
                 self.executor.apply_copies(ops)
                 self.synced(i)
         else:
-            rows_called = calls.nonzero()[0].tolist()
-            steps = []
-            for i in rows_called:
-                r = self.sync_for_cache(i, self.running[i])  # its flush: this step's token too
-                to = final.item(i)
-                lag, r.lag = r.lag, 0  # flush, grow, publish
-                steps.append((r.seq, r.seq.num_computed + lag, to, to))
-            # every row synced first, then their calls in one timed region (`call_rows`)
+            called = calls.nonzero()[0]
+            rows_called = called.tolist()
+            # every row synced first (its flush: this step's token too; then grow and publish
+            # to the window's end), then their calls in one timed region (`call_rows`)
+            todo = zip(rows_called, (final - rows.computed)[called].tolist(), final[called].tolist(), strict=True)
+            steps = self.advance_steps([(i, ni, ei, CALLS) for i, ni, ei in todo], rows.known[called].tolist())
             done = self.client.advance_all(steps) if steps else []
             if len(done) < len(steps) or (done and done[-1] is None):
                 raise RuntimeError("decode window ran out of pages; the window check is wrong")
-            for i, ops in zip(rows_called, done, strict=True):
-                self.executor.apply_copies(ops)  # type: ignore[arg-type]  # none is None (checked)
-                self.synced(i)
+            self.rows_called(rows_called, done)  # type: ignore[arg-type]  # none is None (checked)
         rows.computed = final
         rows.generated = rows.generated + k
         rows.work = rows.work + k
