@@ -369,12 +369,13 @@ class VllmRowScheduler(VllmScheduler):
     def unproven_rows(self, end: np.ndarray) -> np.ndarray | None:
         """Under a conditional lazy promise, the rows for which it is not proven, before any
         call, that the condition will hold when their turn comes in a pass that takes each
-        row to `end` tokens (None: an unconditional promise). Under `DECODE_NOOPS_WHILE_FREE`
-        the calls before a row take at most the new pages of the rows ahead of it that need
-        one (a preemption or an eviction only frees pages): while fewer than the pages free
-        now, a page is still free at its turn. Under `DECODE_NOOPS_IF_PRIVATE`, the rows the
-        cache did not approve after their last call (only a call naming a sequence changes
-        its answer)."""
+        row to `end` tokens (None: none, or an unconditional promise). Under
+        `DECODE_NOOPS_WHILE_FREE` the calls before a row take at most the new pages of the
+        rows ahead of it that need one (a preemption or an eviction only frees pages): while
+        fewer than the pages free now, a page is still free at its turn (so no row is
+        unproven while all of them together take fewer: the common step, one sum). Under
+        `DECODE_NOOPS_IF_PRIVATE`, the rows the cache did not approve after their last call
+        (only a call naming a sequence changes its answer)."""
         when = self.lazy_when
         if when is None:
             return None
@@ -382,8 +383,12 @@ class VllmRowScheduler(VllmScheduler):
         if when == DECODE_NOOPS_WHILE_FREE:
             page = self.cache.page_size
             take = np.maximum(-(-end // page) - rows.capacity // page, 0)
-            return np.cumsum(take) - take >= self.cache.pages_free()
-        return ~rows.private
+            free = self.cache.pages_free()
+            if int(take.sum()) < free:
+                return None
+            return np.cumsum(take) - take >= free
+        private = rows.private
+        return None if private.all() else ~private
 
     def call_rows_checked(self, calls, plan: RowPlan, unproven: np.ndarray) -> None:
         """`call_rows` for a step with rows a conditional lazy promise did not clear ahead
