@@ -68,6 +68,12 @@ class NoCache(PrefixCache):
     def _evict(self, num_pages: int) -> int:
         return 0  # nothing is ever cached
 
+    def pages_pinned(self) -> int:
+        return self.num_pages - len(self._free)  # O(1): engines ask every step; no Occupancy built
+
+    def pages_free(self) -> int:
+        return len(self._free)
+
     def _occupancy(self) -> Occupancy:
         pinned = self.num_pages - len(self._free)
         return Occupancy(pages_free=len(self._free), pages_cached=0, metadata_bytes=pinned * _PAGE_BYTES, extra={})
