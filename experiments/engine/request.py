@@ -76,8 +76,8 @@ class Request:
     first_token_at: float | None = None
     finished_at: float | None = None
     preempted: int = 0
-    #: tokens generated so far; `VllmRowScheduler` fills it only where it is read (`keep_outputs`, a
-    #: forced output), so elsewhere it may stay short there
+    #: tokens generated so far; `VllmRowScheduler` fills it only where something reads it
+    #: (`keep_outputs`, a forced output) and leaves it empty otherwise
     output: list[int] = field(default_factory=list)
     arrival: float = 0.0  # when it joined the queue (after its predecessor, for a dependent turn)
     target: int = 0  # tokens to generate (0: the spec's output_len)
