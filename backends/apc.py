@@ -614,9 +614,11 @@ class APCCache(PrefixCache):
         new = queue.popleft_n(n)
         if queue.num_used > self._ref.size:
             self._cover(queue.num_used)
-        victims = new[self.index.cached[new]]
-        if victims.size:  # lazy eviction: a block leaves the table only now
-            self._uncache(victims)
+        cached = self.index.cached[new]
+        k = np.count_nonzero(cached)
+        if k:  # lazy eviction: a block leaves the table only now
+            # (with the pool full, most often every block taken held one: no compress then)
+            self._uncache(new if k == new.size else new[cached])
         # (a queued block has no user: check_invariants proves it, no per-call test here)
         self._ref[new] = 1
         return new

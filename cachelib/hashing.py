@@ -522,6 +522,10 @@ def as_keys(hashes: list[BlockHash] | np.ndarray) -> np.ndarray:
     return np.frombuffer(joined, dtype=f"V{width}")
 
 
+#: a new run's buffers hold at least this many blocks more than its first commit's (`_Run`)
+_RUN_ROOM = 64
+
+
 class _Run:
     """Blocks at consecutive chain positions `start ..`: those one commit published, then
     those of the commits that continued it from its last block (`RunIndex.add`'s `after`).
@@ -534,10 +538,17 @@ class _Run:
     def __init__(self, run_id: int, start: int, keys: np.ndarray, blocks: np.ndarray) -> None:
         self.id = run_id
         self.start = start
-        self._key_buf = keys  # a void array, one item per hash (see `as_keys`)
-        self._block_buf = blocks  # (its own copy: the buffer grows in place)
-        self.size = blocks.size
-        self.live = blocks.size  # of its blocks, how many are still cached
+        n = blocks.size
+        # buffers with room past the commit's blocks: the sequence's decode (a few dozen
+        # blocks at page 16, a few hundred at page 1) most often continues the run, and
+        # then writes into them instead of copying both buffers to grow them
+        size = n + max(_RUN_ROOM, n // 8)
+        self._key_buf = np.empty(size, dtype=keys.dtype)  # a void array, one item per hash (see `as_keys`)
+        self._key_buf[:n] = keys
+        self._block_buf = np.empty(size, dtype=np.int64)  # (its own: the buffer grows in place)
+        self._block_buf[:n] = blocks
+        self.size = n
+        self.live = n  # of its blocks, how many are still cached
         # (bytes of one-item slices: a void scalar costs more to make than the slice)
         self.first = keys[:1].tobytes()  # what `RunIndex._starts` files the run under
         # what `RunIndex._continued` asks, as plain Python objects: no numpy scalar per test
@@ -575,7 +586,7 @@ class _Run:
         self.last = key
 
     def _room(self, need: int) -> None:
-        if need > self._block_buf.size:  # (the first buffer is exactly full: never written past)
+        if need > self._block_buf.size:
             n = self.size
             size = max(need, 2 * n)
             key_buf = np.empty(size, dtype=self._key_buf.dtype)
@@ -669,7 +680,7 @@ class RunIndex:
         if run is None:
             r = self._next_run
             self._next_run += 1
-            run = self._runs[r] = _Run(r, start, as_keys(hashes), blocks.copy())
+            run = self._runs[r] = _Run(r, start, as_keys(hashes), blocks)
             self._starts.setdefault(run.first, []).append(r)
             off = 0
         else:
@@ -760,14 +771,14 @@ class RunIndex:
         runs = self._run[blocks]
         self._run[blocks] = -1
         # evicted in LRU order, a run's blocks come in a few stretches: count per stretch
-        cut = (runs[1:] != runs[:-1]).nonzero()[0] + 1
+        cut = (runs[1:] != runs[:-1]).nonzero()[0]  # (the last index of each stretch but the last)
         if not cut.size:
-            gone = {int(runs[0]): runs.size}
+            gone = {runs.item(0): runs.size}
         else:
-            ends = [*cut.tolist(), runs.size]
+            ends = [*(cut + 1).tolist(), runs.size]
             gone = {}
             begin = 0
-            for r, end in zip(runs[[0, *ends[:-1]]].tolist(), ends, strict=True):
+            for r, end in zip([*runs[cut].tolist(), runs.item(-1)], ends, strict=True):
                 gone[r] = gone.get(r, 0) + end - begin
                 begin = end
         self._drop(gone)
