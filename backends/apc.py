@@ -588,7 +588,7 @@ class APCCache(PrefixCache):
         if block >= ref.size:  # (ids are handed out in order: this one is the highest)
             self._cover(block + 1)
             ref = self._ref
-        elif self.index.cached.item(block):  # lazy eviction, as in `_take_new`
+        elif self.index.is_cached(block):  # lazy eviction, as in `_take_new`
             self._uncache_one(block)
         ref[block] = 1
         return block
@@ -614,11 +614,15 @@ class APCCache(PrefixCache):
         new = queue.popleft_n(n)
         if queue.num_used > self._ref.size:
             self._cover(queue.num_used)
-        cached = self.index.cached[new]
-        k = np.count_nonzero(cached)
-        if k:  # lazy eviction: a block leaves the table only now
-            # (with the pool full, most often every block taken held one: no compress then)
-            self._uncache(new if k == new.size else new[cached])
+        # lazy eviction: a block leaves the table only now
+        if self._kv_listener is None:  # (one pass over the blocks' index entries)
+            victims = self.index.remove_cached(new)
+            if victims.size:
+                self._evicted(victims)
+        else:  # (the events name the victims by hash: read before they leave the index)
+            cached = self.index.cached_among(new)
+            if cached.any():
+                self._uncache(new[cached])
         # (a queued block has no user: check_invariants proves it, no per-call test here)
         self._ref[new] = 1
         return new
@@ -792,7 +796,7 @@ class APCCache(PrefixCache):
 
     def _evict(self, num_pages: int) -> int:
         queued = self.free_queue.ids(fresh=False)
-        victims = queued[self.index.cached[queued]][:num_pages]
+        victims = queued[self.index.cached_among(queued)][:num_pages]
         if victims.size:
             self._uncache(victims)
             self.free_queue.remove_n(victims)
@@ -875,8 +879,9 @@ class APCCache(PrefixCache):
     def _page_partition(self) -> PagePartition:
         queued = self.free_queue.ids()
         hashed = np.zeros(queued.size, dtype=bool)
-        used = queued < self.index.cached.size
-        hashed[used] = self.index.cached[queued[used]]
+        cached = self.index.cached
+        used = queued < cached.size
+        hashed[used] = cached[queued[used]]
         return PagePartition(
             free=queued[~hashed].tolist(),
             cached=queued[hashed].tolist(),
@@ -886,7 +891,7 @@ class APCCache(PrefixCache):
     def cached_blocks_in_lru_order(self) -> list[int]:
         """Ids of cached blocks with no user, next evicted first."""
         queued = self.free_queue.ids(fresh=False)
-        return queued[self.index.cached[queued]].tolist()
+        return queued[self.index.cached_among(queued)].tolist()
 
     def _check_invariants(self) -> None:
         from backends.apc_invariants import check_apc

@@ -400,6 +400,20 @@ class DictIndex:
     def __len__(self) -> int:
         return len(self._first) + sum(map(len, self._dups.values()))
 
+    def cached_among(self, blocks: np.ndarray) -> np.ndarray:
+        """Per block of `blocks` (ids covered), whether it is cached."""
+        return self.cached[blocks]
+
+    def is_cached(self, block: int) -> bool:
+        return bool(self.cached.item(block))
+
+    def remove_cached(self, blocks: np.ndarray) -> np.ndarray:
+        """Uncache those of `blocks` that are cached, and return them in order."""
+        victims = blocks[self.cached[blocks]]
+        if victims.size:
+            self.remove(victims)
+        return victims
+
     def lookup(self, hashes: list[BlockHash]) -> np.ndarray:
         get = self._first.get
         return np.fromiter((get(h, -1) for h in hashes), dtype=np.int64, count=len(hashes))
@@ -630,11 +644,11 @@ class RunIndex:
     #: True: it keeps hashes as void arrays (`as_keys`) and takes them so (lists are joined)
     takes_arrays: ClassVar[bool] = True
 
-    __slots__ = ("cached", "_run", "_off", "_seq", "_runs", "_starts", "_next_run", "_next_seq")
+    __slots__ = ("_run", "_off", "_seq", "_runs", "_starts", "_next_run", "_next_seq")
 
     def __init__(self) -> None:
-        self.cached = np.zeros(0, dtype=bool)
-        self._run = np.zeros(0, dtype=np.int64)  # per block: its run while cached
+        # per block: its run while cached, -1 while not (the cached flag itself: `cached`)
+        self._run = np.zeros(0, dtype=np.int64)
         self._off = np.zeros(0, dtype=np.int64)  # per block: its place in its run
         self._seq = np.zeros(0, dtype=np.int64)  # per block: commit order (older = smaller)
         self._runs: dict[int, _Run] = {}
@@ -644,15 +658,27 @@ class RunIndex:
 
     def cover(self, num_blocks: int) -> None:
         """Make the per-block arrays hold ids `0 .. num_blocks - 1`."""
-        more = num_blocks - self.cached.size
+        more = num_blocks - self._run.size
         if more > 0:
-            self.cached = np.concatenate([self.cached, np.zeros(more, dtype=bool)])
             self._run = np.concatenate([self._run, np.full(more, -1, dtype=np.int64)])
             self._off = np.concatenate([self._off, np.zeros(more, dtype=np.int64)])
             self._seq = np.concatenate([self._seq, np.zeros(more, dtype=np.int64)])
 
+    @property
+    def cached(self) -> np.ndarray:
+        """Per block id covered, whether it is cached (a new bool array, for reading: a
+        block's run id is its flag, -1 uncached, so publishing and evicting write one array)."""
+        return self._run >= 0
+
+    def cached_among(self, blocks: np.ndarray) -> np.ndarray:
+        """Per block of `blocks` (ids covered), whether it is cached."""
+        return self._run[blocks] >= 0
+
+    def is_cached(self, block: int) -> bool:
+        return self._run.item(block) >= 0
+
     def __len__(self) -> int:
-        return int(np.count_nonzero(self.cached))
+        return int(np.count_nonzero(self._run >= 0))
 
     # -- publishing and evicting ---------------------------------------------------------
 
@@ -694,12 +720,10 @@ class RunIndex:
         self._next_seq = seq + n
         if n == 1:  # a decode step's block: scalar writes, cheaper than four fancy-indexed ones
             b = int(blocks[0])
-            self.cached[b] = True
             self._run[b] = r
             self._off[b] = off
             self._seq[b] = seq
             return
-        self.cached[blocks] = True
         self._run[blocks] = r
         self._off[blocks] = np.arange(off, off + n)
         self._seq[blocks] = np.arange(seq, seq + n)
@@ -723,7 +747,6 @@ class RunIndex:
         run.append(block, h)
         seq = self._next_seq
         self._next_seq = seq + 1
-        self.cached[block] = True
         self._run[block] = r
         self._off[block] = off
         self._seq[block] = seq
@@ -731,7 +754,6 @@ class RunIndex:
     def remove_one(self, block: int) -> None:
         """`remove([block])` for one cached block given as an int (a decode step's new
         block evicting its old content): scalar steps."""
-        self.cached[block] = False
         r = self._run.item(block)
         self._run[block] = -1
         run = self._runs[r]
@@ -762,26 +784,43 @@ class RunIndex:
             return
         if blocks.size == 1:  # (a decode step's new block evicting one): scalar steps
             b = int(blocks[0])
-            self.cached[b] = False
             gone = {int(self._run[b]): 1}
             self._run[b] = -1
             self._drop(gone)
             return
-        self.cached[blocks] = False
         runs = self._run[blocks]
         self._run[blocks] = -1
-        # evicted in LRU order, a run's blocks come in a few stretches: count per stretch
+        self._drop(self._stretches(runs))
+
+    def remove_cached(self, blocks: np.ndarray) -> np.ndarray:
+        """Uncache those of `blocks` (distinct ids, covered) that are cached, and return
+        them in order: `remove(blocks[cached_among(blocks)])`, each block's run read once
+        (apc's blocks taken from the free queue, most often all of them cached)."""
+        runs = self._run[blocks]
+        cached = runs >= 0
+        k = np.count_nonzero(cached)
+        if not k:
+            return blocks[:0]
+        if k != blocks.size:
+            blocks, runs = blocks[cached], runs[cached]
+        self._run[blocks] = -1
+        self._drop(self._stretches(runs))
+        return blocks
+
+    @staticmethod
+    def _stretches(runs: np.ndarray) -> dict[int, int]:
+        """Per run id in `runs` (evicted blocks' runs), how many of its blocks: evicted in
+        LRU order, a run's blocks come in a few stretches, counted a stretch at a time."""
         cut = (runs[1:] != runs[:-1]).nonzero()[0]  # (the last index of each stretch but the last)
         if not cut.size:
-            gone = {runs.item(0): runs.size}
-        else:
-            ends = [*(cut + 1).tolist(), runs.size]
-            gone = {}
-            begin = 0
-            for r, end in zip([*runs[cut].tolist(), runs.item(-1)], ends, strict=True):
-                gone[r] = gone.get(r, 0) + end - begin
-                begin = end
-        self._drop(gone)
+            return {runs.item(0): runs.size}
+        ends = [*(cut + 1).tolist(), runs.size]
+        gone: dict[int, int] = {}
+        begin = 0
+        for r, end in zip([*runs[cut].tolist(), runs.item(-1)], ends, strict=True):
+            gone[r] = gone.get(r, 0) + end - begin
+            begin = end
+        return gone
 
     def _drop(self, gone: dict[int, int]) -> None:
         """Count `gone[r]` blocks of run `r` evicted; a run with none left goes."""
@@ -980,9 +1019,10 @@ class RunIndex:
         """Cache `block` under `h` instead, at its chain position, as the youngest of `h`'s
         blocks (None: uncache it)."""
         self.cover(block + 1)
-        at = self.position(block) if self.cached[block] else 0
+        cached = self.is_cached(block)
+        at = self.position(block) if cached else 0
         ids = np.array([block], dtype=np.int64)
-        if self.cached[block]:
+        if cached:
             self.remove(ids)
         if h is not None:
             self.add(ids, [h], at)  # (a run of its own)
@@ -996,8 +1036,8 @@ class RunIndex:
 
     def check(self, fail) -> None:
         """Call `fail(message)` on the first broken invariant of the layout."""
-        size = self.cached.size
-        if not self._run.size == self._off.size == self._seq.size == size:
+        size = self._run.size
+        if not self._off.size == self._seq.size == size:
             fail("index arrays of different sizes")
         live = np.zeros(self._next_run, dtype=np.int64)
         for b in self.cached.nonzero()[0].tolist():
@@ -1006,8 +1046,6 @@ class RunIndex:
             if run is None or not 0 <= self._off[b] < run.blocks.size or run.blocks[self._off[b]] != b:
                 fail(f"cached block {b} is not where its run says")
             live[r] += 1
-        if (self._run[~self.cached] != -1).any():
-            fail("a block that is not cached belongs to a run")
         for r, run in self._runs.items():
             if run.live != live[r] or not run.live:
                 fail(f"run {r} counts {run.live} cached blocks, holds {live[r]}")
