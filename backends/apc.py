@@ -427,7 +427,9 @@ class APCCache(PrefixCache):
         hashes, keys = memo[1], memo[2]
         if keys.size <= start:  # the array has none of them: the list has them all
             return hashes[start:full], hashes[start - 1] if start else None
-        keys = self._index_keys(seq, full)
+        if keys.size < len(hashes):  # (`_index_keys`, its memo already at hand)
+            new = as_keys(hashes[keys.size :])
+            keys = memo[2] = np.concatenate([keys, new])
         return keys[start:full], keys[start - 1 : start].tobytes() if start else None
 
     # -- the contract: the hooks the base class calls after its checks -----------------
