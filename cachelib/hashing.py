@@ -626,7 +626,7 @@ class RunIndex:
     decode steps, `add`).
     Publishing a run is one dict operation (`_starts`: its first hash -> its id) and a few array writes
     (its hashes are one void array, `as_keys`, compared as machine words);
-    evicting a block clears its `cached` flag (a run goes when its last block does). No
+    evicting a block sets its run id to -1, its cached flag (a run goes when its last block does). No
     operation per block on a hash table.
 
     A lookup walks the chain: at each position the runs that start there are found by the
