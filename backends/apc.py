@@ -427,7 +427,9 @@ class APCCache(PrefixCache):
         hashes, keys = memo[1], memo[2]
         if keys.size <= start:  # the array has none of them: the list has them all
             return hashes[start:full], hashes[start - 1] if start else None
-        keys = self._index_keys(seq, full)
+        if keys.size < len(hashes):  # (`_index_keys`, its memo already at hand)
+            new = as_keys(hashes[keys.size :])
+            keys = memo[2] = np.concatenate([keys, new])
         return keys[start:full], keys[start - 1 : start].tobytes() if start else None
 
     # -- the contract: the hooks the base class calls after its checks -----------------
@@ -588,7 +590,7 @@ class APCCache(PrefixCache):
         if block >= ref.size:  # (ids are handed out in order: this one is the highest)
             self._cover(block + 1)
             ref = self._ref
-        elif self.index.cached.item(block):  # lazy eviction, as in `_take_new`
+        elif self.index.is_cached(block):  # lazy eviction, as in `_take_new`
             self._uncache_one(block)
         ref[block] = 1
         return block
@@ -614,9 +616,15 @@ class APCCache(PrefixCache):
         new = queue.popleft_n(n)
         if queue.num_used > self._ref.size:
             self._cover(queue.num_used)
-        victims = new[self.index.cached[new]]
-        if victims.size:  # lazy eviction: a block leaves the table only now
-            self._uncache(victims)
+        # lazy eviction: a block leaves the table only now
+        if self._kv_listener is None:  # (one pass over the blocks' index entries)
+            victims = self.index.remove_cached(new)
+            if victims.size:
+                self._evicted(victims)
+        else:  # (the events name the victims by hash: read before they leave the index)
+            cached = self.index.cached_among(new)
+            if cached.any():
+                self._uncache(new[cached])
         # (a queued block has no user: check_invariants proves it, no per-call test here)
         self._ref[new] = 1
         return new
@@ -790,7 +798,7 @@ class APCCache(PrefixCache):
 
     def _evict(self, num_pages: int) -> int:
         queued = self.free_queue.ids(fresh=False)
-        victims = queued[self.index.cached[queued]][:num_pages]
+        victims = queued[self.index.cached_among(queued)][:num_pages]
         if victims.size:
             self._uncache(victims)
             self.free_queue.remove_n(victims)
@@ -873,8 +881,9 @@ class APCCache(PrefixCache):
     def _page_partition(self) -> PagePartition:
         queued = self.free_queue.ids()
         hashed = np.zeros(queued.size, dtype=bool)
-        used = queued < self.index.cached.size
-        hashed[used] = self.index.cached[queued[used]]
+        cached = self.index.cached
+        used = queued < cached.size
+        hashed[used] = cached[queued[used]]
         return PagePartition(
             free=queued[~hashed].tolist(),
             cached=queued[hashed].tolist(),
@@ -884,7 +893,7 @@ class APCCache(PrefixCache):
     def cached_blocks_in_lru_order(self) -> list[int]:
         """Ids of cached blocks with no user, next evicted first."""
         queued = self.free_queue.ids(fresh=False)
-        return queued[self.index.cached[queued]].tolist()
+        return queued[self.index.cached_among(queued)].tolist()
 
     def _check_invariants(self) -> None:
         from backends.apc_invariants import check_apc

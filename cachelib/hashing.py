@@ -400,6 +400,20 @@ class DictIndex:
     def __len__(self) -> int:
         return len(self._first) + sum(map(len, self._dups.values()))
 
+    def cached_among(self, blocks: np.ndarray) -> np.ndarray:
+        """Per block of `blocks` (ids covered), whether it is cached."""
+        return self.cached[blocks]
+
+    def is_cached(self, block: int) -> bool:
+        return bool(self.cached.item(block))
+
+    def remove_cached(self, blocks: np.ndarray) -> np.ndarray:
+        """Uncache those of `blocks` that are cached, and return them in order."""
+        victims = blocks[self.cached[blocks]]
+        if victims.size:
+            self.remove(victims)
+        return victims
+
     def lookup(self, hashes: list[BlockHash]) -> np.ndarray:
         get = self._first.get
         return np.fromiter((get(h, -1) for h in hashes), dtype=np.int64, count=len(hashes))
@@ -522,6 +536,10 @@ def as_keys(hashes: list[BlockHash] | np.ndarray) -> np.ndarray:
     return np.frombuffer(joined, dtype=f"V{width}")
 
 
+#: a new run's buffers hold at least this many blocks more than its first commit's (`_Run`)
+_RUN_ROOM = 64
+
+
 class _Run:
     """Blocks at consecutive chain positions `start ..`: those one commit published, then
     those of the commits that continued it from its last block (`RunIndex.add`'s `after`).
@@ -534,10 +552,17 @@ class _Run:
     def __init__(self, run_id: int, start: int, keys: np.ndarray, blocks: np.ndarray) -> None:
         self.id = run_id
         self.start = start
-        self._key_buf = keys  # a void array, one item per hash (see `as_keys`)
-        self._block_buf = blocks  # (its own copy: the buffer grows in place)
-        self.size = blocks.size
-        self.live = blocks.size  # of its blocks, how many are still cached
+        n = blocks.size
+        # buffers with room past the commit's blocks: the sequence's decode (a few dozen
+        # blocks at page 16, a few hundred at page 1) most often continues the run, and
+        # then writes into them instead of copying both buffers to grow them
+        size = n + max(_RUN_ROOM, n // 8)
+        self._key_buf = np.empty(size, dtype=keys.dtype)  # a void array, one item per hash (see `as_keys`)
+        self._key_buf[:n] = keys
+        self._block_buf = np.empty(size, dtype=np.int64)  # (its own: the buffer grows in place)
+        self._block_buf[:n] = blocks
+        self.size = n
+        self.live = n  # of its blocks, how many are still cached
         # (bytes of one-item slices: a void scalar costs more to make than the slice)
         self.first = keys[:1].tobytes()  # what `RunIndex._starts` files the run under
         # what `RunIndex._continued` asks, as plain Python objects: no numpy scalar per test
@@ -575,7 +600,7 @@ class _Run:
         self.last = key
 
     def _room(self, need: int) -> None:
-        if need > self._block_buf.size:  # (the first buffer is exactly full: never written past)
+        if need > self._block_buf.size:
             n = self.size
             size = max(need, 2 * n)
             key_buf = np.empty(size, dtype=self._key_buf.dtype)
@@ -601,7 +626,7 @@ class RunIndex:
     decode steps, `add`).
     Publishing a run is one dict operation (`_starts`: its first hash -> its id) and a few array writes
     (its hashes are one void array, `as_keys`, compared as machine words);
-    evicting a block clears its `cached` flag (a run goes when its last block does). No
+    evicting a block sets its run id to -1, its cached flag (a run goes when its last block does). No
     operation per block on a hash table.
 
     A lookup walks the chain: at each position the runs that start there are found by the
@@ -619,11 +644,11 @@ class RunIndex:
     #: True: it keeps hashes as void arrays (`as_keys`) and takes them so (lists are joined)
     takes_arrays: ClassVar[bool] = True
 
-    __slots__ = ("cached", "_run", "_off", "_seq", "_runs", "_starts", "_next_run", "_next_seq")
+    __slots__ = ("_run", "_off", "_seq", "_runs", "_starts", "_next_run", "_next_seq")
 
     def __init__(self) -> None:
-        self.cached = np.zeros(0, dtype=bool)
-        self._run = np.zeros(0, dtype=np.int64)  # per block: its run while cached
+        # per block: its run while cached, -1 while not (the cached flag itself: `cached`)
+        self._run = np.zeros(0, dtype=np.int64)
         self._off = np.zeros(0, dtype=np.int64)  # per block: its place in its run
         self._seq = np.zeros(0, dtype=np.int64)  # per block: commit order (older = smaller)
         self._runs: dict[int, _Run] = {}
@@ -633,15 +658,27 @@ class RunIndex:
 
     def cover(self, num_blocks: int) -> None:
         """Make the per-block arrays hold ids `0 .. num_blocks - 1`."""
-        more = num_blocks - self.cached.size
+        more = num_blocks - self._run.size
         if more > 0:
-            self.cached = np.concatenate([self.cached, np.zeros(more, dtype=bool)])
             self._run = np.concatenate([self._run, np.full(more, -1, dtype=np.int64)])
             self._off = np.concatenate([self._off, np.zeros(more, dtype=np.int64)])
             self._seq = np.concatenate([self._seq, np.zeros(more, dtype=np.int64)])
 
+    @property
+    def cached(self) -> np.ndarray:
+        """Per block id covered, whether it is cached (a new bool array, for reading: a
+        block's run id is its flag, -1 uncached, so publishing and evicting write one array)."""
+        return self._run >= 0
+
+    def cached_among(self, blocks: np.ndarray) -> np.ndarray:
+        """Per block of `blocks` (ids covered), whether it is cached."""
+        return self._run[blocks] >= 0
+
+    def is_cached(self, block: int) -> bool:
+        return self._run.item(block) >= 0
+
     def __len__(self) -> int:
-        return int(np.count_nonzero(self.cached))
+        return int(np.count_nonzero(self._run >= 0))
 
     # -- publishing and evicting ---------------------------------------------------------
 
@@ -669,7 +706,7 @@ class RunIndex:
         if run is None:
             r = self._next_run
             self._next_run += 1
-            run = self._runs[r] = _Run(r, start, as_keys(hashes), blocks.copy())
+            run = self._runs[r] = _Run(r, start, as_keys(hashes), blocks)
             self._starts.setdefault(run.first, []).append(r)
             off = 0
         else:
@@ -683,12 +720,10 @@ class RunIndex:
         self._next_seq = seq + n
         if n == 1:  # a decode step's block: scalar writes, cheaper than four fancy-indexed ones
             b = int(blocks[0])
-            self.cached[b] = True
             self._run[b] = r
             self._off[b] = off
             self._seq[b] = seq
             return
-        self.cached[blocks] = True
         self._run[blocks] = r
         self._off[blocks] = np.arange(off, off + n)
         self._seq[blocks] = np.arange(seq, seq + n)
@@ -712,7 +747,6 @@ class RunIndex:
         run.append(block, h)
         seq = self._next_seq
         self._next_seq = seq + 1
-        self.cached[block] = True
         self._run[block] = r
         self._off[block] = off
         self._seq[block] = seq
@@ -720,7 +754,6 @@ class RunIndex:
     def remove_one(self, block: int) -> None:
         """`remove([block])` for one cached block given as an int (a decode step's new
         block evicting its old content): scalar steps."""
-        self.cached[block] = False
         r = self._run.item(block)
         self._run[block] = -1
         run = self._runs[r]
@@ -751,26 +784,43 @@ class RunIndex:
             return
         if blocks.size == 1:  # (a decode step's new block evicting one): scalar steps
             b = int(blocks[0])
-            self.cached[b] = False
             gone = {int(self._run[b]): 1}
             self._run[b] = -1
             self._drop(gone)
             return
-        self.cached[blocks] = False
         runs = self._run[blocks]
         self._run[blocks] = -1
-        # evicted in LRU order, a run's blocks come in a few stretches: count per stretch
-        cut = (runs[1:] != runs[:-1]).nonzero()[0] + 1
+        self._drop(self._stretches(runs))
+
+    def remove_cached(self, blocks: np.ndarray) -> np.ndarray:
+        """Uncache those of `blocks` (distinct ids, covered) that are cached, and return
+        them in order: `remove(blocks[cached_among(blocks)])`, each block's run read once
+        (apc's blocks taken from the free queue, most often all of them cached)."""
+        runs = self._run[blocks]
+        cached = runs >= 0
+        k = np.count_nonzero(cached)
+        if not k:
+            return blocks[:0]
+        if k != blocks.size:
+            blocks, runs = blocks[cached], runs[cached]
+        self._run[blocks] = -1
+        self._drop(self._stretches(runs))
+        return blocks
+
+    @staticmethod
+    def _stretches(runs: np.ndarray) -> dict[int, int]:
+        """Per run id in `runs` (evicted blocks' runs), how many of its blocks: evicted in
+        LRU order, a run's blocks come in a few stretches, counted a stretch at a time."""
+        cut = (runs[1:] != runs[:-1]).nonzero()[0]  # (the last index of each stretch but the last)
         if not cut.size:
-            gone = {int(runs[0]): runs.size}
-        else:
-            ends = [*cut.tolist(), runs.size]
-            gone = {}
-            begin = 0
-            for r, end in zip(runs[[0, *ends[:-1]]].tolist(), ends, strict=True):
-                gone[r] = gone.get(r, 0) + end - begin
-                begin = end
-        self._drop(gone)
+            return {runs.item(0): runs.size}
+        ends = [*(cut + 1).tolist(), runs.size]
+        gone: dict[int, int] = {}
+        begin = 0
+        for r, end in zip([*runs[cut].tolist(), runs.item(-1)], ends, strict=True):
+            gone[r] = gone.get(r, 0) + end - begin
+            begin = end
+        return gone
 
     def _drop(self, gone: dict[int, int]) -> None:
         """Count `gone[r]` blocks of run `r` evicted; a run with none left goes."""
@@ -969,9 +1019,10 @@ class RunIndex:
         """Cache `block` under `h` instead, at its chain position, as the youngest of `h`'s
         blocks (None: uncache it)."""
         self.cover(block + 1)
-        at = self.position(block) if self.cached[block] else 0
+        cached = self.is_cached(block)
+        at = self.position(block) if cached else 0
         ids = np.array([block], dtype=np.int64)
-        if self.cached[block]:
+        if cached:
             self.remove(ids)
         if h is not None:
             self.add(ids, [h], at)  # (a run of its own)
@@ -985,8 +1036,8 @@ class RunIndex:
 
     def check(self, fail) -> None:
         """Call `fail(message)` on the first broken invariant of the layout."""
-        size = self.cached.size
-        if not self._run.size == self._off.size == self._seq.size == size:
+        size = self._run.size
+        if not self._off.size == self._seq.size == size:
             fail("index arrays of different sizes")
         live = np.zeros(self._next_run, dtype=np.int64)
         for b in self.cached.nonzero()[0].tolist():
@@ -995,8 +1046,6 @@ class RunIndex:
             if run is None or not 0 <= self._off[b] < run.blocks.size or run.blocks[self._off[b]] != b:
                 fail(f"cached block {b} is not where its run says")
             live[r] += 1
-        if (self._run[~self.cached] != -1).any():
-            fail("a block that is not cached belongs to a run")
         for r, run in self._runs.items():
             if run.live != live[r] or not run.live:
                 fail(f"run {r} counts {run.live} cached blocks, holds {live[r]}")
