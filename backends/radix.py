@@ -228,6 +228,8 @@ class RadixCache(PrefixCache):
             # instance, the class default is True)
             self.decode_steps_are_noops = False
             self.decode_noops_when = DECODE_NOOPS_WHILE_FREE
+        #: tokens of the over-estimate every extend allocation asks eviction for
+        self._reserve_tokens = page_size if self.reserve_page else 0
         self.tree = RadixTree(page_size, policy)
         self.eviction_policy = policy.name
         # Free pages: recycled ids, then never-used ones created when first handed out (an
@@ -328,23 +330,29 @@ class RadixCache(PrefixCache):
         return free + self._evictable_pages() - on_path >= need
 
     def _admit(self, seq: Sequence, match: Match, num_tokens: int) -> tuple[_Held, list[CopyOp]] | None:
-        if not self._can_admit(seq, match, num_tokens):
+        ps = self.page_size
+        hit = match.num_tokens
+        hit_pages = hit // ps
+        need = -(-num_tokens // ps) - hit_pages
+        free = self._num_free
+        # `_can_admit` decides; its first test (the new pages are free) answers most admissions
+        if need > free and not self._can_admit(seq, match, num_tokens):
             return None
         node: RadixNode | None = match.handle
         tree = self.tree
-        hit = match.num_tokens
-        hit_pages = hit // self.page_size
-        need = -(-num_tokens // self.page_size) - hit_pages
         if node is None:
             node = tree.root(self._namespace(seq), create=True)
         tree.lock(node)
-        self._evict_for_extend(num_tokens - hit, need)
+        if num_tokens - hit + self._reserve_tokens > free * ps or need > free:
+            self._evict_for_extend(num_tokens - hit, need)  # else it would evict nothing
         table = self._new_table(seq)
         slots = table.append_slots(hit_pages + need)  # the whole table, filled in place
+        self._num_free -= need
         if hit_pages:  # the hit's pages: the tree's, proven equal to match.pages
             tree.copy_path_pages(node, slots)
-        self._num_free -= need
-        self._pool.take_into(slots[hit_pages:])
+            self._pool.take_into(slots[hit_pages:])
+        else:
+            self._pool.take_into(slots)
         seq.page_table = table
         seq.num_computed = hit
         return _Held(seq, node, hit, 0, num_tokens), []
@@ -374,7 +382,7 @@ class RadixCache(PrefixCache):
         """Evict before an extend (prefill) allocation of `need_pages` pages for `extend_tokens`
         new tokens, as the allocator's `evict_to_free_tokens` does (see the module docstring)."""
         ps = self.page_size
-        reserve = ps if self.reserve_page else 0
+        reserve = self._reserve_tokens
         if self.admission_eviction == "extend":  # older SGLang: ask for the whole extend when short
             if need_pages > self._num_free:
                 self._evict_tokens(need_pages * ps + reserve)
@@ -397,6 +405,18 @@ class RadixCache(PrefixCache):
             if need > self._num_free:
                 self._evict_tokens((need - self._num_free) * ps)
             self._extend_table(table, need)
+            return
+        need = want - have
+        free = self._num_free
+        if 0 < free and need < free:
+            # no step finds nothing free (a page stays free after the last is taken): the
+            # loop below would take the new pages at once, evicting nothing
+            if need > 0:
+                if table.__class__ is PageTable:  # `_extend_table`, inlined
+                    self._num_free = free - need
+                    self._pool.take_into(table.append_slots(need))
+                else:
+                    self._extend_table(table, need)
             return
         pos = start
         while pos < end:

@@ -185,6 +185,8 @@ class RadixTree:
         self.page_size = page_size
         self.policy = policy
         self._key: Callable[[RadixNode], tuple] = policy.key  # bound once: called on every re-key
+        self._created: Callable[[RadixNode], None] = policy.created  # bound once: every new node
+        self._rekey_on_lookup = policy.rekey_on_lookup  # read on every match
         self.roots: dict[tuple, RadixNode] = {}
         self.candidates = EvictionQueue()
         self.evictable_tokens = 0
@@ -287,7 +289,7 @@ class RadixTree:
         self.num_nodes += 1
         node = self.node_class(key, pages, parent, tick, self._next_id, edge)
         parent.children[edge] = node
-        self.policy.created(node)
+        self._created(node)
         return node
 
     def _rekey(self, node: RadixNode) -> None:
@@ -360,7 +362,7 @@ class RadixTree:
         """
         root = self.roots.get(namespace)
         if root is None:
-            if self.policy.rekey_on_lookup:
+            if self._rekey_on_lookup:
                 self.policy.lookup(None)
             return None, 0, []
         self.clock = t = self.clock + 1  # `tick`
@@ -389,7 +391,7 @@ class RadixTree:
             runs.append(self.pages_of(child))
             node = child
             pos += klen
-        if self.policy.rekey_on_lookup:
+        if self._rekey_on_lookup:
             self._lookup(node)
         return node, pos, runs
 
@@ -456,8 +458,25 @@ class RadixTree:
             pos += m
         matched = pos
         if pos < end:  # the walk stopped at a missing child: `edge` is the new leaf's
-            leaf_pages = None if lend else self._node_pages(pages, pos // ps, end // ps)
-            leaf = self._new_node(self._node_key(tokens, pos, end), leaf_pages, node, t, edge)
+            # `_new_node(_node_key(...), _node_pages(...))`, inlined: every request inserts
+            # a leaf or two
+            key = tokens[pos:end]
+            base = key.base
+            if base is None or 2 * key.size < base.size:
+                key = key.copy()
+            if lend:
+                leaf_pages = None
+            else:
+                leaf_pages = pages[pos // ps : end // ps]
+                if leaf_pages.__class__ is np.ndarray:
+                    base = leaf_pages.base
+                    if base is not None and 2 * leaf_pages.size < base.size:
+                        leaf_pages = leaf_pages.copy()
+            self._next_id = node_id = self._next_id + 1
+            self.num_nodes += 1
+            leaf = self.node_class(key, leaf_pages, node, t, node_id, edge)
+            node.children[edge] = leaf
+            self._created(leaf)
             if lend:
                 leaf.lender = pages
             leaf.hit_count = 1 if end > count_from else 0
@@ -482,10 +501,18 @@ class RadixTree:
         node.lock_ref += 1
 
     def lock(self, node: RadixNode) -> None:
-        """lock_ref + 1 from `node` up to the root (SGLang's `inc_lock_ref`)."""
+        """lock_ref + 1 from `node` up to the root (SGLang's `inc_lock_ref`): `_hold` on each
+        node, inlined (every admission locks its path; a tiered tree holds its own way)."""
+        held = 0  # tokens turned protected, settled once
         while node.parent is not None:
-            self._hold(node)
+            if node.lock_ref == 0:
+                held += len(node.key)
+                if node.cand_key is not None:
+                    self.candidates.remove(node)
+            node.lock_ref += 1
             node = node.parent
+        self.evictable_tokens -= held
+        self.protected_tokens += held
 
     def unlock(self, node: RadixNode) -> None:
         """lock_ref - 1 from `node` up to the root (SGLang's `dec_lock_ref`)."""
