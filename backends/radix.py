@@ -303,13 +303,13 @@ class RadixCache(PrefixCache):
         limit = (len(seq) - 1) // ps * ps
         if limit <= 0:
             return 0, (), None
-        node, hit, runs = self.tree.match(self._namespace(seq), seq.tokens, limit)
-        if not runs:
+        node, hit = self.tree.match(seq.extra.namespace, seq.tokens, limit)  # `_namespace`
+        if not hit:
             return 0, (), node
         kept = self._match_pages
         pages = kept.get(node)  # `node` ends at the hit: its path's ids are the match's
         if pages is None:
-            ids = _joined(runs)
+            ids = _joined(self.tree.path_pages(node))
             pages = tuple(ids.tolist() if ids.__class__ is np.ndarray else ids)
             if len(kept) >= _MATCH_PAGES_KEPT:
                 del kept[next(iter(kept))]  # the oldest kept
@@ -632,18 +632,19 @@ class RadixCache(PrefixCache):
         pages and the end of every path through it. Only eviction is left to check. Any
         other match (edited, another sequence's, a copied memo) gets the full proof."""
         memo = seq.cache_memo
-        if (
-            memo.__class__ is tuple
-            and len(memo) == 6
-            and memo[0] is self.match_token
-            and memo[1] == id(seq)
-            and memo[2] is seq.extra
-            and memo[3] is match.handle
-            and memo[4] == match.num_tokens
-            and memo[5] is match.pages
-        ):
-            node = match.handle
-            if node.pages is None and node.lender is None:
-                raise StaleMatchError(f"request {seq.request_id!r}: the matched prefix was evicted since; match again")
-            return
+        if memo.__class__ is tuple and len(memo) == 6:
+            token, seq_id, extra, node, hit, pages = memo
+            if (
+                token is self.match_token
+                and seq_id == id(seq)
+                and extra is seq.extra
+                and node is match.handle
+                and hit == match.num_tokens
+                and pages is match.pages
+            ):
+                if node.pages is None and node.lender is None:
+                    raise StaleMatchError(
+                        f"request {seq.request_id!r}: the matched prefix was evicted since; match again"
+                    )
+                return
         verify_radix_match(self, seq, match)

@@ -355,8 +355,9 @@ class RadixTree:
             self._rekey(child)  # it starts deeper now
         return new
 
-    def match(self, namespace: tuple, tokens: np.ndarray, limit: int) -> tuple[RadixNode | None, int, list[list[int]]]:
-        """Longest cached prefix of `tokens[:limit]` (`limit` page-aligned): (last node, tokens, page runs).
+    def match(self, namespace: tuple, tokens: np.ndarray, limit: int) -> tuple[RadixNode | None, int]:
+        """Longest cached prefix of `tokens[:limit]` (`limit` page-aligned): (last node, tokens).
+        The node's path holds the pages (`path_pages`).
 
         Stamps the visited nodes, splits the last one where the match ends inside it.
         """
@@ -364,11 +365,11 @@ class RadixTree:
         if root is None:
             if self._rekey_on_lookup:
                 self.policy.lookup(None)
-            return None, 0, []
+            return None, 0
         self.clock = t = self.clock + 1  # `tick`
         root.last_access = t
         ps = self.page_size
-        node, pos, runs = root, 0, []
+        node, pos = root, 0
         while pos < limit:
             # `_child_key` and `_touch` inlined: this loop runs for every node on the path
             child = node.children.get(tokens.item(pos) if ps == 1 else tokens[pos : pos + ps].tobytes())
@@ -385,15 +386,13 @@ class RadixTree:
                 m = self._first_mismatch(key, tokens, pos, min(klen, limit - pos))
             if m < klen:
                 node = self._split(child, m, t)
-                runs.append(self.pages_of(node))
                 pos += m
                 break
-            runs.append(self.pages_of(child))
             node = child
             pos += klen
         if self._rekey_on_lookup:
             self._lookup(node)
-        return node, pos, runs
+        return node, pos
 
     def _lookup(self, node: RadixNode) -> None:
         """Tell the policy a lookup reused root..`node`; re-key the candidates on that path."""
@@ -543,11 +542,14 @@ class RadixTree:
         Returns tokens freed."""
         freed = evicted = 0
         cands = self.candidates
+        heap = cands._heap  # `cands.pop()` and `cands.add()`, inlined: the queue's own heap
         on_evict, events = self.on_evict, self.events
-        while freed < num_tokens:
-            node = cands.pop()
-            if node is None:
-                break
+        while freed < num_tokens and heap:
+            key = heappop(heap)
+            node = key[-1]
+            if node.cand_key is not key:
+                continue  # a stale entry
+            node.cand_key = None
             assert node.lock_ref == 0 and not node.children and node.lender is None, f"radix: evicting {node}"
             parent = node.parent
             del parent.children[node.edge]
@@ -561,8 +563,14 @@ class RadixTree:
             node.pages = None
             node.parent = None
             if not parent.children and parent.lock_ref == 0 and parent.parent is not None:
-                # an unlocked leaf now (it had a child: not queued before)
-                cands.add(parent, self._key(parent))
+                # an unlocked leaf now (it had a child: not queued before); it replaces the
+                # popped node among the candidates (the count of current entries stays)
+                parent.cand_key = key = self._key(parent)
+                heappush(heap, key)
+            else:
+                cands._live -= 1
+        if len(heap) > 2 * cands._live + 64:  # `add`'s compaction, once for the pushes above
+            cands._compact()
         self.evictable_tokens -= freed
         self.num_nodes -= evicted
         return freed
