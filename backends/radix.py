@@ -321,13 +321,15 @@ class RadixCache(PrefixCache):
     def _can_admit(self, seq: Sequence, match: Match, num_tokens: int) -> bool:
         """The new pages fit in free pages plus evictable ones, less the unlocked pages on
         the hit's own path (admission locks them: they cannot be evicted for it)."""
-        need = self.pages_for(num_tokens) - match.num_tokens // self.page_size
+        ps = self.page_size
+        need = -(-num_tokens // ps) - match.num_tokens // ps  # `pages_for`
         free = self._num_free
         if need <= free:
             return True
         node: RadixNode | None = match.handle  # proven live and on seq's path by _verify_match
-        on_path = self.tree.unlocked_on_path(node) // self.page_size if node is not None else 0
-        return free + self._evictable_pages() - on_path >= need
+        tree = self.tree
+        on_path = tree.unlocked_on_path(node) if node is not None else 0
+        return free + tree.evictable_tokens // ps - on_path // ps >= need  # `_evictable_pages`
 
     def _admit(self, seq: Sequence, match: Match, num_tokens: int) -> tuple[_Held, list[CopyOp]] | None:
         ps = self.page_size
@@ -361,12 +363,23 @@ class RadixCache(PrefixCache):
         table = seq.page_table
         have = len(table)
         need = -(-num_tokens // self.page_size) - have
-        if need > self._num_free and self._num_free + self._evictable_pages() < need:
+        free = self._num_free
+        if need > free and free + self._evictable_pages() < need:
             return None
         start = held.covered
         if num_tokens <= start:
             return []
         held.covered = num_tokens
+        if 0 < free and need < free and start >= seq.prompt_len:
+            # decode steps of which none finds nothing free (`_decode_steps`' first case,
+            # inlined: nearly every grow): the new pages are taken at once, nothing evicted
+            if need > 0:
+                if table.__class__ is PageTable:  # `_extend_table`, inlined
+                    self._num_free = free - need
+                    self._pool.take_into(table.append_slots(need))
+                else:
+                    self._extend_table(table, need)
+            return []
         if start < seq.prompt_len:  # a further prefill chunk: one extend allocation
             end = min(num_tokens, seq.prompt_len)
             extend_pages = max(self.pages_for(end) - len(table), 0)

@@ -458,10 +458,13 @@ class RadixTree:
         matched = pos
         if pos < end:  # the walk stopped at a missing child: `edge` is the new leaf's
             # `_new_node(_node_key(...), _node_pages(...))`, inlined: every request inserts
-            # a leaf or two
+            # a leaf or two. A short view is kept too when `node` views the same buffer (a
+            # request's finish-time leaf below its prompt's): it pins nothing `node` does
+            # not, and `node` outlives it (a leaf is evicted before its parent, a split
+            # parent's parts view the buffer as it did)
             key = tokens[pos:end]
             base = key.base
-            if base is None or 2 * key.size < base.size:
+            if base is None or (2 * key.size < base.size and node.key.base is not base):
                 key = key.copy()
             if lend:
                 leaf_pages = None
@@ -470,7 +473,9 @@ class RadixTree:
                 if leaf_pages.__class__ is np.ndarray:
                     base = leaf_pages.base
                     if base is not None and 2 * leaf_pages.size < base.size:
-                        leaf_pages = leaf_pages.copy()
+                        above = node.pages
+                        if above.__class__ is not np.ndarray or above.base is not base:
+                            leaf_pages = leaf_pages.copy()
             self._next_id = node_id = self._next_id + 1
             self.num_nodes += 1
             leaf = self.node_class(key, leaf_pages, node, t, node_id, edge)
