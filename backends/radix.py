@@ -347,7 +347,8 @@ class RadixCache(PrefixCache):
         tree.lock(node)
         if num_tokens - hit + self._reserve_tokens > free * ps or need > free:
             self._evict_for_extend(num_tokens - hit, need)  # else it would evict nothing
-        table = self._new_table(seq)
+        n = -(-len(seq) // ps)  # `_new_table`, inlined
+        table = PageTable(n + n // 8 + 16)
         slots = table.append_slots(hit_pages + need)  # the whole table, filled in place
         self._num_free -= need
         if hit_pages:  # the hit's pages: the tree's, proven equal to match.pages
@@ -456,9 +457,11 @@ class RadixCache(PrefixCache):
             # after a prefill chunk (SGLang's checkpoint); decode tokens wait for release
             self._insert(held, num_computed // ps * ps, lend=True)
 
-    def _insert(self, held: _Held, end: int, lend: bool) -> None:
+    def _insert(self, held: _Held, end: int, lend: bool) -> np.ndarray | list[int]:
         """Insert the sequence's first `end` (page-aligned) tokens; free duplicates, move the lock.
-        With `lend` a new leaf borrows its pages from the table (the sequence runs on)."""
+        With `lend` a new leaf borrows its pages from the table (the sequence runs on).
+        Returns the table's ids as it read them (`_page_ids`), for `_release` to cut its
+        private pages from."""
         seq = held.seq
         ps = self.page_size
         tree = self.tree
@@ -481,6 +484,7 @@ class RadixCache(PrefixCache):
             table[lo:hi] = _joined(runs)[: hi - lo]
         held.node = new  # the insert moved our lock down to it
         held.protected = end
+        return pages
 
     def _fork(self, parent: Sequence, held: _Held, child: Sequence) -> tuple[_Held, list[CopyOp]] | None:
         computed = parent.num_computed
@@ -516,10 +520,10 @@ class RadixCache(PrefixCache):
         # SGLang's release_kv_cache -> checkpoint: what has KV goes into the tree when the
         # request ends, always (a walk that refreshes recency even when no page is new)
         ps = self.page_size
-        self._insert(held, max(seq.num_computed // ps * ps, held.protected), lend=False)
+        ids = self._insert(held, max(seq.num_computed // ps * ps, held.protected), lend=False)
         table = seq.page_table
         if table.__class__ is PageTable:  # nodes view its buffer: nothing to settle
-            pages = table.array()[held.protected // ps :]  # the private pages
+            pages = ids[held.protected // ps :]  # the private pages (`ids` is the table's array)
             self._num_free += len(pages)
             self._pool.give(pages)
             seq.page_table = []

@@ -458,13 +458,14 @@ class RadixTree:
         matched = pos
         if pos < end:  # the walk stopped at a missing child: `edge` is the new leaf's
             # `_new_node(_node_key(...), _node_pages(...))`, inlined: every request inserts
-            # a leaf or two. A short view is kept too when `node` views the same buffer (a
-            # request's finish-time leaf below its prompt's): it pins nothing `node` does
-            # not, and `node` outlives it (a leaf is evicted before its parent, a split
-            # parent's parts view the buffer as it did)
+            # a leaf or two. A short view of pages is kept too when `node` views the same
+            # buffer (a request's finish-time leaf below its prompt's, while its table did
+            # not outgrow the buffer): it pins nothing `node` does not, and `node` outlives
+            # it (a leaf is evicted before its parent, a split parent's parts view the
+            # buffer as it did)
             key = tokens[pos:end]
             base = key.base
-            if base is None or (2 * key.size < base.size and node.key.base is not base):
+            if base is None or 2 * key.size < base.size:
                 key = key.copy()
             if lend:
                 leaf_pages = None
@@ -526,7 +527,13 @@ class RadixTree:
             if node.lock_ref == 0:
                 freed += len(node.key)
                 if not node.children:  # an unlocked leaf: it was locked, so not queued yet
-                    self.candidates.add(node, self._key(node))
+                    cands = self.candidates  # `cands.add(node, key)`, inlined (every release)
+                    node.cand_key = key = self._key(node)
+                    cands._live += 1
+                    heap = cands._heap
+                    heappush(heap, key)
+                    if len(heap) > 2 * cands._live + 64:
+                        cands._compact()
             node = node.parent
         self.evictable_tokens += freed
         self.protected_tokens -= freed
