@@ -228,6 +228,8 @@ class RadixCache(PrefixCache):
             # instance, the class default is True)
             self.decode_steps_are_noops = False
             self.decode_noops_when = DECODE_NOOPS_WHILE_FREE
+        #: tokens of the over-estimate every extend allocation asks eviction for
+        self._reserve_tokens = page_size if self.reserve_page else 0
         self.tree = RadixTree(page_size, policy)
         self.eviction_policy = policy.name
         # Free pages: recycled ids, then never-used ones created when first handed out (an
@@ -301,13 +303,13 @@ class RadixCache(PrefixCache):
         limit = (len(seq) - 1) // ps * ps
         if limit <= 0:
             return 0, (), None
-        node, hit, runs = self.tree.match(self._namespace(seq), seq.tokens, limit)
-        if not runs:
+        node, hit = self.tree.match(seq.extra.namespace, seq.tokens, limit)  # `_namespace`
+        if not hit:
             return 0, (), node
         kept = self._match_pages
         pages = kept.get(node)  # `node` ends at the hit: its path's ids are the match's
         if pages is None:
-            ids = _joined(runs)
+            ids = _joined(self.tree.path_pages(node))
             pages = tuple(ids.tolist() if ids.__class__ is np.ndarray else ids)
             if len(kept) >= _MATCH_PAGES_KEPT:
                 del kept[next(iter(kept))]  # the oldest kept
@@ -319,32 +321,41 @@ class RadixCache(PrefixCache):
     def _can_admit(self, seq: Sequence, match: Match, num_tokens: int) -> bool:
         """The new pages fit in free pages plus evictable ones, less the unlocked pages on
         the hit's own path (admission locks them: they cannot be evicted for it)."""
-        need = self.pages_for(num_tokens) - match.num_tokens // self.page_size
+        ps = self.page_size
+        need = -(-num_tokens // ps) - match.num_tokens // ps  # `pages_for`
         free = self._num_free
         if need <= free:
             return True
         node: RadixNode | None = match.handle  # proven live and on seq's path by _verify_match
-        on_path = self.tree.unlocked_on_path(node) // self.page_size if node is not None else 0
-        return free + self._evictable_pages() - on_path >= need
+        tree = self.tree
+        on_path = tree.unlocked_on_path(node) if node is not None else 0
+        return free + tree.evictable_tokens // ps - on_path // ps >= need  # `_evictable_pages`
 
     def _admit(self, seq: Sequence, match: Match, num_tokens: int) -> tuple[_Held, list[CopyOp]] | None:
-        if not self._can_admit(seq, match, num_tokens):
+        ps = self.page_size
+        hit = match.num_tokens
+        hit_pages = hit // ps
+        need = -(-num_tokens // ps) - hit_pages
+        free = self._num_free
+        # `_can_admit` decides; its first test (the new pages are free) answers most admissions
+        if need > free and not self._can_admit(seq, match, num_tokens):
             return None
         node: RadixNode | None = match.handle
         tree = self.tree
-        hit = match.num_tokens
-        hit_pages = hit // self.page_size
-        need = -(-num_tokens // self.page_size) - hit_pages
         if node is None:
             node = tree.root(self._namespace(seq), create=True)
         tree.lock(node)
-        self._evict_for_extend(num_tokens - hit, need)
-        table = self._new_table(seq)
+        if num_tokens - hit + self._reserve_tokens > free * ps or need > free:
+            self._evict_for_extend(num_tokens - hit, need)  # else it would evict nothing
+        n = -(-len(seq) // ps)  # `_new_table`, inlined
+        table = PageTable(n + n // 8 + 16)
         slots = table.append_slots(hit_pages + need)  # the whole table, filled in place
+        self._num_free -= need
         if hit_pages:  # the hit's pages: the tree's, proven equal to match.pages
             tree.copy_path_pages(node, slots)
-        self._num_free -= need
-        self._pool.take_into(slots[hit_pages:])
+            self._pool.take_into(slots[hit_pages:])
+        else:
+            self._pool.take_into(slots)
         seq.page_table = table
         seq.num_computed = hit
         return _Held(seq, node, hit, 0, num_tokens), []
@@ -353,12 +364,23 @@ class RadixCache(PrefixCache):
         table = seq.page_table
         have = len(table)
         need = -(-num_tokens // self.page_size) - have
-        if need > self._num_free and self._num_free + self._evictable_pages() < need:
+        free = self._num_free
+        if need > free and free + self._evictable_pages() < need:
             return None
         start = held.covered
         if num_tokens <= start:
             return []
         held.covered = num_tokens
+        if 0 < free and need < free and start >= seq.prompt_len:
+            # decode steps of which none finds nothing free (`_decode_steps`' first case,
+            # inlined: nearly every grow): the new pages are taken at once, nothing evicted
+            if need > 0:
+                if table.__class__ is PageTable:  # `_extend_table`, inlined
+                    self._num_free = free - need
+                    self._pool.take_into(table.append_slots(need))
+                else:
+                    self._extend_table(table, need)
+            return []
         if start < seq.prompt_len:  # a further prefill chunk: one extend allocation
             end = min(num_tokens, seq.prompt_len)
             extend_pages = max(self.pages_for(end) - len(table), 0)
@@ -374,7 +396,7 @@ class RadixCache(PrefixCache):
         """Evict before an extend (prefill) allocation of `need_pages` pages for `extend_tokens`
         new tokens, as the allocator's `evict_to_free_tokens` does (see the module docstring)."""
         ps = self.page_size
-        reserve = ps if self.reserve_page else 0
+        reserve = self._reserve_tokens
         if self.admission_eviction == "extend":  # older SGLang: ask for the whole extend when short
             if need_pages > self._num_free:
                 self._evict_tokens(need_pages * ps + reserve)
@@ -397,6 +419,18 @@ class RadixCache(PrefixCache):
             if need > self._num_free:
                 self._evict_tokens((need - self._num_free) * ps)
             self._extend_table(table, need)
+            return
+        need = want - have
+        free = self._num_free
+        if 0 < free and need < free:
+            # no step finds nothing free (a page stays free after the last is taken): the
+            # loop below would take the new pages at once, evicting nothing
+            if need > 0:
+                if table.__class__ is PageTable:  # `_extend_table`, inlined
+                    self._num_free = free - need
+                    self._pool.take_into(table.append_slots(need))
+                else:
+                    self._extend_table(table, need)
             return
         pos = start
         while pos < end:
@@ -423,9 +457,11 @@ class RadixCache(PrefixCache):
             # after a prefill chunk (SGLang's checkpoint); decode tokens wait for release
             self._insert(held, num_computed // ps * ps, lend=True)
 
-    def _insert(self, held: _Held, end: int, lend: bool) -> None:
+    def _insert(self, held: _Held, end: int, lend: bool) -> np.ndarray | list[int]:
         """Insert the sequence's first `end` (page-aligned) tokens; free duplicates, move the lock.
-        With `lend` a new leaf borrows its pages from the table (the sequence runs on)."""
+        With `lend` a new leaf borrows its pages from the table (the sequence runs on).
+        Returns the table's ids as it read them (`_page_ids`), for `_release` to cut its
+        private pages from."""
         seq = held.seq
         ps = self.page_size
         tree = self.tree
@@ -448,6 +484,7 @@ class RadixCache(PrefixCache):
             table[lo:hi] = _joined(runs)[: hi - lo]
         held.node = new  # the insert moved our lock down to it
         held.protected = end
+        return pages
 
     def _fork(self, parent: Sequence, held: _Held, child: Sequence) -> tuple[_Held, list[CopyOp]] | None:
         computed = parent.num_computed
@@ -483,10 +520,10 @@ class RadixCache(PrefixCache):
         # SGLang's release_kv_cache -> checkpoint: what has KV goes into the tree when the
         # request ends, always (a walk that refreshes recency even when no page is new)
         ps = self.page_size
-        self._insert(held, max(seq.num_computed // ps * ps, held.protected), lend=False)
+        ids = self._insert(held, max(seq.num_computed // ps * ps, held.protected), lend=False)
         table = seq.page_table
         if table.__class__ is PageTable:  # nodes view its buffer: nothing to settle
-            pages = table.array()[held.protected // ps :]  # the private pages
+            pages = ids[held.protected // ps :]  # the private pages (`ids` is the table's array)
             self._num_free += len(pages)
             self._pool.give(pages)
             seq.page_table = []
@@ -612,18 +649,19 @@ class RadixCache(PrefixCache):
         pages and the end of every path through it. Only eviction is left to check. Any
         other match (edited, another sequence's, a copied memo) gets the full proof."""
         memo = seq.cache_memo
-        if (
-            memo.__class__ is tuple
-            and len(memo) == 6
-            and memo[0] is self.match_token
-            and memo[1] == id(seq)
-            and memo[2] is seq.extra
-            and memo[3] is match.handle
-            and memo[4] == match.num_tokens
-            and memo[5] is match.pages
-        ):
-            node = match.handle
-            if node.pages is None and node.lender is None:
-                raise StaleMatchError(f"request {seq.request_id!r}: the matched prefix was evicted since; match again")
-            return
+        if memo.__class__ is tuple and len(memo) == 6:
+            token, seq_id, extra, node, hit, pages = memo
+            if (
+                token is self.match_token
+                and seq_id == id(seq)
+                and extra is seq.extra
+                and node is match.handle
+                and hit == match.num_tokens
+                and pages is match.pages
+            ):
+                if node.pages is None and node.lender is None:
+                    raise StaleMatchError(
+                        f"request {seq.request_id!r}: the matched prefix was evicted since; match again"
+                    )
+                return
         verify_radix_match(self, seq, match)

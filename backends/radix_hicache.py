@@ -524,7 +524,7 @@ class HiRadixCache(RadixCache):
         tree.release_host_segment(host, pages is not None)
         return pages
 
-    def _insert(self, held: _Held, end: int, lend: bool) -> None:
+    def _insert(self, held: _Held, end: int, lend: bool) -> list[int]:
         """`RadixCache._insert` with adopted runs: a host-only node the insert put back on
         the device holds the request's own pages (no duplicate to free)."""
         seq = held.seq
@@ -543,6 +543,7 @@ class HiRadixCache(RadixCache):
             lo += k
         held.node = new
         held.protected = end
+        return table
 
     def _commit(self, seq: Sequence, held: _Held, num_computed: int) -> None:
         super()._commit(seq, held, num_computed)

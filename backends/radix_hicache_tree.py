@@ -264,6 +264,12 @@ class HiCacheTree(RadixTree):
             self.host_leaves.discard(node)
         node.lock_ref += 1
 
+    def lock(self, node: RadixNode) -> None:
+        # `RadixTree.lock` inlines the one-tier `_hold`: this tree's own holds tier by tier
+        while node.parent is not None:
+            self._hold(node)
+            node = node.parent
+
     def unlock(self, node: RadixNode) -> None:
         while node.parent is not None:
             node.lock_ref -= 1

@@ -185,6 +185,8 @@ class RadixTree:
         self.page_size = page_size
         self.policy = policy
         self._key: Callable[[RadixNode], tuple] = policy.key  # bound once: called on every re-key
+        self._created: Callable[[RadixNode], None] = policy.created  # bound once: every new node
+        self._rekey_on_lookup = policy.rekey_on_lookup  # read on every match
         self.roots: dict[tuple, RadixNode] = {}
         self.candidates = EvictionQueue()
         self.evictable_tokens = 0
@@ -287,7 +289,7 @@ class RadixTree:
         self.num_nodes += 1
         node = self.node_class(key, pages, parent, tick, self._next_id, edge)
         parent.children[edge] = node
-        self.policy.created(node)
+        self._created(node)
         return node
 
     def _rekey(self, node: RadixNode) -> None:
@@ -353,20 +355,21 @@ class RadixTree:
             self._rekey(child)  # it starts deeper now
         return new
 
-    def match(self, namespace: tuple, tokens: np.ndarray, limit: int) -> tuple[RadixNode | None, int, list[list[int]]]:
-        """Longest cached prefix of `tokens[:limit]` (`limit` page-aligned): (last node, tokens, page runs).
+    def match(self, namespace: tuple, tokens: np.ndarray, limit: int) -> tuple[RadixNode | None, int]:
+        """Longest cached prefix of `tokens[:limit]` (`limit` page-aligned): (last node, tokens).
+        The node's path holds the pages (`path_pages`).
 
         Stamps the visited nodes, splits the last one where the match ends inside it.
         """
         root = self.roots.get(namespace)
         if root is None:
-            if self.policy.rekey_on_lookup:
+            if self._rekey_on_lookup:
                 self.policy.lookup(None)
-            return None, 0, []
+            return None, 0
         self.clock = t = self.clock + 1  # `tick`
         root.last_access = t
         ps = self.page_size
-        node, pos, runs = root, 0, []
+        node, pos = root, 0
         while pos < limit:
             # `_child_key` and `_touch` inlined: this loop runs for every node on the path
             child = node.children.get(tokens.item(pos) if ps == 1 else tokens[pos : pos + ps].tobytes())
@@ -383,15 +386,13 @@ class RadixTree:
                 m = self._first_mismatch(key, tokens, pos, min(klen, limit - pos))
             if m < klen:
                 node = self._split(child, m, t)
-                runs.append(self.pages_of(node))
                 pos += m
                 break
-            runs.append(self.pages_of(child))
             node = child
             pos += klen
-        if self.policy.rekey_on_lookup:
+        if self._rekey_on_lookup:
             self._lookup(node)
-        return node, pos, runs
+        return node, pos
 
     def _lookup(self, node: RadixNode) -> None:
         """Tell the policy a lookup reused root..`node`; re-key the candidates on that path."""
@@ -456,8 +457,31 @@ class RadixTree:
             pos += m
         matched = pos
         if pos < end:  # the walk stopped at a missing child: `edge` is the new leaf's
-            leaf_pages = None if lend else self._node_pages(pages, pos // ps, end // ps)
-            leaf = self._new_node(self._node_key(tokens, pos, end), leaf_pages, node, t, edge)
+            # `_new_node(_node_key(...), _node_pages(...))`, inlined: every request inserts
+            # a leaf or two. A short view of pages is kept too when `node` views the same
+            # buffer (a request's finish-time leaf below its prompt's, while its table did
+            # not outgrow the buffer): it pins nothing `node` does not, and `node` outlives
+            # it (a leaf is evicted before its parent, a split parent's parts view the
+            # buffer as it did)
+            key = tokens[pos:end]
+            base = key.base
+            if base is None or 2 * key.size < base.size:
+                key = key.copy()
+            if lend:
+                leaf_pages = None
+            else:
+                leaf_pages = pages[pos // ps : end // ps]
+                if leaf_pages.__class__ is np.ndarray:
+                    base = leaf_pages.base
+                    if base is not None and 2 * leaf_pages.size < base.size:
+                        above = node.pages
+                        if above.__class__ is not np.ndarray or above.base is not base:
+                            leaf_pages = leaf_pages.copy()
+            self._next_id = node_id = self._next_id + 1
+            self.num_nodes += 1
+            leaf = self.node_class(key, leaf_pages, node, t, node_id, edge)
+            node.children[edge] = leaf
+            self._created(leaf)
             if lend:
                 leaf.lender = pages
             leaf.hit_count = 1 if end > count_from else 0
@@ -482,10 +506,18 @@ class RadixTree:
         node.lock_ref += 1
 
     def lock(self, node: RadixNode) -> None:
-        """lock_ref + 1 from `node` up to the root (SGLang's `inc_lock_ref`)."""
+        """lock_ref + 1 from `node` up to the root (SGLang's `inc_lock_ref`): `_hold` on each
+        node, inlined (every admission locks its path; a tiered tree holds its own way)."""
+        held = 0  # tokens turned protected, settled once
         while node.parent is not None:
-            self._hold(node)
+            if node.lock_ref == 0:
+                held += len(node.key)
+                if node.cand_key is not None:
+                    self.candidates.remove(node)
+            node.lock_ref += 1
             node = node.parent
+        self.evictable_tokens -= held
+        self.protected_tokens += held
 
     def unlock(self, node: RadixNode) -> None:
         """lock_ref - 1 from `node` up to the root (SGLang's `dec_lock_ref`)."""
@@ -495,7 +527,13 @@ class RadixTree:
             if node.lock_ref == 0:
                 freed += len(node.key)
                 if not node.children:  # an unlocked leaf: it was locked, so not queued yet
-                    self.candidates.add(node, self._key(node))
+                    cands = self.candidates  # `cands.add(node, key)`, inlined (every release)
+                    node.cand_key = key = self._key(node)
+                    cands._live += 1
+                    heap = cands._heap
+                    heappush(heap, key)
+                    if len(heap) > 2 * cands._live + 64:
+                        cands._compact()
             node = node.parent
         self.evictable_tokens += freed
         self.protected_tokens -= freed
@@ -516,11 +554,14 @@ class RadixTree:
         Returns tokens freed."""
         freed = evicted = 0
         cands = self.candidates
+        heap = cands._heap  # `cands.pop()` and `cands.add()`, inlined: the queue's own heap
         on_evict, events = self.on_evict, self.events
-        while freed < num_tokens:
-            node = cands.pop()
-            if node is None:
-                break
+        while freed < num_tokens and heap:
+            key = heappop(heap)
+            node = key[-1]
+            if node.cand_key is not key:
+                continue  # a stale entry
+            node.cand_key = None
             assert node.lock_ref == 0 and not node.children and node.lender is None, f"radix: evicting {node}"
             parent = node.parent
             del parent.children[node.edge]
@@ -534,8 +575,14 @@ class RadixTree:
             node.pages = None
             node.parent = None
             if not parent.children and parent.lock_ref == 0 and parent.parent is not None:
-                # an unlocked leaf now (it had a child: not queued before)
-                cands.add(parent, self._key(parent))
+                # an unlocked leaf now (it had a child: not queued before); it replaces the
+                # popped node among the candidates (the count of current entries stays)
+                parent.cand_key = key = self._key(parent)
+                heappush(heap, key)
+            else:
+                cands._live -= 1
+        if len(heap) > 2 * cands._live + 64:  # `add`'s compaction, once for the pushes above
+            cands._compact()
         self.evictable_tokens -= freed
         self.num_nodes -= evicted
         return freed

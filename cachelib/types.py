@@ -123,6 +123,7 @@ class Sequence:
         "_buf",
         "_len",
         "_view",
+        "_ro",
     )
 
     def __init__(
@@ -152,6 +153,7 @@ class Sequence:
         self._buf = tokens.copy() if tokens is prompt else tokens
         self._len = int(tokens.size)
         self._view: np.ndarray | None = None  # `tokens`, made once per length
+        self._ro: np.ndarray | None = None  # a read-only view of all of `_buf`, made once per buffer
 
     @property
     def tokens(self) -> np.ndarray:
@@ -162,9 +164,13 @@ class Sequence:
         bookkeeping."""
         view = self._view
         if view is None:
-            view = self._buf[: self._len]
-            view.flags.writeable = False
-            self._view = view
+            # a slice of a read-only view is read-only: one flag write per buffer (it grows
+            # by doubling), not per length (a decode step's append makes a new length)
+            ro = self._ro
+            if ro is None:
+                ro = self._ro = self._buf.view()
+                ro.flags.writeable = False
+            view = self._view = ro[: self._len]
         return view
 
     def __len__(self) -> int:
@@ -186,6 +192,7 @@ class Sequence:
             grown = np.empty(max(need, 2 * self._buf.size), dtype=np.int32)
             grown[: self._len] = self._buf[: self._len]
             self._buf = grown
+            self._ro = None
         self._buf[self._len : need] = new
         self._len = need
         self._view = None
@@ -213,6 +220,7 @@ class Sequence:
             grown = np.empty(max(need, 2 * self._buf.size), dtype=np.int32)
             grown[: self._len] = self._buf[: self._len]
             self._buf = grown
+            self._ro = None
         self._buf[self._len : need] = ids
         self._len = need
         self._view = None
@@ -234,6 +242,7 @@ class Sequence:
             grown = np.empty(max(need, 2 * self._buf.size), dtype=np.int32)
             grown[: self._len] = self._buf[: self._len]
             self._buf = grown
+            self._ro = None
         self._buf[self._len : need] = np.arange(lo, hi + 1, dtype=np.int32)
         self._len = need
         self._view = None
@@ -252,6 +261,7 @@ class Sequence:
             grown = np.empty(2 * self._buf.size, dtype=np.int32)
             grown[: self._len] = self._buf
             self._buf = grown
+            self._ro = None
         self._buf[self._len] = token
         self._len += 1
         self._view = None

@@ -25,8 +25,9 @@ from sortedcontainers import SortedList
 
 #: scratch that is not state: a memo of a pure function of the sequence's tokens (apc's
 #: block hashes, radix's last match), which a refused call may extend without changing
-#: anything observable, and `Sequence._view`, the read-only view `tokens` makes once
-SKIP_ATTRS = frozenset({"cache_memo", "_view"})
+#: anything observable, and `Sequence._view` and `Sequence._ro`, the read-only views
+#: `tokens` makes once (per length, per buffer)
+SKIP_ATTRS = frozenset({"cache_memo", "_view", "_ro"})
 
 _ATOMS = (type(None), bool, int, float, str, bytes)
 _FUNCS = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.BuiltinMethodType, partial)
