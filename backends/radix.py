@@ -424,13 +424,10 @@ class RadixCache(PrefixCache):
         free = self._num_free
         if 0 < free and need < free:
             # no step finds nothing free (a page stays free after the last is taken): the
-            # loop below would take the new pages at once, evicting nothing
+            # loop below would take the new pages at once, evicting nothing (`_grow` makes
+            # this test first, inlined; here it serves a prefill chunk that ends in decode)
             if need > 0:
-                if table.__class__ is PageTable:  # `_extend_table`, inlined
-                    self._num_free = free - need
-                    self._pool.take_into(table.append_slots(need))
-                else:
-                    self._extend_table(table, need)
+                self._extend_table(table, need)
             return
         pos = start
         while pos < end:
