@@ -1046,6 +1046,8 @@ class RunIndex:
             if run is None or not 0 <= self._off[b] < run.blocks.size or run.blocks[self._off[b]] != b:
                 fail(f"cached block {b} is not where its run says")
             live[r] += 1
+        if (self._run < -1).any():  # a run id is the cached flag: anything below -1 is neither
+            fail("a block's run id is below -1 (-1 means not cached)")
         for r, run in self._runs.items():
             if run.live != live[r] or not run.live:
                 fail(f"run {r} counts {run.live} cached blocks, holds {live[r]}")
