@@ -225,18 +225,26 @@ class RadixTree:
         return key
 
     @staticmethod
-    def _node_pages(pages, lo: int, hi: int):
+    def _node_pages(pages, lo: int, hi: int, beside=None):
         """A node's pages `pages[lo:hi]` of a table or of another node's pages.
 
         A list slice is a copy. An int32 array's slice (the radix cache's tables,
         `backends/radix_pages.py`) is a view, kept when it covers at least half of the
         buffer under it, else copied: the rule of `_node_key`, so no node pins more than
-        twice its own ids.
+        twice its own ids. A short view is kept too when `beside` (the new node's parent's
+        pages) views the same buffer: it pins nothing the parent does not, and the parent
+        outlives it (a leaf is evicted before its parent; a split parent's parts view the
+        buffer as it did). That is a request's finish-time leaf below its prompt's, while
+        its table did not outgrow the buffer.
         """
         part = pages[lo:hi]
         if part.__class__ is np.ndarray:
             base = part.base
-            if base is not None and 2 * part.size < base.size:
+            if (
+                base is not None
+                and 2 * part.size < base.size
+                and (beside.__class__ is not np.ndarray or beside.base is not base)
+            ):
                 return part.copy()
         return part
 
@@ -457,31 +465,8 @@ class RadixTree:
             pos += m
         matched = pos
         if pos < end:  # the walk stopped at a missing child: `edge` is the new leaf's
-            # `_new_node(_node_key(...), _node_pages(...))`, inlined: every request inserts
-            # a leaf or two. A short view of pages is kept too when `node` views the same
-            # buffer (a request's finish-time leaf below its prompt's, while its table did
-            # not outgrow the buffer): it pins nothing `node` does not, and `node` outlives
-            # it (a leaf is evicted before its parent, a split parent's parts view the
-            # buffer as it did)
-            key = tokens[pos:end]
-            base = key.base
-            if base is None or 2 * key.size < base.size:
-                key = key.copy()
-            if lend:
-                leaf_pages = None
-            else:
-                leaf_pages = pages[pos // ps : end // ps]
-                if leaf_pages.__class__ is np.ndarray:
-                    base = leaf_pages.base
-                    if base is not None and 2 * leaf_pages.size < base.size:
-                        above = node.pages
-                        if above.__class__ is not np.ndarray or above.base is not base:
-                            leaf_pages = leaf_pages.copy()
-            self._next_id = node_id = self._next_id + 1
-            self.num_nodes += 1
-            leaf = self.node_class(key, leaf_pages, node, t, node_id, edge)
-            node.children[edge] = leaf
-            self._created(leaf)
+            leaf_pages = None if lend else self._node_pages(pages, pos // ps, end // ps, node.pages)
+            leaf = self._new_node(self._node_key(tokens, pos, end), leaf_pages, node, t, edge)
             if lend:
                 leaf.lender = pages
             leaf.hit_count = 1 if end > count_from else 0
