@@ -271,13 +271,19 @@ class VllmRowScheduler(VllmScheduler):
         if self.keep_outputs or r.forced is not None:  # `Request.output`'s only readers
             r.output.extend(tokens)
 
-    def synced(self, i: int) -> None:
-        """After cache calls for row `i`'s object: its table and published count."""
-        r = self.running[i]
-        self.rows.capacity[i] = len(r.seq.page_table) * self.cache.page_size
-        self.rows.committed[i] = r.seq.num_computed
+    def synced(self, called: list[int]) -> None:
+        """After cache calls for the objects of rows `called`: each one's table and published
+        count read back into its row."""
+        rows, running, page = self.rows, self.running, self.cache.page_size
+        capacity, committed = rows.capacity, rows.committed
+        for i in called:
+            seq = running[i].seq
+            capacity[i] = len(seq.page_table) * page
+            committed[i] = seq.num_computed
         if self.lazy_when == DECODE_NOOPS_IF_PRIVATE:  # a call may have shared or copied its blocks
-            self.rows.private[i] = self.cache.decode_steps_private(r.seq)
+            private = self.cache.decode_steps_private
+            for i in called:
+                rows.private[i] = private(running[i].seq)
 
     def loads(self, page_size: int) -> Loads:
         """`Scheduler.loads` with running requests read from their rows."""
@@ -413,7 +419,7 @@ class VllmRowScheduler(VllmScheduler):
                 plan.n = plan.n[:i]  # it preempted itself: the running pass stops there
                 plan.start = plan.start[:i]
                 break
-            self.synced(i)
+            self.synced([i])
 
     def call_rows(self, todo: list[tuple[int, int, int, int]], known: list[int], plan: RowPlan) -> None:
         """The cache calls of the scheduled rows `todo` (row, tokens, end, `row_kind`; `known`:
@@ -442,7 +448,7 @@ class VllmRowScheduler(VllmScheduler):
                 plan.start = plan.start[:i]
                 return
             self.executor.apply_copies(ops)
-            self.synced(i)
+            self.synced([i])
             left = len(self.running)  # the rows preempted for it are gone
             keep = [j for j in range(pos, len(todo)) if todo[j][0] < left]
             todo = [todo[j] for j in keep]
@@ -478,20 +484,12 @@ class VllmRowScheduler(VllmScheduler):
 
     def rows_called(self, called: list[int], ops: list[list[CopyOp]]) -> None:
         """After the calls made for rows `called` (each one's copies `ops`): the copies
-        applied, each row's table and published count read back (`synced`, row by row)."""
-        rows, running, page = self.rows, self.running, self.cache.page_size
-        capacity, committed = rows.capacity, rows.committed
+        applied, then the rows read back (`synced`)."""
         apply = self.executor.apply_copies
-        for i, o in zip(called, ops, strict=True):
+        for o in ops:
             if o:
                 apply(o)
-            seq = running[i].seq
-            capacity[i] = len(seq.page_table) * page
-            committed[i] = seq.num_computed
-        if self.lazy_when == DECODE_NOOPS_IF_PRIVATE:  # a call may have shared or copied its blocks
-            private = self.cache.decode_steps_private
-            for i in called:
-                rows.private[i] = private(running[i].seq)
+        self.synced(called)
 
     def preempt_request(self, r: Request) -> None:
         """A victim is the last running request: its row is synced, then dropped."""
@@ -623,7 +621,7 @@ class VllmRowScheduler(VllmScheduler):
                 if ops is None:
                     raise RuntimeError("decode window ran out of pages; the window check is wrong")
                 self.executor.apply_copies(ops)
-                self.synced(i)
+                self.synced([i])
         else:
             called = calls.nonzero()[0]
             rows_called = called.tolist()
