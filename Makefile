@@ -3,8 +3,9 @@
 # build; choose another: make setup TORCH='torch==2.6.0' TORCH_INDEX=https://download.pytorch.org/whl/cu124,
 # or TORCH_INDEX= for plain PyPI; one retry only, so an index that cannot be reached costs
 # seconds, not minutes), then the project with every extra the suite tests (the
-# ray extra, about 80 MB, lets it run `sweep --ray local`). torch is only the `model` extra:
-# `make check-no-torch` installs the project without it into a fresh venv and runs it.
+# ray extra, about 80 MB, lets it run `sweep --ray local`; the fast extra, numba, about 210 MB,
+# compiles apc's hash chains). torch is only the `model` extra: `make check-no-torch`
+# installs the project without it (and without numba) into a fresh venv and runs it.
 # `make compare` is the main job (every backend on the default workload, report in
 # reports/latest/); `make test` runs the suite (what CI runs).
 PY ?= python3
@@ -26,7 +27,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q '$(TORCH)' $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX) --retries 1)
-	$(BIN)/pip install -q -e '.[dev,ray,model,tokenizers,pandas]'
+	$(BIN)/pip install -q -e '.[dev,ray,model,tokenizers,pandas,fast]'
 	touch $(STAMP)
 
 test: setup

@@ -52,7 +52,10 @@ hash call per block), or `auto` (the default): `poly128` at page sizes up to
 per call, `xxh3_128` above (at page 16 the vectorised pass saves little on a prompt and
 loses on the few blocks a decode step fills). Decisions are the same with each, a hash
 collision aside (tests/test_poly128.py compares them); the events name blocks by the
-algorithm in use (`page_keys()`). And
+algorithm in use (`page_keys()`). `hash_kernel`: how an `xxh3_128` chain of many blocks is
+computed, `numba` (one compiled loop, cachelib/xxh3_chain.py, the `fast` extra) or `python`
+(the `xxhash` package per block, vLLM's way); `auto` (the default) takes numba where it is
+installed. Same digests either way: only the time differs. And
 `verify_tokens=True`, which stores each cached block's tokens, extra keys and parent, and
 accepts a hit only when they equal the request's, so a hash collision can never return
 wrong KV. (With it, a block whose parent was a *duplicate* of the block the walk chose is
@@ -237,6 +240,7 @@ class APCCache(PrefixCache):
         page_size: int,
         *,
         hash_algorithm: str = "auto",
+        hash_kernel: str = "auto",
         hash_fn: HashFn | None = None,
         verify_tokens: bool = False,
         host_capacity_tokens: int = 0,
@@ -270,7 +274,7 @@ class APCCache(PrefixCache):
         self._transfers: list[TierTransfer] | None = None
         if hash_algorithm == "auto":
             hash_algorithm = "poly128" if page_size <= POLY128_MAX_PAGE else "xxh3_128"
-        self.hasher = BlockHasher(page_size, hash_algorithm, hash_fn)
+        self.hasher = BlockHasher(page_size, hash_algorithm, hash_fn, hash_kernel)
         self._page_keys = PageKeys(page_size, hash_algorithm, hash_fn)  # what events name blocks by
         self.verify_tokens = verify_tokens
         self.free_queue = BlockQueue(num_pages)
@@ -281,6 +285,8 @@ class APCCache(PrefixCache):
         self.index: RunIndex | DictIndex = index()
         self._key_arrays = self.index.takes_arrays  # how `_index_keys` hands hashes to it
         self._arrays_native = self.hasher.algorithm in VECTOR_ALGORITHMS  # poly128 makes arrays
+        # the byte chain computed by the compiled loop: a prompt's hashes come as an array
+        self._compiled_chain = not self._arrays_native and self.hasher.kernel == "numba"
         self._byte_fn = self.hasher.byte_fn
         #: a decode step's one-block commit takes `_commit_one`: byte chains into a `RunIndex`,
         #: with no contents to record
@@ -386,6 +392,16 @@ class APCCache(PrefixCache):
                 size = self.page_size
                 block = seq.token_bytes(have * size, num_blocks * size)
                 keys.append(hasher.hash_block(keys[-1] if have else None, block, hasher.extra_bytes(seq.extra, have)))
+            elif have < num_blocks and self._compiled_chain:
+                # the compiled chain makes the array, the index's form (no join of the list
+                # later), and the list from it in one C call
+                new = hasher.hash_keys(seq.tokens, seq.extra, have, num_blocks, keys[-1] if have else None)
+                if have:
+                    keys.extend(new.tolist())
+                else:
+                    memo[1] = new.tolist()
+                if memo[2].size == have:
+                    memo[2] = np.concatenate([memo[2], new]) if have else new
             elif not have and num_blocks > 0:  # (the list made is the memo's: no copy into it)
                 memo[1] = hasher.hash_blocks(seq.tokens, seq.extra, 0, num_blocks, None)
             elif have < num_blocks:

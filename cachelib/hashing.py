@@ -41,6 +41,7 @@ Algorithms (`BlockHasher(algorithm=...)`):
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import operator
 from collections.abc import Callable
 from functools import partial
@@ -229,6 +230,18 @@ _FEW_WORDS = 16
 #: algorithms computed for all of a call's blocks at once (not a bytes -> bytes function)
 VECTOR_ALGORITHMS = ("poly128",)
 
+#: how `BlockHasher` computes an `xxh3_128` chain of many blocks: `numba`, one compiled loop
+#: (cachelib/xxh3_chain.py; numba is the `fast` extra); `python`, the `xxhash` package once
+#: per block (the reference the compiled loop is tested against); `auto`, numba where it is
+#: installed and takes the page size (up to 56 tokens), else python. The digests are equal
+#: either way: only the time differs.
+HASH_KERNELS = ("auto", "numba", "python")
+
+
+def numba_installed() -> bool:
+    """Whether the `fast` extra's numba can be imported (without importing it: ~0.25 s)."""
+    return importlib.util.find_spec("numba") is not None
+
 
 def _key(tag: bytes, payload: bytes) -> bytes:
     return tag + len(payload).to_bytes(4, "little") + payload
@@ -239,12 +252,17 @@ class BlockHasher:
 
     `algorithm` is `xxh3_128` (default here, fast, non-cryptographic), `sha256`, or
     `poly128` (vectorised; module docstring); `hash_fn` overrides them all
-    (tests use a deliberately colliding one).
+    (tests use a deliberately colliding one). `kernel` (`HASH_KERNELS`) chooses how an
+    `xxh3_128` chain of many blocks is computed; `self.kernel` says which one is used.
     """
 
-    def __init__(self, page_size: int, algorithm: str = "xxh3_128", hash_fn: HashFn | None = None) -> None:
+    def __init__(
+        self, page_size: int, algorithm: str = "xxh3_128", hash_fn: HashFn | None = None, kernel: str = "auto"
+    ) -> None:
         if hash_fn is not None and not callable(hash_fn):
             raise InvalidRequestError(f"hash_fn must be a function bytes -> bytes, got {hash_fn!r}")
+        if kernel not in HASH_KERNELS:
+            raise InvalidRequestError(f"unknown hash kernel {kernel!r}; choose one of {list(HASH_KERNELS)}")
         self._poly: Poly128 | None = None
         if hash_fn is None and algorithm in VECTOR_ALGORITHMS:
             self._poly = Poly128(page_size)
@@ -265,6 +283,27 @@ class BlockHasher:
         #: the byte chains' function, `H_i = byte_fn(H_{i-1} + tokens + extra)` (None for
         #: poly128): what a caller hashing one block with plain bytes calls directly
         self.byte_fn: HashFn | None = hash_fn
+        self._compiled = self._compiled_chain(kernel)
+        #: `numba` where the compiled chain computes this hasher's chains of many blocks,
+        #: else `python` (the `xxhash` package per block, hashlib, poly128's numpy, a hash_fn)
+        self.kernel = "python" if self._compiled is None else "numba"
+
+    def _compiled_chain(self, kernel: str):
+        """The compiled xxh3_128 chain for `kernel` (None: not used), or a clear error where
+        `numba` was asked for and cannot be had."""
+        if kernel == "python" or (kernel == "auto" and self.algorithm != "xxh3_128"):
+            return None
+        if self.algorithm != "xxh3_128":
+            raise InvalidRequestError(f"hash kernel 'numba' computes xxh3_128 only, not {self.algorithm!r}")
+        if not numba_installed():
+            if kernel == "auto":
+                return None
+            raise InvalidRequestError("hash kernel 'numba' needs numba: pip install 'prefix-cache-lab[fast]'")
+        from cachelib.xxh3_chain import Xxh3Chain  # (imports numba: only here, only when chosen)
+
+        if kernel == "auto" and not Xxh3Chain.takes(self.page_size, 0):
+            return None
+        return Xxh3Chain(self.page_size)  # (`numba` at a page size it does not take: a clear error)
 
     def extra_bytes(self, extra: ExtraKeys, block: int) -> bytes:
         """The extra-key bytes of block number `block`."""
@@ -298,6 +337,10 @@ class BlockHasher:
         if self._poly is not None:
             keys = self._poly_blocks(tokens, extra, start, stop, parent)
             return keys if keys.__class__ is list else keys.tolist()
+        if self._compiled is not None:
+            keys = self._compiled_blocks(tokens, extra, start, stop, parent)
+            if keys is not None:
+                return keys.tolist()
         fn = self._fn
         h = ROOT_HASH if parent is None else parent
         span = np.ascontiguousarray(tokens[start * size : stop * size])
@@ -329,7 +372,35 @@ class BlockHasher:
         """`hash_blocks` as one void array (`as_keys`): with poly128, no Python object per block."""
         if self._poly is not None:
             return as_keys(self._poly_blocks(tokens, extra, start, stop, parent))
+        if self._compiled is not None:
+            size = self.page_size
+            if stop * size > tokens.size:
+                raise InvalidRequestError(f"block {stop - 1} is not full ({tokens.size} tokens)")
+            keys = self._compiled_blocks(tokens, extra, start, stop, parent)
+            if keys is not None:
+                return keys
         return as_keys(self.hash_blocks(tokens, extra, start, stop, parent))
+
+    def _compiled_blocks(
+        self, tokens: np.ndarray, extra: ExtraKeys, start: int, stop: int, parent: BlockHash | None
+    ) -> np.ndarray | None:
+        """`hash_keys` by the compiled chain (`stop` checked by the caller), or None where
+        its input is not one it takes: multimodal spans (they vary block by block), a
+        suffix that is not a multiple of 4 bytes (e.g. a `lora_id` key), tokens that are
+        not int32 (the package path hashes their bytes as they are)."""
+        if extra.mm or tokens.dtype != np.int32:
+            return None
+        chain = self._compiled
+        suffix = b"" if extra.lora_id is None else self.extra_bytes(extra, 1)  # every block after the first
+        if not chain.takes(self.page_size, len(suffix)):
+            return None
+        if start == 0 and stop > 0 and extra.cache_salt is not None:
+            # the salt enters block 0 alone: that block by the package, the rest chained from it
+            size = self.page_size
+            first = self.hash_block(None, tokens[:size].tobytes(), self.extra_bytes(extra, 0))
+            rest = chain.digests(tokens, 1, stop, first, suffix)
+            return np.concatenate([as_keys([first]), rest])
+        return chain.digests(tokens, start, stop, parent, suffix)
 
     def _poly_blocks(
         self, tokens: np.ndarray, extra: ExtraKeys, start: int, stop: int, parent: BlockHash | None

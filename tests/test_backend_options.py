@@ -89,7 +89,7 @@ def test_an_unqualified_option_must_be_taken_by_every_selected_backend():
         resolve("radix", "apc", opts=("eviction_policy=lfu",))
     assert str(info.value) == (
         "backend 'apc' does not take --backend-opt eviction_policy=lfu (option eviction_policy); "
-        "it takes: hash_algorithm, hash_fn, verify_tokens, host_capacity_tokens, host_capacity_gb, host_eviction, "
+        "it takes: hash_algorithm, hash_kernel, hash_fn, verify_tokens, host_capacity_tokens, host_capacity_gb, host_eviction, "
         "host_block_size, offload_prompt_only, host_read_gbps, host_write_gbps, kv_bytes_per_token"
     )
 
