@@ -50,6 +50,7 @@ from pathlib import Path
 import numpy as np
 
 from cachelib import create_cache
+from cachelib.hashing import HASH_KERNELS
 from experiments.bench import CLOCK_HELP, CLOCKS, FULL_TRACE, RESULTS, SHIPPED_TRACE, HelpFormatter, write_output
 from experiments.engine import CacheClient, replay
 from experiments.results import git_commit
@@ -116,24 +117,33 @@ def empty_region_us(clock: str, repeats: int = 20_000) -> float:
     return statistics.median(costs) * 1e6
 
 
-def measure_row(row: Row, runs: int, clock: str = "thread") -> dict:
+def row_cache(row: Row, hash_kernel: str = "auto"):
+    """A fresh cache for `row`; apc's chains computed by `hash_kernel` (cachelib/hashing.py)."""
+    options = {"hash_kernel": hash_kernel} if row.backend == "apc" else {}
+    return create_cache(row.backend, num_pages=row.capacity_tokens // row.page_size, page_size=row.page_size, **options)
+
+
+def measure_row(row: Row, runs: int, clock: str = "thread", hash_kernel: str = "auto") -> dict:
     """`runs` replays on fresh caches; µs per request inside cache calls, read on
     `CLOCKS[clock]` (thread CPU time by default). Also, for reading the figure: the timed
     regions per request (an untimed pass with a counting clock) and what an empty region
     measures on this clock (`clock_us_per_request` is their product). The target is
-    compared with the measured median, clock reads included."""
+    compared with the measured median, clock reads included. apc rows hash by
+    `hash_kernel`; the row says which kernel ran (`numba` or `python`)."""
     requests = expanded(row.limit)
     per_run = []
     hit_rate = None
+    kernel = None
     for _ in range(runs):
-        cache = create_cache(row.backend, num_pages=row.capacity_tokens // row.page_size, page_size=row.page_size)
+        cache = row_cache(row, hash_kernel)  # (numba, where chosen, is loaded here: outside the timed calls)
+        kernel = cache.hasher.kernel if row.backend == "apc" else None
         client = CacheClient(cache, clock=CLOCKS[clock])
         result = replay(client, requests)
         per_run.append(client.seconds / len(requests) * 1e6)
         hit_rate = result["hit_rate"]
     median = statistics.median(per_run)
     counter = CountingClock()
-    replay(CacheClient(create_cache(row.backend, num_pages=row.capacity_tokens // row.page_size, page_size=row.page_size), clock=counter), requests)  # fmt: skip
+    replay(CacheClient(row_cache(row, hash_kernel), clock=counter), requests)
     regions = counter.reads / 2 / len(requests)
     region_us = empty_region_us(clock)
     return {
@@ -141,6 +151,7 @@ def measure_row(row: Row, runs: int, clock: str = "thread") -> dict:
         "runs_us_per_request": [round(x, 2) for x in per_run],
         "median_us_per_request": round(median, 2),
         "met": median <= row.target_us,
+        "hash_kernel": kernel,
         "hit_rate": hit_rate,
         "timed_regions_per_request": round(regions, 3),
         "empty_region_us": round(region_us, 3),
@@ -172,6 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", nargs="+", choices=sorted(ROWS), default=list(ROWS), help="rows of the table to measure")
     p.add_argument("--runs", type=int, default=3, help="replays per row, each on a fresh cache")
     p.add_argument("--clock", choices=sorted(CLOCKS), default="thread", help=CLOCK_HELP)
+    p.add_argument(
+        "--hash-kernel",
+        choices=HASH_KERNELS,
+        default="auto",
+        help="how apc rows compute their xxh3_128 chains: numba (the fast extra), python (the xxhash package per "
+        "block), auto (numba where installed)",
+    )
     p.add_argument("--mooncake", action="store_true", help="also time make mooncake's command on --trace")
     p.add_argument(
         "--trace",
@@ -198,11 +216,12 @@ def main(argv: list[str] | None = None) -> int:
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "commit": git_commit(),
         "clock": args.clock,
+        "hash_kernel": args.hash_kernel,
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "load_avg": os.getloadavg()},
         "rows": [],
     }
     for name in args.rows:
-        r = measure_row(ROWS[name], args.runs, args.clock)
+        r = measure_row(ROWS[name], args.runs, args.clock, args.hash_kernel)
         out["rows"].append(r)
         print(f"{name}: median {r['median_us_per_request']:.1f} us/request (runs {r['runs_us_per_request']}), "
               f"target {r['target_us']:.0f}: {'met' if r['met'] else 'NOT met'}; of it the clock's own reads "
