@@ -1,7 +1,7 @@
 """Issue 12's speed and scale table, measured: cache time per request and whole runs.
 
     python -m experiments.bench.speed_targets [--rows apc16 radix1 radix16 apc1]
-        [--runs 3] [--clock thread] [--mooncake [--trace FILE]]
+        [--runs 3] [--clock thread] [--hash-kernel auto|numba|python] [--mooncake [--trace FILE]]
         [--output bench-results/speed_targets.json]
 
 Rows (replay protocol on the shipped conversation slice, prompts expanded before timing;
@@ -25,6 +25,11 @@ a fresh cache; the median is what is compared with the target. Each contract cal
 commit, its release) reads the clock twice, and on `thread` part of those system calls lands
 inside the region: each row also reports the regions per request and what an empty region
 measures (`clock_us_per_request`), for reading the figure, not for the comparison.
+
+`--hash-kernel` chooses how apc rows compute xxh3_128 chains (`BlockHasher`'s kernels in
+cachelib/hashing.py: `numba`, the `fast` extra's compiled loop; `python`, the xxhash package
+per block): the same decisions, so an A/B of the two on the same code isolates the loop.
+Each row records the kernel that ran.
 
 `--mooncake` also times `make mooncake`'s command (every backend, four capacities, replay +
 serving, bounds; `--jobs 2`) on the full trace (`--trace`; `--trace-full` is its older
