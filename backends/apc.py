@@ -372,7 +372,8 @@ class APCCache(PrefixCache):
         of the last hit `_match` made for it, the epoch then)]`, with the
         hasher's own form (poly128: the array; the byte chains: the list) covering at least
         its first `num_blocks` full blocks. The other form is brought up to date on demand
-        (`_block_hashes`, `_index_keys`), so each call converts only what is new."""
+        (`_block_hashes`, `_index_keys`), so each call converts only what is new. (The byte
+        chain by the compiled loop computes many blocks as an array: it fills both forms.)"""
         memo = seq.cache_memo
         if memo is None or memo[0] is not self._memo_key:
             memo = seq.cache_memo = [self._memo_key, [], _NO_KEYS, _NOT_PROVEN, _NOT_MATCHED]

@@ -46,13 +46,16 @@ import operator
 from collections.abc import Callable
 from functools import partial
 from itertools import takewhile
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import xxhash
 
 from cachelib.errors import InvalidRequestError
 from cachelib.types import ExtraKeys
+
+if TYPE_CHECKING:  # (importing it imports numba: BlockHasher does so only when it chooses it)
+    from cachelib.xxh3_chain import Xxh3Chain
 
 BlockHash = bytes
 HashFn = Callable[[bytes], bytes]
@@ -288,7 +291,7 @@ class BlockHasher:
         #: else `python` (the `xxhash` package per block, hashlib, poly128's numpy, a hash_fn)
         self.kernel = "python" if self._compiled is None else "numba"
 
-    def _compiled_chain(self, kernel: str):
+    def _compiled_chain(self, kernel: str) -> Xxh3Chain | None:
         """The compiled xxh3_128 chain for `kernel` (None: not used), or a clear error where
         `numba` was asked for and cannot be had."""
         if kernel == "python" or (kernel == "auto" and self.algorithm != "xxh3_128"):
