@@ -185,6 +185,10 @@ def _chain(tokens, first, count, page_size, parent, suffix, secret, out):
 _DIGEST = np.dtype((np.void, 16))  # one item per digest, as `as_keys` makes them
 _NO_SUFFIX = np.zeros(0, dtype=np.uint32)
 _ROOT_WORDS = np.zeros(4, dtype=np.uint32)
+# read-only, as a parent's or a suffix's `np.frombuffer` of bytes is: one mix of argument
+# types fewer for numba to match at a first call (see `Xxh3Chain.__init__`)
+_NO_SUFFIX.flags.writeable = False
+_ROOT_WORDS.flags.writeable = False
 
 
 class Xxh3Chain:
@@ -200,11 +204,12 @@ class Xxh3Chain:
         self.page_size = page_size
         # numba's first call with each mix of writable and read-only arrays costs ~8 ms
         # (matching them to the signature): paid here, when a cache is made, not inside the
-        # first timed cache calls (Sequence.tokens and a parent's bytes are read-only)
+        # first timed cache calls. Parent and suffix words are always read-only; tokens
+        # come both ways (Sequence.tokens is read-only, a workload's prompt array is not).
         tokens = np.zeros(page_size, dtype=np.int32)
         self.digests(tokens, 0, 1, None, b"")
         tokens.flags.writeable = False
-        self.digests(tokens, 0, 1, bytes(16), bytes(4))
+        self.digests(tokens, 0, 1, bytes(16), b"")
 
     @staticmethod
     def takes(page_size: int, suffix_len: int) -> bool:
@@ -216,10 +221,22 @@ class Xxh3Chain:
     def digests(self, tokens: np.ndarray, start: int, stop: int, parent: bytes | None, suffix: bytes) -> np.ndarray:
         """The digests of full blocks `start .. stop-1` of `tokens` (int32, one-dimensional)
         chained from `parent` (None: the root, 16 zero bytes), `suffix` after each block's
-        tokens (a multiple of 4 bytes), as a void array of 16-byte items."""
+        tokens (a multiple of 4 bytes), as a void array of 16-byte items. Checked before the
+        loop runs: the compiled code reads without bounds checks."""
         count = stop - start
         if count <= 0:
             return np.empty(0, dtype=_DIGEST)
+        if tokens.dtype != np.int32 or tokens.ndim != 1 or start < 0 or stop * self.page_size > tokens.size:
+            raise InvalidRequestError(
+                f"blocks {start}..{stop - 1} of {self.page_size} tokens are not in a 1-d int32 array of "
+                f"{tokens.size} ({tokens.dtype}, {tokens.ndim}-d)"
+            )
+        if (parent is not None and len(parent) != 16) or not self.takes(self.page_size, len(suffix)):
+            raise InvalidRequestError(
+                f"a parent digest of 16 bytes and a suffix of a multiple of 4 bytes (with the block, at most "
+                f"{MAX_INPUT}) are what the compiled chain takes, got {None if parent is None else len(parent)} "
+                f"and {len(suffix)}"
+            )
         out = np.empty(2 * count, dtype=np.uint64)
         parent_words = _ROOT_WORDS if parent is None else np.frombuffer(parent, dtype=np.uint32)
         suffix_words = np.frombuffer(suffix, dtype=np.uint32) if suffix else _NO_SUFFIX

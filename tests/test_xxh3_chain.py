@@ -83,6 +83,25 @@ def test_what_it_takes():
         Xxh3Chain(57)
 
 
+def test_bad_input_is_refused_before_the_loop_reads():
+    """The compiled loop reads without bounds checks: every input is checked first."""
+    chain = Xxh3Chain(4)
+    tokens = np.arange(10, dtype=np.int32)
+    with pytest.raises(InvalidRequestError, match="blocks 0..2 of 4 tokens"):
+        chain.digests(tokens, 0, 3, None, b"")  # block 2 is not full
+    with pytest.raises(InvalidRequestError, match="int64"):
+        chain.digests(tokens.astype(np.int64), 0, 1, None, b"")
+    with pytest.raises(InvalidRequestError, match="2-d"):
+        chain.digests(np.zeros((2, 4), dtype=np.int32), 0, 1, None, b"")
+    with pytest.raises(InvalidRequestError, match="blocks -1..0"):
+        chain.digests(tokens, -1, 1, None, b"")
+    with pytest.raises(InvalidRequestError, match="got 8 and 0"):
+        chain.digests(tokens, 0, 1, bytes(8), b"")
+    with pytest.raises(InvalidRequestError, match="got None and 3"):
+        chain.digests(tokens, 0, 1, None, b"abc")
+    assert chain.digests(tokens, 2, 2, None, b"").size == 0
+
+
 EXTRAS = [
     ExtraKeys(),
     ExtraKeys(cache_salt="tenant-a"),
