@@ -285,8 +285,6 @@ class APCCache(PrefixCache):
         self.index: RunIndex | DictIndex = index()
         self._key_arrays = self.index.takes_arrays  # how `_index_keys` hands hashes to it
         self._arrays_native = self.hasher.algorithm in VECTOR_ALGORITHMS  # poly128 makes arrays
-        # the byte chain computed by the compiled loop: a prompt's hashes come as an array
-        self._compiled_chain = not self._arrays_native and self.hasher.kernel == "numba"
         self._byte_fn = self.hasher.byte_fn
         #: a decode step's one-block commit takes `_commit_one`: byte chains into a `RunIndex`,
         #: with no contents to record
@@ -393,20 +391,17 @@ class APCCache(PrefixCache):
                 size = self.page_size
                 block = seq.token_bytes(have * size, num_blocks * size)
                 keys.append(hasher.hash_block(keys[-1] if have else None, block, hasher.extra_bytes(seq.extra, have)))
-            elif have < num_blocks and self._compiled_chain:
-                # the compiled chain makes the array, the index's form (no join of the list
-                # later), and the list from it in one C call
-                new = hasher.hash_keys(seq.tokens, seq.extra, have, num_blocks, keys[-1] if have else None)
-                if have:
-                    keys.extend(new.tolist())
-                else:
-                    memo[1] = new.tolist()
-                if memo[2].size == have:
-                    memo[2] = np.concatenate([memo[2], new]) if have else new
-            elif not have and num_blocks > 0:  # (the list made is the memo's: no copy into it)
-                memo[1] = hasher.hash_blocks(seq.tokens, seq.extra, 0, num_blocks, None)
             elif have < num_blocks:
-                keys.extend(hasher.hash_blocks(seq.tokens, seq.extra, have, num_blocks, keys[-1] if have else None))
+                # (the compiled chain makes the array too, the index's form: no join later)
+                new, new_keys = hasher.hash_blocks_and_keys(
+                    seq.tokens, seq.extra, have, num_blocks, keys[-1] if have else None
+                )
+                if have:
+                    keys.extend(new)
+                else:  # (the list made is the memo's: no copy into it)
+                    memo[1] = new
+                if new_keys is not None and memo[2].size == have:
+                    memo[2] = np.concatenate([memo[2], new_keys]) if have else new_keys
         return memo
 
     def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
@@ -424,7 +419,12 @@ class APCCache(PrefixCache):
         the list."""
         if not self._key_arrays:
             return self._block_hashes(seq, num_blocks)
-        memo = self._hashed(seq, num_blocks)
+        return self._keys_of(self._hashed(seq, num_blocks))
+
+    @staticmethod
+    def _keys_of(memo: list) -> np.ndarray:
+        """The memo's array form brought up to its list (byte chains: the hashes not yet
+        in it joined once)."""
         hashes, keys = memo[1], memo[2]
         if keys.size < len(hashes):
             new = as_keys(hashes[keys.size :] if keys.size else hashes)
@@ -444,9 +444,7 @@ class APCCache(PrefixCache):
         hashes, keys = memo[1], memo[2]
         if keys.size <= start:  # the array has none of them: the list has them all
             return hashes[start:full], hashes[start - 1] if start else None
-        if keys.size < len(hashes):  # (`_index_keys`, its memo already at hand)
-            new = as_keys(hashes[keys.size :])
-            keys = memo[2] = np.concatenate([keys, new])
+        keys = self._keys_of(memo)
         return keys[start:full], keys[start - 1 : start].tobytes() if start else None
 
     # -- the contract: the hooks the base class calls after its checks -----------------

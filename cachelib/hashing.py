@@ -335,8 +335,7 @@ class BlockHasher:
         """Hashes of full blocks `start .. stop-1` of `tokens`, chained from `parent`
         (the hash of block `start - 1`, or None for the root)."""
         size = self.page_size
-        if stop * size > tokens.size:
-            raise InvalidRequestError(f"block {stop - 1} is not full ({tokens.size} tokens)")
+        self._check_full(tokens, stop)
         if self._poly is not None:
             keys = self._poly_blocks(tokens, extra, start, stop, parent)
             return keys if keys.__class__ is list else keys.tolist()
@@ -376,18 +375,32 @@ class BlockHasher:
         if self._poly is not None:
             return as_keys(self._poly_blocks(tokens, extra, start, stop, parent))
         if self._compiled is not None:
-            size = self.page_size
-            if stop * size > tokens.size:
-                raise InvalidRequestError(f"block {stop - 1} is not full ({tokens.size} tokens)")
+            self._check_full(tokens, stop)
             keys = self._compiled_blocks(tokens, extra, start, stop, parent)
             if keys is not None:
                 return keys
         return as_keys(self.hash_blocks(tokens, extra, start, stop, parent))
 
+    def hash_blocks_and_keys(
+        self, tokens: np.ndarray, extra: ExtraKeys, start: int, stop: int, parent: BlockHash | None
+    ) -> tuple[list[BlockHash], np.ndarray | None]:
+        """`hash_blocks`, and the same hashes as a void array where they were computed as
+        one (the compiled chain: a caller keeping both forms then joins nothing), else None."""
+        if self._compiled is not None:
+            self._check_full(tokens, stop)
+            keys = self._compiled_blocks(tokens, extra, start, stop, parent)
+            if keys is not None:
+                return keys.tolist(), keys
+        return self.hash_blocks(tokens, extra, start, stop, parent), None
+
+    def _check_full(self, tokens: np.ndarray, stop: int) -> None:
+        if stop * self.page_size > tokens.size:
+            raise InvalidRequestError(f"block {stop - 1} is not full ({tokens.size} tokens)")
+
     def _compiled_blocks(
         self, tokens: np.ndarray, extra: ExtraKeys, start: int, stop: int, parent: BlockHash | None
     ) -> np.ndarray | None:
-        """`hash_keys` by the compiled chain (`stop` checked by the caller), or None where
+        """`hash_keys` by the compiled chain (`_check_full` by the caller), or None where
         its input is not one it takes: multimodal spans (they vary block by block), a
         suffix that is not a multiple of 4 bytes (e.g. a `lora_id` key), tokens that are
         not int32 (the package path hashes their bytes as they are)."""
@@ -410,9 +423,7 @@ class BlockHasher:
     ) -> list[BlockHash] | np.ndarray:
         """`hash_blocks` for `poly128`: every block's values at once, extra keys added per
         block; a list from the plain-Python path (a few blocks), else a void array."""
-        size = self.page_size
-        if stop * size > tokens.size:
-            raise InvalidRequestError(f"block {stop - 1} is not full ({tokens.size} tokens)")
+        self._check_full(tokens, stop)
         n = stop - start
         if n <= 0:
             return []
