@@ -110,6 +110,10 @@ class Sequence:
     `list`, or a `PageTable` (cachelib/page_table.py), an integer buffer that reads like one); token t lives at
     page `page_table[t // page_size]`, slot `t % page_size`. `cache_memo` is scratch space for
     the cache that matched the sequence (vLLM keeps block hashes on its Request likewise).
+
+    `room`: token slots to keep free past the prompt for the tokens it will generate (an
+    engine passes the request's output length), so appending them never regrows the
+    buffer; more may be appended (it then doubles). The prompt is copied once either way.
     """
 
     __slots__ = (
@@ -133,6 +137,7 @@ class Sequence:
         extra: ExtraKeys = NO_EXTRA,
         *,
         prefix_id: int | None = None,
+        room: int = 0,
     ) -> None:
         # Caches key their live sequences by request id: it must hash and compare as text,
         # so 1 and "1" (or a list) can never name the same request by accident.
@@ -150,7 +155,15 @@ class Sequence:
         self.num_computed = 0
         self.prefix_id = prefix_id
         self.cache_memo: Any = None
-        self._buf = tokens.copy() if tokens is prompt else tokens
+        if room.__class__ is not int or room < 0:
+            raise InvalidRequestError(f"request {request_id!r}: room must be a non-negative int, got {room!r}")
+        if room:
+            # the tokens it will generate fit without regrowing: one allocation and one copy
+            # of the prompt, not a second copy (and fresh pages written) at the first append
+            self._buf = np.empty(tokens.size + room, dtype=np.int32)
+            self._buf[: tokens.size] = tokens
+        else:
+            self._buf = tokens.copy() if tokens is prompt else tokens
         self._len = int(tokens.size)
         self._view: np.ndarray | None = None  # `tokens`, made once per length
         self._ro: np.ndarray | None = None  # a read-only view of all of `_buf`, made once per buffer

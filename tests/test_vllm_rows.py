@@ -209,6 +209,35 @@ def test_extend_ids_refuses_a_bad_run(bad):
     assert s.tokens.tolist() == [0, 1, 2, 3, 2**31 - 3, 2**31 - 2, 2**31 - 1, 100, 101, 102, 103, 104]
 
 
+def test_sequence_room_keeps_appends_in_one_buffer():
+    """`room` reserves slots past the prompt: appends up to it write into the buffer the
+    prompt was copied into (no regrowth), appends past it still grow it, the tokens read
+    the same as without room, and the caller's prompt is never the buffer."""
+    from cachelib.types import Sequence
+
+    prompt = np.arange(5, dtype=np.int32)
+    s, plain = Sequence("r", prompt, room=4), Sequence("p", prompt)
+    buf = s._buf
+    assert buf is not prompt and buf.size == 9
+    for seq in (s, plain):
+        seq.extend_ids(range(100, 103))
+        seq.append_token(7)
+    assert s._buf is buf  # four appended tokens: inside the room
+    s.extend_ids([8, 9])  # past it: the buffer grows
+    plain.extend_ids([8, 9])
+    assert s.tokens.tolist() == plain.tokens.tolist() == [0, 1, 2, 3, 4, 100, 101, 102, 7, 8, 9]
+    assert prompt.tolist() == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("bad", [-1, 2.0, True, None])
+def test_sequence_room_must_be_a_non_negative_int(bad):
+    from cachelib.errors import InvalidRequestError
+    from cachelib.types import Sequence
+
+    with pytest.raises(InvalidRequestError, match="room must be a non-negative int"):
+        Sequence("r", np.arange(3, dtype=np.int32), room=bad)
+
+
 def test_fresh_token_run_is_fresh_tokens():
     """`fresh_token_run(k)` hands out the ids `fresh_tokens(k)` would, and moves the counter alike."""
     a, b = CostModelExecutor(), CostModelExecutor()

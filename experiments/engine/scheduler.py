@@ -109,7 +109,7 @@ class Scheduler:
 
     def add(self, spec: RequestSpec, arrival: float, index: int = -1) -> None:
         """A request arrives: it joins the back of the waiting queue (`index`: its trace line)."""
-        seq = Sequence(spec.request_id, spec.prompt, spec.extra, prefix_id=spec.prefix_id)
+        seq = Sequence(spec.request_id, spec.prompt, spec.extra, prefix_id=spec.prefix_id, room=spec.output_len)
         self.waiting.append(Request(spec, seq, arrival=arrival, index=index))
 
     def loads(self, page_size: int) -> Loads:

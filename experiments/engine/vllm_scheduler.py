@@ -148,7 +148,7 @@ class VllmScheduler(Scheduler):
                 one = dataclasses.replace(
                     spec, request_id=rid, output_len=lens[j], n=1, sample_lens=None, forced_output=forced
                 )
-            seq = Sequence(one.request_id, one.prompt, one.extra, prefix_id=one.prefix_id)
+            seq = Sequence(one.request_id, one.prompt, one.extra, prefix_id=one.prefix_id, room=one.output_len)
             r = Request(one, seq, arrival=arrival, index=index, sample_of=spec.request_id if j else None)
             r.vllm = VllmCounters(known=len(seq))
             self.waiting.append(r)
