@@ -451,7 +451,7 @@ class Scheduler:
 
     def request(self, spec: RequestSpec) -> Request:
         """`spec` as a request of this scheduler, not queued (the replay driver admits it)."""
-        seq = Sequence(spec.request_id, spec.prompt, spec.extra, prefix_id=spec.prefix_id)
+        seq = Sequence(spec.request_id, spec.prompt, spec.extra, prefix_id=spec.prefix_id, room=spec.output_len)
         return Request(spec, seq, arrival=self.clock.now)
 
     def admit_prompt(self, r: Request) -> bool:
