@@ -7,8 +7,9 @@ both needed:
   signal may land on any thread (numpy's BLAS threads exist before we run), and CPython then
   runs the handler in the main thread whatever the main thread's signal mask is;
 - the main thread's mask blocks them too, so a child process started inside the block
-  (spawn keeps the mask across exec) is born with them blocked and can choose to ignore
-  them before it unblocks them (experiments/cell_pool.py).
+  (spawn keeps the mask across exec; multiprocessing's fork server, started inside the
+  first such block, keeps it for every child it forks) is born with them blocked and can
+  choose to ignore them before it unblocks them (experiments/cell_pool.py).
 Outside the main thread (where handlers cannot be set) the block defers nothing.
 """
 

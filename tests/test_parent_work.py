@@ -185,6 +185,58 @@ def test_a_task_beside_returns_its_result_or_names_its_failure():
         t.result()
 
 
+def _environ_and_mask(name: str) -> tuple[str | None, bool, object]:
+    import signal
+
+    blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    return os.environ.get(name), blocked, signal.getsignal(signal.SIGINT)
+
+
+def test_a_task_runs_in_the_parents_environment_of_its_start(monkeypatch):
+    """A child sees the parent's environment as it is when the task starts, also when the
+    fork server (started by an earlier task) was started with another one; it runs with
+    SIGINT unblocked and ignored (the parent answers Ctrl-C)."""
+    import signal
+
+    name = "PCL_TEST_CHILD_ENV"
+    monkeypatch.delenv(name, raising=False)
+    with TaskBeside(Task("before", _environ_and_mask, (name,))) as beside:
+        assert beside.result() == (None, False, signal.SIG_IGN)
+    monkeypatch.setenv(name, "set after the first child")
+    with TaskBeside(Task("after", _environ_and_mask, (name,))) as beside:
+        assert beside.result()[0] == "set after the first child"
+    monkeypatch.delenv(name)
+    with TaskBeside(Task("gone", _environ_and_mask, (name,))) as beside:
+        assert beside.result()[0] is None
+
+
+def test_the_childrens_usage_reaches_the_callers_accounting(tmp_path):
+    """A program that runs tasks in children exits with their CPU time counted in its own
+    children's usage (`RUSAGE_CHILDREN`: what `/usr/bin/time` and `speed_targets --mooncake`
+    read), as spawned children's always were: forked by the fork server, they are its
+    children, and it is waited for at exit."""
+    import resource
+    import subprocess
+    import sys
+
+    script = tmp_path / "burn.py"
+    script.write_text(
+        "import time\n"
+        "from experiments.cell_pool import CellPool, Task\n"
+        "def burn(s):\n"
+        "    end = time.thread_time() + s\n"
+        "    while time.thread_time() < end:\n"
+        "        pass\n"
+        "if __name__ == '__main__':\n"
+        "    list(CellPool(2).results([Task('a', burn, (0.4,)), Task('b', burn, (0.4,))]))\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    subprocess.run([sys.executable, str(script)], check=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(root)})
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime >= 0.75
+
+
 def test_leaving_the_block_early_kills_the_task_beside():
     with pytest.raises(KeyboardInterrupt), TaskBeside(Task("slow", _sleeps, (60.0,))) as beside:
         process = beside._run.process
