@@ -156,7 +156,9 @@ class Sequence:
         self.prefix_id = prefix_id
         self.cache_memo: Any = None
         if room.__class__ is not int or room < 0:
-            raise InvalidRequestError(f"request {request_id!r}: room must be a non-negative int, got {room!r}")
+            raise InvalidRequestError(
+                f"request {request_id!r}: room (token slots reserved for its output) must be a non-negative int, got {room!r}"
+            )
         if room:
             # the tokens it will generate fit without regrowing: one allocation and one copy
             # of the prompt, not a second copy (and fresh pages written) at the first append

@@ -234,8 +234,22 @@ def test_sequence_room_must_be_a_non_negative_int(bad):
     from cachelib.errors import InvalidRequestError
     from cachelib.types import Sequence
 
-    with pytest.raises(InvalidRequestError, match="room must be a non-negative int"):
+    with pytest.raises(
+        InvalidRequestError, match=r"room \(token slots reserved for its output\) must be a non-negative int"
+    ):
         Sequence("r", np.arange(3, dtype=np.int32), room=bad)
+
+
+def test_output_room_is_the_output_length_up_to_a_cap():
+    """Engines reserve a request's output length, but never more than `MAX_OUTPUT_ROOM`
+    slots up front (a trace may declare outputs far longer than a run generates)."""
+    from experiments.engine.scheduler import MAX_OUTPUT_ROOM, output_room
+    from experiments.workloads.spec import RequestSpec
+
+    prompt = np.arange(3, dtype=np.int32)
+    assert output_room(RequestSpec("a", prompt, 0)) == 0
+    assert output_room(RequestSpec("a", prompt, 37)) == 37
+    assert output_room(RequestSpec("a", prompt, 147_483_647)) == MAX_OUTPUT_ROOM
 
 
 def test_fresh_token_run_is_fresh_tokens():

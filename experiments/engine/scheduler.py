@@ -43,6 +43,16 @@ from experiments.workloads.spec import RequestSpec
 #: longest decode window simulated in one go (bounds the per-step time vector)
 MAX_WINDOW = 4096
 
+#: most token slots a request's `Sequence` reserves for its output up front (`room`): a
+#: trace may declare outputs of up to ~147M tokens, which a run may never generate; past
+#: this the buffer doubles as tokens come, as without room
+MAX_OUTPUT_ROOM = 1 << 16
+
+
+def output_room(spec: RequestSpec) -> int:
+    """Token slots to reserve for `spec`'s output in its `Sequence`."""
+    return min(spec.output_len, MAX_OUTPUT_ROOM)
+
 
 class Loads(NamedTuple):
     """A replica's work in tokens and pages, summed over its waiting and running requests
@@ -109,7 +119,7 @@ class Scheduler:
 
     def add(self, spec: RequestSpec, arrival: float, index: int = -1) -> None:
         """A request arrives: it joins the back of the waiting queue (`index`: its trace line)."""
-        seq = Sequence(spec.request_id, spec.prompt, spec.extra, prefix_id=spec.prefix_id, room=spec.output_len)
+        seq = Sequence(spec.request_id, spec.prompt, spec.extra, prefix_id=spec.prefix_id, room=output_room(spec))
         self.waiting.append(Request(spec, seq, arrival=arrival, index=index))
 
     def loads(self, page_size: int) -> Loads:
@@ -451,7 +461,7 @@ class Scheduler:
 
     def request(self, spec: RequestSpec) -> Request:
         """`spec` as a request of this scheduler, not queued (the replay driver admits it)."""
-        seq = Sequence(spec.request_id, spec.prompt, spec.extra, prefix_id=spec.prefix_id, room=spec.output_len)
+        seq = Sequence(spec.request_id, spec.prompt, spec.extra, prefix_id=spec.prefix_id, room=output_room(spec))
         return Request(spec, seq, arrival=self.clock.now)
 
     def admit_prompt(self, r: Request) -> bool:

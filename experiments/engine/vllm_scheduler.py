@@ -53,7 +53,7 @@ import numpy as np
 from cachelib.tiers import PREFETCH_TIMEOUT_BASE_S, PREFETCH_TIMEOUT_PER_KI_TOKEN_S, TierTransfer
 from cachelib.types import CopyOp, Sequence
 from experiments.engine.request import Request
-from experiments.engine.scheduler import Scheduler, _new_pages, _pages_limit
+from experiments.engine.scheduler import Scheduler, _new_pages, _pages_limit, output_room
 from experiments.engine.transfers import TransferClock
 from experiments.workloads.spec import RequestSpec
 
@@ -148,7 +148,7 @@ class VllmScheduler(Scheduler):
                 one = dataclasses.replace(
                     spec, request_id=rid, output_len=lens[j], n=1, sample_lens=None, forced_output=forced
                 )
-            seq = Sequence(one.request_id, one.prompt, one.extra, prefix_id=one.prefix_id, room=one.output_len)
+            seq = Sequence(one.request_id, one.prompt, one.extra, prefix_id=one.prefix_id, room=output_room(one))
             r = Request(one, seq, arrival=arrival, index=index, sample_of=spec.request_id if j else None)
             r.vllm = VllmCounters(known=len(seq))
             self.waiting.append(r)
