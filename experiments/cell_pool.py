@@ -45,6 +45,8 @@ _PRELOAD = ["experiments.cli.main"]
 
 
 def _context() -> multiprocessing.context.BaseContext:
+    """The fork server's context, preloaded and reaped at exit, where the platform has one;
+    else spawn's."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
