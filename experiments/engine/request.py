@@ -55,7 +55,10 @@ class Request:
     """A request inside the scheduler: its sequence and what happened to it so far."""
 
     spec: RequestSpec
-    seq: Sequence
+    #: None while it waits for its first admission: its tokens are built when the scheduler
+    #: first considers it (`Scheduler.sequence`), not at arrival (a queue of thousands of
+    #: waiting requests would hold every prompt's tokens)
+    seq: Sequence | None
     generated: int = 0
     first_admit_hit: int | None = None
     hit_tokens: int = 0  # over every admission, re-admissions after preemption included

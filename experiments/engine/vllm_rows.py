@@ -290,7 +290,7 @@ class VllmRowScheduler(VllmScheduler):
         outstanding = prefill = pages = 0
         for r in self.waiting:
             prompt = r.spec.prompt_len
-            left = prompt - min(r.seq.num_computed + r.lag, prompt)
+            left = prompt if r.seq is None else prompt - min(r.seq.num_computed + r.lag, prompt)
             prefill += left
             outstanding += left + r.target - r.generated
             pages += prompt // page_size

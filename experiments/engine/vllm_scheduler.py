@@ -53,7 +53,7 @@ import numpy as np
 from cachelib.tiers import PREFETCH_TIMEOUT_BASE_S, PREFETCH_TIMEOUT_PER_KI_TOKEN_S, TierTransfer
 from cachelib.types import CopyOp, Sequence
 from experiments.engine.request import Request
-from experiments.engine.scheduler import Scheduler, _new_pages, _pages_limit, output_room
+from experiments.engine.scheduler import Scheduler, _new_pages, _pages_limit
 from experiments.engine.transfers import TransferClock
 from experiments.workloads.spec import RequestSpec
 
@@ -148,9 +148,9 @@ class VllmScheduler(Scheduler):
                 one = dataclasses.replace(
                     spec, request_id=rid, output_len=lens[j], n=1, sample_lens=None, forced_output=forced
                 )
-            seq = Sequence(one.request_id, one.prompt, one.extra, prefix_id=one.prefix_id, room=output_room(one))
-            r = Request(one, seq, arrival=arrival, index=index, sample_of=spec.request_id if j else None)
-            r.vllm = VllmCounters(known=len(seq))
+            # its sequence is built when it is first considered (`Scheduler.sequence`)
+            r = Request(one, None, arrival=arrival, index=index, sample_of=spec.request_id if j else None)
+            r.vllm = VllmCounters(known=one.prompt_len)
             self.waiting.append(r)
 
     def stuck(self, plan: StepPlan) -> bool:
@@ -283,7 +283,7 @@ class VllmScheduler(Scheduler):
             if r.vllm.stale:
                 skipped.append(waiting.popleft())  # output still in flight: resume later
                 continue
-            seq = r.seq
+            seq = self.sequence(r)
             m = client.match(seq)
             if self.transfers is not None and not self.storage_prefetch_ready(r, m):
                 skipped.append(waiting.popleft())  # SGLang skips it this round (prefetching)
