@@ -78,7 +78,7 @@ def test_a_waiting_request_holds_no_sequence_until_it_is_considered(cls):
     assert all(r.seq is None for r in s.waiting)
     assert sum(src.built for src in sources) == 0  # arrival builds no prompt
     s.step()
-    admitted = [r for r in s.running]
+    admitted = list(s.running)
     assert 1 <= len(admitted) <= 3
     assert all(r.seq is not None and r.seq.prompt_len == PROMPT for r in admitted)
     # the head the pass stopped at was matched (so built); every request behind it is untouched
