@@ -76,6 +76,51 @@ def test_dict_index_equals_the_model_under_random_batches(family, seed):
         assert len(index) == len(cached)
 
 
+def _two_runs() -> tuple[RunIndex, list[int]]:
+    """A RunIndex holding two runs of chained hashes (blocks 10..14 and 20..22)."""
+    hasher = BlockHasher(2)
+    index = RunIndex()
+    index.cover(30)
+    first = hasher.hash_blocks(np.arange(10, dtype=np.int32), ExtraKeys(), 0, 5, None)
+    second = hasher.hash_blocks(np.arange(100, 106, dtype=np.int32), ExtraKeys(), 0, 3, None)
+    index.add(np.arange(10, 15, dtype=np.int64), first, 0)
+    index.add(np.arange(20, 23, dtype=np.int64), second, 0)
+    index.check(_fail)
+    return index, [10, 11, 12, 13, 14, 20, 21, 22]
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "message"),
+    [
+        (lambda ix: ix._off.__setitem__(12, 3), "cached block 12 is not where its run says"),
+        (lambda ix: ix._off.__setitem__(21, 10**6), "cached block 21 is not where its run says"),
+        (lambda ix: ix._off.__setitem__(20, -1), "cached block 20 is not where its run says"),
+        (lambda ix: ix._run.__setitem__(13, 99), "cached block 13 is not where its run says"),
+        (lambda ix: ix._run.__setitem__(5, -2), "below -1"),
+        (lambda ix: setattr(ix._runs[1], "live", 4), "run 1 counts 4 cached blocks, holds 3"),
+        (lambda ix: ix._run.__setitem__(14, -1), "run 0 counts 5 cached blocks, holds 4"),
+    ],
+)
+def test_run_index_check_finds_a_corrupted_layout(corrupt, message):
+    index, _ = _two_runs()
+    corrupt(index)
+    with pytest.raises(InvariantViolation, match=message):
+        index.check(_fail)
+
+
+def test_run_index_items_are_every_cached_block_under_its_hash_oldest_first():
+    index, blocks = _two_runs()
+    items = index.items()
+    assert sorted(b for _, members in items for b in members) == blocks
+    assert all(index.digests(members) == [h] * len(members) for h, members in items)
+    # a block published again under a hash already cached comes after the older one
+    (h, [b]) = items[0]
+    index.add(np.array([25], dtype=np.int64), [h], 0)
+    assert dict(index.items())[h] == [b, 25]
+    index.make_oldest(h, 25)
+    assert dict(index.items())[h] == [25, b]
+
+
 @pytest.mark.parametrize("seed", range(10))
 def test_run_index_equals_the_model_on_chained_hashes(seed):
     """Commits of random prompts sharing prefixes (so equal blocks are published again, and
