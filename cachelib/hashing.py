@@ -1141,10 +1141,8 @@ class RunIndex:
         runs = self._run[cached]
         order = np.argsort(runs, kind="stable")
         cached, runs = cached[order], runs[order]
-        cut = np.flatnonzero(runs[1:] != runs[:-1]) + 1
-        for lo, hi in zip([0, *cut.tolist()], [*cut.tolist(), cached.size], strict=True):
-            if lo == hi:
-                break  # nothing cached
+        bounds = [0, *(np.flatnonzero(runs[1:] != runs[:-1]) + 1).tolist(), cached.size] if cached.size else []
+        for lo, hi in zip(bounds, bounds[1:], strict=False):  # (consecutive pairs)
             bs = cached[lo:hi]
             run = self._runs.get(runs.item(lo))
             if run is None:
@@ -1154,7 +1152,7 @@ class RunIndex:
             ok[ok] = run.blocks[offs[ok]] == bs[ok]
             if not ok.all():
                 fail(f"cached block {bs[~ok].item(0)} is not where its run says")
-        live = np.bincount(runs, minlength=self._next_run) if runs.size else np.zeros(self._next_run, dtype=np.int64)
+        live = np.bincount(runs, minlength=self._next_run)
         for r, run in self._runs.items():
             if run.live != live[r] or not run.live:
                 fail(f"run {r} counts {run.live} cached blocks, holds {live[r]}")

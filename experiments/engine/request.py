@@ -101,6 +101,13 @@ class Request:
         if self.forced is None and self.sample_of is None and self.spec.forced_output is not None:
             self.forced = np.asarray(self.spec.forced_output, dtype=np.int64).tolist()
 
+    def prefill_left(self) -> int:
+        """Prompt tokens whose KV it has not computed: all of them while it waits without a
+        sequence, again after a preemption (a replica's load, `Scheduler.loads`)."""
+        prompt = self.spec.prompt_len
+        seq = self.seq
+        return prompt if seq is None else prompt - min(seq.num_computed + self.lag, prompt)
+
 
 @dataclass
 class ServingResult:

@@ -147,11 +147,10 @@ class Scheduler:
         outstanding = prefill = pages = 0
         for queue in (self.waiting, self.running):
             for r in queue:
-                prompt = r.spec.prompt_len
-                left = prompt if r.seq is None else prompt - min(r.seq.num_computed + r.lag, prompt)
+                left = r.prefill_left()
                 prefill += left
                 outstanding += left + r.target - r.generated
-                pages += prompt // page_size
+                pages += r.spec.prompt_len // page_size
         return Loads(outstanding, prefill, pages)
 
     # -- one step -------------------------------------------------------------------

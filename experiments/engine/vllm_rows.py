@@ -289,11 +289,10 @@ class VllmRowScheduler(VllmScheduler):
         """`Scheduler.loads` with running requests read from their rows."""
         outstanding = prefill = pages = 0
         for r in self.waiting:
-            prompt = r.spec.prompt_len
-            left = prompt if r.seq is None else prompt - min(r.seq.num_computed + r.lag, prompt)
+            left = r.prefill_left()
             prefill += left
             outstanding += left + r.target - r.generated
-            pages += prompt // page_size
+            pages += r.spec.prompt_len // page_size
         rows = self.rows
         if len(rows):
             prompts = np.fromiter((r.spec.prompt_len for r in self.running), dtype=np.int64, count=len(rows))
