@@ -81,3 +81,37 @@ def test_a_beam_schedule_of_the_right_form_is_accepted():
     parents = np.array([[0, 0], [1, 1], [0, 1]], dtype=np.int32)
     assert spec(beam_width=2, beam_parents=parents).beam_parents is parents
     spec(beam_width=2)  # no schedule: replay names it before any work (`Replay.run`)
+
+
+def test_a_spec_pickles_field_for_field():
+    """A workload reaches every cell's process pickled (`RequestSpec.__getstate__`): each
+    field comes back, arrays equal, a lazy prompt builds the same tokens."""
+    import pickle
+
+    from experiments.workloads.mooncake import MooncakePrompt
+
+    specs = [
+        RequestSpec("a", np.arange(5, dtype=np.int32), 3, arrival=1.5, prefix_id=2, after="z", think_time=0.25),
+        RequestSpec("b", MooncakePrompt((7, 9), 700), 4, n=2, sample_lens=(4, 1)),
+        RequestSpec(
+            "c",
+            np.arange(3, dtype=np.int32),
+            2,
+            beam_width=2,
+            beam_parents=np.array([[0, 0], [1, 1]]),
+            forced_output=np.array([5, 6]),
+        ),  # fmt: skip
+    ]
+    for spec in specs:
+        back = pickle.loads(pickle.dumps(spec))
+        assert type(back) is RequestSpec
+        for f in dataclasses.fields(RequestSpec):
+            mine, theirs = getattr(spec, f.name), getattr(back, f.name)
+            if isinstance(mine, np.ndarray):
+                assert np.array_equal(mine, theirs) and mine.dtype == theirs.dtype
+            elif isinstance(mine, MooncakePrompt):
+                assert np.array_equal(mine(), theirs()) and len(mine) == len(theirs)
+            else:
+                assert mine == theirs, f.name
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            back.output_len = 9  # type: ignore[misc]
