@@ -36,12 +36,18 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from cachelib.hashing import numba_installed
 from experiments.interrupts import SIGNALS, DeferredInterrupts
 
 #: what the fork server imports once for every child: the cell tasks (experiments.cell_runs,
 #: under the command line) and the command line itself, which a child of `python -m
-#: experiments` imports again as its `__mp_main__`
-_PRELOAD = ["experiments.cli.main"]
+#: experiments` imports again as its `__mp_main__`; where the `fast` extra is installed, the
+#: compiled loops every serving cell and every apc cache load (numba and the code from its
+#: cache: ~0.3 s a process, paid once here instead of in each child)
+_PRELOAD = [
+    "experiments.cli.main",
+    *(["experiments.engine.row_kernels", "cachelib.xxh3_chain"] if numba_installed() else []),
+]
 
 
 def _context() -> multiprocessing.context.BaseContext:

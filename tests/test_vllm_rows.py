@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from cachelib import create_cache
+from cachelib.hashing import numba_installed
 from experiments.engine import CostModelExecutor, ServingConfig
 from experiments.engine.cache_client import CacheClient
 from experiments.engine.clock import VirtualClock
@@ -35,6 +36,10 @@ WORKLOADS = {
     # the shipped conversation trace's head: long prompts, chunked prefill
     "mooncake": ("mooncake", dict(limit=60)),
 }  # fmt: skip
+
+#: the paths that compute a step's array work here (experiments/engine/compiled.py): numpy
+#: always, numba's compiled loops where the `fast` extra is installed (CI installs it)
+KERNELS = ["numpy", *(["numba"] if numba_installed() else [])]
 
 
 class EventLog:
@@ -66,10 +71,10 @@ def make_cache(backend: str, num_pages: int, page_size: int):
     return create_cache(name, num_pages=num_pages, page_size=page_size, host_capacity_tokens=host, **TIERED[backend])
 
 
-def run(cls: type[VllmScheduler], backend: str, num_pages: int, page_size: int, requests, executor, config):
+def run(cls: type[VllmScheduler], backend: str, num_pages: int, page_size: int, requests, executor, config, **kw):
     cache = make_cache(backend, num_pages, page_size)
     clock = VirtualClock(requests)
-    s = cls(CacheClient(cache), executor, config, clock)
+    s = cls(CacheClient(cache), executor, config, clock, **kw)
     events = EventLog()
     events.scheduler = s
     if cache.emits_kv_events:
@@ -93,7 +98,9 @@ def run(cls: type[VllmScheduler], backend: str, num_pages: int, page_size: int, 
 @pytest.mark.parametrize("backend", ["apc", "radix", "none", "paged", *TIERED])
 @pytest.mark.parametrize("pages", [40, 400])
 @pytest.mark.parametrize("executor", ["cost", "fixed"])
-def test_rows_decide_as_the_object_loop(workload, backend, pages, executor):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_rows_decide_as_the_object_loop(workload, backend, pages, executor, kernel):
+    """Both paths of the rows' array work (numpy, numba) against the object loop."""
     name, knobs = WORKLOADS[workload]
     requests = make_workload(name, seed=3, **knobs).requests
     page_size = 16
@@ -104,9 +111,9 @@ def test_rows_decide_as_the_object_loop(workload, backend, pages, executor):
     config = ServingConfig(token_budget=512, max_running=16, time_transfers=False)
 
     def make():
-        return CostModelExecutor() if executor == "cost" else FixedStepExecutor(0.02)
+        return CostModelExecutor(kernel=kernel) if executor == "cost" else FixedStepExecutor(0.02)
 
-    rows = run(VllmRowScheduler, backend, num_pages, page_size, requests, make(), config)
+    rows = run(VllmRowScheduler, backend, num_pages, page_size, requests, make(), config, kernel=kernel)
     objects = run(VllmScheduler, backend, num_pages, page_size, requests, make(), config)
     for key in objects:
         assert rows[key] == objects[key], key
@@ -138,16 +145,136 @@ def test_serve_picks_rows_only_for_the_synchronous_priced_loop():
         )
 
 
-def test_batch_seconds_is_the_loop_to_the_last_bit():
-    """The cost model's vectorised step time adds the same terms in the same order."""
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_batch_seconds_is_the_loop_to_the_last_bit(kernel):
+    """The cost model's vectorised step time adds the same terms in the same order, by
+    either path; items computing nothing are not in the step."""
     rng = np.random.default_rng(0)
-    ex = CostModelExecutor()
+    ex = CostModelExecutor(kernel=kernel)
+    assert ex.kernel == kernel
     for _ in range(300):
         size = int(rng.integers(1, 300))
         new = rng.integers(1, 9000, size) * (rng.random(size) < 0.3) + 1
+        new[rng.random(size) < 0.2] = 0  # rows the budget left out
         starts = rng.integers(0, 2_000_000, size)
-        batch = [(None, int(n), int(s)) for n, s in zip(new, starts, strict=True)]
-        assert ex.batch_seconds(new.astype(np.int64), starts.astype(np.int64)) == ex.step_seconds(batch)
+        batch = [(None, int(n), int(s)) for n, s in zip(new, starts, strict=True) if n]
+        if batch:
+            assert ex.batch_seconds(new.astype(np.int64), starts.astype(np.int64)) == ex.step_seconds(batch)
+
+
+def test_an_engine_kernel_is_named_and_numba_is_asked_for_only_where_installed(monkeypatch):
+    from experiments.engine import compiled
+
+    with pytest.raises(ValueError, match="unknown engine kernel 'fast'"):
+        CostModelExecutor(kernel="fast")
+    with pytest.raises(ValueError, match="unknown engine kernel"):
+        VllmRowScheduler(
+            CacheClient(create_cache("apc", num_pages=8, page_size=4)), CostModelExecutor(), ServingConfig(),
+            VirtualClock([]), kernel="c",
+        )  # fmt: skip
+    monkeypatch.setattr(compiled, "numba_installed", lambda: False)
+    assert CostModelExecutor(kernel="auto").kernel == "numpy"  # without numba: the reference
+    with pytest.raises(ValueError, match=r"needs numba: pip install 'prefix-cache-lab\[fast\]'"):
+        CostModelExecutor(kernel="numba")
+
+
+@pytest.mark.skipif(not numba_installed(), reason="the compiled path needs numba (the fast extra)")
+def test_plan_rows_is_the_numpy_split_and_classification():
+    """`row_kernels.plan_rows` against the numpy formulas of `plan_and_call`,
+    `rows_to_call` and `unproven_rows` (the budget as one cumulative sum, the lazy rule by
+    `row_kind`, a conditional promise's unproven rows) on random running lists: budgets
+    that run out mid-list, prefill chunks, decode steps inside, into and filling pages,
+    with and without the lazy rule and quiet fills, under each kind of promise."""
+    from experiments.engine import row_kernels as k
+    from experiments.engine.row_kernels import plan_rows
+    from experiments.engine.vllm_rows import CALLS, EXCUSED, row_kind
+
+    rng = np.random.default_rng(5)
+    page = 16
+    for _ in range(3000):
+        m = int(rng.integers(0, 40))
+        prompt = rng.integers(1, 200, m)
+        computed = np.minimum(rng.integers(0, 260, m), prompt + rng.integers(0, 60, m))
+        decoding = computed >= prompt
+        known = np.where(decoding, computed + 1, np.minimum(prompt, computed + rng.integers(0, 120, m)))
+        idle = rng.random(m) < 0.1  # nothing to compute (never in the synchronous loop; allowed)
+        known[idle] = computed[idle]
+        capacity = (-(-computed // page) + rng.integers(0, 2, m)) * page
+        budget = int(rng.integers(1, 400))
+        lazy, quiet = bool(rng.random() < 0.7), bool(rng.random() < 0.5)
+        promise = int(rng.integers(0, 3))
+        free, private = int(rng.integers(0, 6)), rng.random(m) < 0.9
+        args = [a.astype(np.int64) for a in (computed, known, capacity, prompt)]
+        n, table, known_out, unproven = plan_rows(*args, budget, page, lazy, quiet and lazy, promise, free, private)
+        need = known - computed
+        before = need.cumsum() - need
+        want_n = need if need.sum() <= budget else np.minimum(np.maximum(budget - before, 0), need)
+        assert n.tolist() == want_n.tolist()
+        end = computed + want_n
+        if promise == k.PROMISE_WHILE_FREE:
+            take = np.maximum(-(-end // page) - capacity // page, 0)
+            doubtful = np.cumsum(take) - take >= free
+        else:
+            doubtful = ~private if promise == k.PROMISE_IF_PRIVATE else np.zeros(m, dtype=bool)
+        assert unproven == bool(lazy and (doubtful & (want_n > 0)).any())
+        want = []
+        for i in np.flatnonzero(want_n > 0).tolist():
+            kind = row_kind(int(want_n[i]), int(end[i]), int(capacity[i]), page, int(prompt[i]), quiet and lazy)
+            if not lazy:
+                kind = CALLS
+            if kind != EXCUSED:
+                want.append([i, int(want_n[i]), int(end[i]), kind])
+        assert table.tolist() == want
+        assert known_out.tolist() == [int(known[row[0]]) for row in want]
+
+
+@pytest.mark.skipif(not numba_installed(), reason="the compiled path needs numba (the fast extra)")
+def test_deliver_rows_is_the_numpy_process():
+    """`row_kernels.deliver_rows` against `process`'s numpy steps and `TokenGaps.step_rows`
+    over a run of random steps: the same counters, first tokens, finishes and gap pairs."""
+    from experiments.engine.row_kernels import deliver_rows
+
+    rng = np.random.default_rng(11)
+    m = 30
+    a, b = TokenGaps(), TokenGaps()
+    computed = rng.integers(0, 5, m).astype(np.int64)
+    known = computed + rng.integers(0, 2, m)
+    generated = rng.integers(0, 3, m).astype(np.int64)
+    target = generated + rng.integers(1, 6, m)
+    has_first = rng.random(m) < 0.5
+    timed = rng.random(m) < 0.8
+    last = np.where(has_first, rng.random(m), np.nan)
+    mine = [x.copy() for x in (computed, known, generated, target, has_first, timed, last)]
+    now = 1.0
+    for _ in range(300):
+        now += float(rng.random())
+        n = (rng.random(m) < 0.7).astype(np.int64) * rng.integers(1, 3, m)
+        # the reference: `VllmRowScheduler.process`
+        sampled = (computed == known) & (n > 0)
+        known += sampled
+        generated += sampled
+        firsts = np.flatnonzero(sampled & ~has_first)
+        has_first[firsts] = True
+        last = a.step_rows(last, sampled & timed, now)
+        done = np.flatnonzero(sampled & (generated >= target))
+        got = deliver_rows(*mine, n, now, b.last_step or 0.0, b.last_step is not None)
+        assert got[0].tolist() == firsts.tolist() and got[1].tolist() == done.tolist()
+        b.add_step(got[2].tolist(), got[3], now)
+        for x, y in zip((computed, known, generated, target, has_first, timed, last), mine, strict=True):
+            assert np.array_equal(x, y, equal_nan=True)
+        # the next step's state: chunks computed, finished rows restart
+        step = np.minimum(n, known - computed)
+        computed += step
+        mine[0] += step
+        restart = generated >= target
+        target[restart] += 3
+        mine[3][restart] += 3
+    assert (a.values, a.counts) == (b.values, b.counts)
+    # before any step a last token at 0.0 is a gap of its own (`prev` is then a placeholder)
+    one = [np.array([v], dtype=np.int64) for v in (0, 0, 0, 5)]
+    flags = [np.array([True]), np.array([True]), np.array([0.0])]
+    got = deliver_rows(*one, *flags, np.array([1], dtype=np.int64), 2.0, 0.0, False)
+    assert got[2].tolist() == [2.0] and got[3] == 0
 
 
 class _R:

@@ -28,6 +28,7 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 
 from cachelib.types import CopyOp, Sequence
+from experiments.engine.compiled import engine_kernels, kernel_name
 from experiments.workloads.spec import GENERATED_TOKEN_BASE
 
 #: a batch item: the sequence, tokens to compute, the first of them
@@ -59,8 +60,9 @@ class Executor(Protocol):
 
     def batch_seconds(self, new: np.ndarray, starts: np.ndarray) -> float:
         """Seconds of one step whose items compute `new[i]` tokens from position `starts[i]`,
-        in batch order: what `step` charges, without sampling (only when
-        `supports_decode_windows`: the engine then takes fresh ids itself)."""
+        in batch order (an item with `new[i] == 0` is not in the step): what `step` charges,
+        without sampling (only when `supports_decode_windows`: the engine then takes fresh
+        ids itself)."""
 
     def fresh_tokens(self, k: int) -> list[int]:
         """`k` token ids no prompt uses (only when `samples_fresh_tokens`)."""
@@ -187,11 +189,16 @@ class CostModelExecutor:
     supports_decode_windows: ClassVar[bool] = True
     samples_fresh_tokens: ClassVar[bool] = True
 
-    def __init__(self, shape: ModelShape | None = None, device: DeviceProfile | str = "h200") -> None:
+    def __init__(
+        self, shape: ModelShape | None = None, device: DeviceProfile | str = "h200", kernel: str = "auto"
+    ) -> None:
         self.shape = shape or llama3_8b_shape()
         self.device = DEVICE_PROFILES[device] if isinstance(device, str) else device
         self.tokens = FreshTokens()
         self.num_layers = self.shape.num_layers
+        #: `batch_seconds`' sums by a compiled loop, or None: numpy (experiments/engine/compiled.py)
+        self.kernels = engine_kernels(kernel)
+        self.kernel = kernel_name(self.kernels)
 
     def apply_copies(self, ops: list[CopyOp]) -> None:
         pass  # a page copy is a few µs of bandwidth; counted by the cache's copied_pages
@@ -226,14 +233,22 @@ class CostModelExecutor:
 
     def batch_seconds(self, new: np.ndarray, starts: np.ndarray) -> float:
         """`step_seconds` over arrays: each item's term is the same float expression, and the
-        terms are added one at a time in batch order (`np.cumsum` accumulates sequentially),
-        so the result is the loop's to the last bit (tests/test_vllm_rows.py)."""
+        terms are added one at a time in batch order (`np.cumsum` accumulates sequentially,
+        as does the compiled loop, `row_kernels.price_rows`), so the result is the loop's
+        to the last bit (tests/test_vllm_rows.py)."""
         s, d = self.shape, self.device
-        tokens = int(new.sum())
-        per_item = 4.0 * s.num_layers * s.num_heads * s.head_dim * new * (starts + (new + 1) / 2)
-        # (methods, not the np.* wrappers: this runs every step on a few hundred items)
-        flops = float(np.concatenate(([2.0 * s.num_params * tokens], per_item)).cumsum()[-1])
-        kv_read = int(starts.sum()) + tokens  # sum(starts + new), in exact ints
+        per_token = 4.0 * s.num_layers * s.num_heads * s.head_dim
+        if self.kernels is not None:
+            flops, tokens, kv_read = self.kernels.price_rows(new, starts, per_token, 2.0 * s.num_params)
+        else:
+            if np.count_nonzero(new) != new.size:  # items computing nothing are not in the step
+                on = new > 0
+                new, starts = new[on], starts[on]
+            tokens = int(new.sum())
+            per_item = per_token * new * (starts + (new + 1) / 2)
+            # (methods, not the np.* wrappers: this runs every step on a few hundred items)
+            flops = float(np.concatenate(([2.0 * s.num_params * tokens], per_item)).cumsum()[-1])
+            kv_read = int(starts.sum()) + tokens  # sum(starts + new), in exact ints
         nbytes = s.num_params * s.bytes_per_param + (kv_read + tokens) * s.kv_bytes_per_token
         compute = flops / (d.peak_flops * d.flops_efficiency)
         memory = nbytes / (d.mem_bandwidth * d.bandwidth_efficiency)

@@ -85,18 +85,31 @@ class TokenGaps:
         else:
             regular = came == prev  # NaN (no token yet) equals nothing
             count = int(np.count_nonzero(regular))
+        gaps: list[float] = []
         if count < came.size:  # rows whose last token came earlier, or never
             odd = came if regular is None else came[~regular]
-            odd = odd[~np.isnan(odd)]
-            if odd.size:
-                self.values.extend((at - odd).tolist())
-                self.counts.extend([1] * odd.size)
-        if count:
-            self.values.append(at - prev)  # type: ignore[operator]  # count > 0: prev is a time
-            self.counts.append(count)
-        self._last_step = at
+            gaps = (at - odd[~np.isnan(odd)]).tolist()
+        self.add_step(gaps, count, at)
         last[got] = at
         return last
+
+    @property
+    def last_step(self) -> float | None:
+        """When this replica's last token-bearing step ended (None: none yet)."""
+        return self._last_step
+
+    def add_step(self, gaps: list[float], regular: int, at: float) -> None:
+        """What a step ending at `at` adds: the `gaps` of the requests whose last token came
+        before the previous step's end, one pair each in order, then the `regular` ones
+        whose last token came at it, one pair. `step_rows` computes them with numpy, the
+        row scheduler's compiled path in one loop (experiments/engine/row_kernels.py)."""
+        if gaps:
+            self.values.extend(gaps)
+            self.counts.extend([1] * len(gaps))
+        if regular:
+            self.values.append(at - self._last_step)  # type: ignore[operator]  # regular > 0: a previous step
+            self.counts.append(regular)
+        self._last_step = at
 
     def window_rows(self, last: np.ndarray, timed: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """`window` for rows: the `timed` rows got one token at each of `ends`; returns `last`."""

@@ -37,6 +37,7 @@ import numpy as np
 
 from cachelib.interface import DECODE_NOOPS_IF_PRIVATE, DECODE_NOOPS_WHILE_FREE
 from cachelib.types import CopyOp, Sequence
+from experiments.engine.compiled import engine_kernels, kernel_name
 from experiments.engine.request import Request
 from experiments.engine.scheduler import Loads, _new_pages, _pages_limit
 from experiments.engine.vllm_scheduler import MAX_WINDOW, StepPlan, VllmScheduler
@@ -218,7 +219,11 @@ class VllmRowScheduler(VllmScheduler):
 
     prices_transfers: ClassVar[bool] = False  # tiered caches with timed transfers: the object loop
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, kernel: str = "auto", **kwargs) -> None:
+        #: the compiled loops of each step's array work, or None: the numpy reference
+        #: (experiments/engine/compiled.py; a bad name fails here, before anything is built)
+        self.kernels = engine_kernels(kernel)
+        self.kernel = kernel_name(self.kernels)  # `numba` or `numpy`: the path that runs
         super().__init__(*args, **kwargs)
         if self.async_scheduling or not self.executor.supports_decode_windows:
             raise ValueError("the row scheduler runs the synchronous loop of an executor that prices steps")
@@ -305,12 +310,56 @@ class VllmRowScheduler(VllmScheduler):
     # -- the step -------------------------------------------------------------------
 
     def schedule(self) -> RowPlan:  # type: ignore[override]
-        """Rules 1-3 over rows: the budget split in running order as one cumulative sum, then
-        the cache calls, in order, of the rows the lazy rule does not excuse."""
+        """Rules 1-3 over rows: the budget split in running order, then the cache calls, in
+        order, of the rows the lazy rule does not excuse (`plan_compiled`, or the numpy
+        reference `plan_and_call`), then admissions."""
+        rows = self.rows
+        budget = self.config.token_budget
+        planned = self.plan_compiled(budget) if self.kernels is not None else None
+        if planned is None:
+            plan = self.plan_and_call(budget)
+        else:
+            plan, todo, known = planned
+            if todo:
+                self.call_rows(todo, known, plan)
+        m = len(self.running)
+        if m != len(plan.n):  # preempted: the rows it removed leave the plan
+            plan.n, plan.start = plan.n[:m], plan.start[:m]
+        rows.computed = rows.computed + plan.n  # `_update_after_schedule`
+        budget -= int(plan.n.sum())
+        if not plan.preempted:
+            self.admit_rows(plan, budget)
+        self.finished_pending = False
+        return plan
+
+    def plan_compiled(self, budget: int) -> tuple[RowPlan, list, list[int]] | None:
+        """`plan_and_call`'s plan by the compiled loop (`row_kernels.plan_rows`): the plan,
+        the rows to call with their kinds and their known counts, for `call_rows`. None
+        when a conditional lazy promise may fail for a scheduled row this step
+        (`unproven_rows` would name one): the numpy path then decides it at its turn
+        (`call_rows_checked`)."""
+        rows = self.rows
+        kernels = self.kernels
+        promise, free = kernels.PROMISE_ALWAYS, 0  # type: ignore[union-attr]
+        if self.lazy and self.lazy_when is not None:
+            if self.lazy_when == DECODE_NOOPS_WHILE_FREE:
+                promise, free = kernels.PROMISE_WHILE_FREE, self.cache.pages_free()  # type: ignore[union-attr]
+            else:
+                promise = kernels.PROMISE_IF_PRIVATE  # type: ignore[union-attr]
+        n, todo, known, unproven = kernels.plan_rows(  # type: ignore[union-attr]
+            rows.computed, rows.known, rows.capacity, rows.prompt, budget, self.cache.page_size, self.lazy,
+            self.quiet_fills, promise, free, rows.private,
+        )  # fmt: skip
+        if unproven:
+            return None
+        return RowPlan(n, rows.computed.copy()), todo.tolist(), known.tolist()
+
+    def plan_and_call(self, budget: int) -> RowPlan:
+        """The budget split in running order as one cumulative sum, then the cache calls of
+        the rows that need one (the numpy reference of `plan_compiled`)."""
         rows = self.rows
         start = rows.computed.copy()
         need = rows.known - rows.computed
-        budget = self.config.token_budget
         if int(need.sum()) <= budget:
             n = need  # every row gets all it needs (a decode step): the split below, short
         else:
@@ -344,13 +393,6 @@ class VllmRowScheduler(VllmScheduler):
                 for i, ni, ei, cap, prompt in calls
             ]
             self.call_rows(kinds, rows.known[todo].tolist(), plan)
-        m = len(self.running)
-        plan.n, plan.start = plan.n[:m], plan.start[:m]
-        rows.computed = rows.computed + plan.n  # `_update_after_schedule`
-        budget -= int(plan.n.sum())
-        if not plan.preempted:
-            self.admit_rows(plan, budget)
-        self.finished_pending = False
         return plan
 
     def rows_to_call(self, n: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
@@ -523,11 +565,7 @@ class VllmRowScheduler(VllmScheduler):
     def execute(self, plan: RowPlan) -> None:  # type: ignore[override]
         start = max(self.clock.now, self.gpu_free)
         n = plan.n
-        if np.count_nonzero(n) == n.size:  # every row scheduled (the common case): no mask
-            seconds = self.executor.batch_seconds(n, plan.start)
-        else:
-            on = n > 0
-            seconds = self.executor.batch_seconds(n[on], plan.start[on])
+        seconds = self.executor.batch_seconds(n, plan.start)  # (rows computing nothing are not in it)
         plan.end = self.gpu_free = start + seconds
         plan.index = self.result.steps
         self.result.steps += 1
@@ -536,6 +574,9 @@ class VllmRowScheduler(VllmScheduler):
 
     def process(self, plan: RowPlan) -> None:  # type: ignore[override]
         """Deliveries: a scheduled row whose chunk reached its known end sampled a token."""
+        if self.kernels is not None:
+            self.process_compiled(plan)
+            return
         rows = self.rows
         sampled = rows.computed == rows.known
         sampled &= plan.n > 0
@@ -552,6 +593,24 @@ class VllmRowScheduler(VllmScheduler):
         rows.last = self.result.itl.step_rows(rows.last, sampled & rows.timed, plan.end)
         sampled &= rows.generated >= rows.target
         self.stop_rows(sampled.nonzero()[0], plan.end, plan.index)
+
+    def process_compiled(self, plan: RowPlan) -> None:
+        """`process` by the compiled loop (`row_kernels.deliver_rows`): the same rows
+        updated, first tokens, gaps and finishes."""
+        rows = self.rows
+        itl = self.result.itl
+        prev = itl.last_step
+        firsts, done, gaps, regular = self.kernels.deliver_rows(  # type: ignore[union-attr]
+            rows.computed, rows.known, rows.generated, rows.target, rows.has_first, rows.timed, rows.last, plan.n,
+            plan.end, 0.0 if prev is None else prev, prev is not None,
+        )  # fmt: skip
+        if firsts.size:
+            running = self.running
+            for i in firsts.tolist():
+                r = running[i]
+                r.first_token_at, r.first_token_step = plan.end, plan.index
+        itl.add_step(gaps.tolist(), regular, plan.end)
+        self.stop_rows(done, plan.end, plan.index)
 
     def stop_rows(self, done: np.ndarray, at: float, step: int | None) -> None:
         """Rows that produced their last token finish, in running order."""
