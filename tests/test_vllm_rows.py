@@ -471,3 +471,78 @@ def test_running_rows_keep_their_values_through_growth_rebinding_and_deletes():
     with pytest.raises(ValueError, match="rows"):  # a rebound field of the wrong length is refused
         rows.known = np.zeros(len(rows) + 1, dtype=np.int64)
         rows.delete(np.array([], dtype=np.int64))
+
+
+@pytest.mark.skipif(not numba_installed(), reason="the compiled path needs numba (the fast extra)")
+def test_window_kernels_are_the_numpy_window():
+    """`window_bound`, `most_steps`, `window_calls` and `window_deliver` against the numpy
+    of `window_steps` and `window_numpy` (`_new_pages`/`_pages_limit`, the calls mask,
+    `unproven_rows`, `TokenGaps.window_rows`) on random decoding rows."""
+    from experiments.engine import row_kernels as k
+    from experiments.engine.scheduler import _new_pages, _pages_limit
+
+    rng = np.random.default_rng(13)
+    page = 16
+    a, b = TokenGaps(), TokenGaps()
+    now = 0.0
+    for trial in range(2000):
+        m = int(rng.integers(1, 30))
+        start = rng.integers(0, 300, m)
+        computed = start + 1
+        capacity = (-(-computed // page) + rng.integers(0, 2, m)) * page
+        committed = np.minimum(computed, rng.integers(0, 300, m))
+        known = computed + (rng.random(m) < 0.05)
+        n = np.where(rng.random(m) < 0.05, 2, 1)
+        generated = rng.integers(0, 40, m) * (rng.random(m) > 0.02)
+        target = generated + rng.integers(1, 90, m)
+        i64 = [x.astype(np.int64) for x in (n, computed, known, generated, target)]
+        bound = k.window_bound(*i64, 64)
+        eligible = not (np.count_nonzero(n != 1) or np.count_nonzero(computed != known) or not generated.all())
+        assert bound == (min(64, int((target - generated).min())) if eligible else 1)
+        spare, most = int(rng.integers(0, 8)), int(rng.integers(1, 64))
+        fits = k.most_steps(computed.astype(np.int64), capacity.astype(np.int64), page, spare, most)
+        pages = capacity // page
+        if _new_pages(computed, pages, page, 1) > spare:
+            assert fits == 0
+        else:
+            assert fits == _pages_limit(computed, pages, page, spare, most)
+        # the window's calls
+        steps = int(rng.integers(2, 40))
+        lazy, quiet = bool(rng.random() < 0.8), bool(rng.random() < 0.5)
+        quiet = quiet and lazy
+        promise, free, private = int(rng.integers(0, 3)), int(rng.integers(0, 6)), rng.random(m) < 0.9
+        args = [x.astype(np.int64) for x in (start, computed, capacity, committed, known)]
+        table, known_out, doubtful = k.window_calls(*args, steps, page, lazy, quiet, promise, free, private)
+        final = start + steps
+        calls = final > capacity if quiet else (final > capacity) | (final // page > committed // page) | (not lazy)
+        if promise == k.PROMISE_WHILE_FREE:
+            take = np.maximum(-(-final // page) - capacity // page, 0)
+            unproven = np.cumsum(take) - take >= free
+        else:
+            unproven = ~private if promise == k.PROMISE_IF_PRIVATE else np.zeros(m, dtype=bool)
+        assert doubtful == bool(lazy and (unproven & ~calls).any())
+        called = np.flatnonzero(calls)
+        assert table.tolist() == [[int(i), int(final[i] - computed[i]), int(final[i])] for i in called]
+        assert known_out.tolist() == (known[called] + steps).tolist()
+        # the deliveries
+        timed = rng.random(m) < 0.8
+        last = np.where(rng.random(m) < 0.2, np.nan, now - rng.random(m))
+        if trial % 3 == 0 and a.last_step is not None:
+            last[rng.random(m) < 0.5] = a.last_step  # rows that got a token at the previous step
+        ends = now + np.cumsum(rng.random(steps) + 0.01)
+        want_last = a.window_rows(last.copy(), timed, ends)
+        want_done = np.flatnonzero(generated + steps >= target)
+        mine = [x.astype(np.int64) for x in (computed, generated, start, target)]  # work: a copy of start
+        prev = b.last_step
+        done, gaps, regular, many = k.window_deliver(
+            mine[0], mine[1], mine[2], mine[3], start.astype(np.int64), timed, last, steps, float(ends[0]),
+            float(ends[-1]), 0.0 if prev is None else prev, prev is not None,
+        )  # fmt: skip
+        b.add_step(gaps.tolist(), regular, float(ends[0]))
+        b.add_window_steps(ends, many)
+        assert done.tolist() == want_done.tolist() and many == int(timed.sum())
+        assert mine[0].tolist() == final.tolist() and mine[1].tolist() == (generated + steps).tolist()
+        assert mine[2].tolist() == (start + steps).tolist()
+        assert np.array_equal(last, want_last, equal_nan=True)
+        assert (a.values, a.counts, a.last_step) == (b.values, b.counts, b.last_step)
+        now = float(ends[-1])

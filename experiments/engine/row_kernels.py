@@ -169,3 +169,145 @@ def price_rows(new, starts, per_token, params_flops):
         if k > 0:
             flops += per_token * k * (starts[i] + (k + 1) / 2)
     return flops, tokens, kv_read
+
+
+@njit(types.int64(_I64, _I64, _I64, _I64, _I64, types.int64), cache=True)
+def window_bound(n, computed, known, generated, target, most):
+    """`VllmRowScheduler.window_steps`' first bound: 1 unless every row decoded one token
+    this step (`n` 1, `computed` equal to `known`) and has generated one before, else the
+    decode steps left to the row nearest its end, at most `most`."""
+    k = most
+    for i in range(n.size):
+        if n[i] != 1 or computed[i] != known[i] or generated[i] == 0:
+            return 1
+        k = min(k, target[i] - generated[i])
+    return k
+
+
+@njit(types.int64(_I64, _I64, types.int64, types.int64), cache=True)
+def _new_pages(computed, capacity, page, steps):
+    """`scheduler._new_pages` over the table capacities (in tokens)."""
+    total = 0
+    for i in range(computed.size):
+        need = (computed[i] + steps + page - 1) // page - capacity[i] // page
+        if need > 0:
+            total += need
+    return total
+
+
+@njit(types.int64(_I64, _I64, types.int64, types.int64, types.int64), cache=True)
+def most_steps(computed, capacity, page, spare, most):
+    """The most decode steps, at most `most`, whose new pages fit in `spare` (0: not even
+    one): `scheduler._pages_limit`'s answer (a monotone count, so any search finds it)."""
+    if _new_pages(computed, capacity, page, most) <= spare:
+        return most
+    if _new_pages(computed, capacity, page, 1) > spare:
+        return 0
+    lo, hi = 1, most
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _new_pages(computed, capacity, page, mid) <= spare:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@njit(
+    types.Tuple((types.Array(types.int64, 2, "C"), _I64, types.boolean))(
+        _I64,
+        _I64,
+        _I64,
+        _I64,
+        _I64,
+        types.int64,
+        types.int64,
+        types.boolean,
+        types.boolean,
+        types.int64,
+        types.int64,
+        _BOOL,
+    ),
+    cache=True,
+)
+def window_calls(start, computed, capacity, committed, known, k, page, lazy, quiet, promise, free, private):
+    """The calls of a decode window of `k` steps of every row from `start` (`computed`:
+    after its first step; `run_decode_window`): the rows that need one, as (row, tokens
+    from `computed`, end) with their known counts after the window (`known + k`), and
+    whether a conditional promise leaves a row it excuses unproven (then the numpy path
+    decides that row at its turn). A row calls when its window ends past its table, or
+    (fills not quiet) fills a page past its published count, or always without the lazy
+    rule."""
+    m = computed.size
+    table = np.empty((m, 3), dtype=np.int64)
+    known_out = np.empty(m, dtype=np.int64)
+    rows = 0
+    taken = 0
+    doubtful = False
+    for i in range(m):
+        final = start[i] + k
+        calls = final > capacity[i]
+        if not quiet:
+            calls = calls or final // page > committed[i] // page or not lazy
+        if lazy and not calls:
+            if promise == PROMISE_WHILE_FREE and taken >= free:
+                doubtful = True
+            elif promise == PROMISE_IF_PRIVATE and not private[i]:
+                doubtful = True
+        take = (final + page - 1) // page - capacity[i] // page
+        if take > 0:
+            taken += take
+        if calls:
+            table[rows, 0] = i
+            table[rows, 1] = final - computed[i]
+            table[rows, 2] = final
+            known_out[rows] = known[i] + k
+            rows += 1
+    return table[:rows], known_out[:rows], doubtful
+
+
+@njit(
+    types.Tuple((_I64, _F64, types.int64, types.int64))(
+        _I64,
+        _I64,
+        _I64,
+        _I64,
+        _I64,
+        _BOOL,
+        _F64,
+        types.int64,
+        types.float64,
+        types.float64,
+        types.float64,
+        types.boolean,
+    ),
+    cache=True,
+)
+def window_deliver(computed, generated, work, target, start, timed, last, k, first_end, final_end, prev, has_prev):
+    """After a decode window of `k` steps ending at `first_end` ... `final_end`, every row
+    updated in place (computed `start + k`, `generated` and `work` + k, the timed rows'
+    last token at `final_end`); returns the rows that finished, the gaps of the window's
+    first step (`TokenGaps.step_rows` over the timed rows at `first_end`, the other steps
+    being one shared gap each), how many of its rows came at `prev`, and how many rows are
+    timed."""
+    m = computed.size
+    done = np.empty(m, dtype=np.int64)
+    gaps = np.empty(m, dtype=np.float64)
+    nd = ng = regular = many = 0
+    for i in range(m):
+        computed[i] = start[i] + k
+        generated[i] += k
+        work[i] += k
+        if timed[i]:
+            many += 1
+            came = last[i]
+            if has_prev and came == prev:
+                regular += 1
+            elif not np.isnan(came):
+                gaps[ng] = first_end - came
+                ng += 1
+            last[i] = final_end
+        if generated[i] >= target[i]:
+            done[nd] = i
+            nd += 1
+    return done[:nd], gaps[:ng], regular, many

@@ -116,14 +116,17 @@ class TokenGaps:
         if not len(ends):
             return last
         out = self.step_rows(last, timed, float(ends[0]))
-        many = int(np.count_nonzero(timed))
+        self.add_window_steps(ends, int(np.count_nonzero(timed)))
+        out[timed] = float(ends[-1])
+        return out
+
+    def add_window_steps(self, ends: np.ndarray, many: int) -> None:
+        """What a decode window's steps after its first add (`ends`: every step's end):
+        each one gap, the step's length, for the `many` requests that got a token at each."""
         if len(ends) > 1 and many:
             self.values.extend(np.diff(np.asarray(ends, dtype=float)).tolist())
             self.counts.extend([many] * (len(ends) - 1))
-        final = float(ends[-1])
-        out[timed] = final
-        self._last_step = final
-        return out
+        self._last_step = float(ends[-1])
 
     def __eq__(self, other: object) -> bool:  # a ServingResult compares its fields
         if not isinstance(other, TokenGaps):

@@ -339,20 +339,24 @@ class VllmRowScheduler(VllmScheduler):
         (`unproven_rows` would name one): the numpy path then decides it at its turn
         (`call_rows_checked`)."""
         rows = self.rows
-        kernels = self.kernels
-        promise, free = kernels.PROMISE_ALWAYS, 0  # type: ignore[union-attr]
-        if self.lazy and self.lazy_when is not None:
-            if self.lazy_when == DECODE_NOOPS_WHILE_FREE:
-                promise, free = kernels.PROMISE_WHILE_FREE, self.cache.pages_free()  # type: ignore[union-attr]
-            else:
-                promise = kernels.PROMISE_IF_PRIVATE  # type: ignore[union-attr]
-        n, todo, known, unproven = kernels.plan_rows(  # type: ignore[union-attr]
+        promise, free = self.promise()
+        n, todo, known, unproven = self.kernels.plan_rows(  # type: ignore[union-attr]
             rows.computed, rows.known, rows.capacity, rows.prompt, budget, self.cache.page_size, self.lazy,
             self.quiet_fills, promise, free, rows.private,
         )  # fmt: skip
         if unproven:
             return None
         return RowPlan(n, rows.computed.copy()), todo.tolist(), known.tolist()
+
+    def promise(self) -> tuple[int, int]:
+        """The lazy rule's condition as the compiled loops take it (`row_kernels.PROMISE_*`)
+        and, while a page must be free, the pages free now."""
+        kernels = self.kernels
+        if not self.lazy or self.lazy_when is None:
+            return kernels.PROMISE_ALWAYS, 0  # type: ignore[union-attr]
+        if self.lazy_when == DECODE_NOOPS_WHILE_FREE:
+            return kernels.PROMISE_WHILE_FREE, self.cache.pages_free()  # type: ignore[union-attr]
+        return kernels.PROMISE_IF_PRIVATE, 0  # type: ignore[union-attr]
 
     def plan_and_call(self, budget: int) -> RowPlan:
         """The budget split in running order as one cumulative sum, then the cache calls of
@@ -629,19 +633,30 @@ class VllmRowScheduler(VllmScheduler):
         n = plan.n
         if plan.admitted or plan.preempted or not len(n) or len(n) != len(self.running):
             return 1
-        if np.count_nonzero(n != 1) or np.count_nonzero(rows.computed != rows.known):
-            return 1
-        if np.count_nonzero(rows.generated) != n.size:  # (generated is never negative)
-            return 1
-        k = min(MAX_WINDOW, int((rows.target - rows.generated).min()))
-        if k <= 1:
-            return 1
-        page = self.cache.page_size
-        pages = rows.capacity // page
-        spare = self.cache.pages_reclaimable()
-        if _new_pages(rows.computed, pages, page, 1) > spare:
-            return 1  # even the second step would preempt
-        k = 1 + _pages_limit(rows.computed, pages, page, spare, k - 1)
+        kernels = self.kernels
+        if kernels is not None:  # the same bounds, each in one compiled pass
+            k = kernels.window_bound(n, rows.computed, rows.known, rows.generated, rows.target, MAX_WINDOW)
+            if k <= 1:
+                return 1
+            spare = self.cache.pages_reclaimable()
+            fits = kernels.most_steps(rows.computed, rows.capacity, self.cache.page_size, spare, k - 1)
+            if not fits:
+                return 1  # even the second step would preempt
+            k = 1 + fits
+        else:
+            if np.count_nonzero(n != 1) or np.count_nonzero(rows.computed != rows.known):
+                return 1
+            if np.count_nonzero(rows.generated) != n.size:  # (generated is never negative)
+                return 1
+            k = min(MAX_WINDOW, int((rows.target - rows.generated).min()))
+            if k <= 1:
+                return 1
+            page = self.cache.page_size
+            pages = rows.capacity // page
+            spare = self.cache.pages_reclaimable()
+            if _new_pages(rows.computed, pages, page, 1) > spare:
+                return 1  # even the second step would preempt
+            k = 1 + _pages_limit(rows.computed, pages, page, spare, k - 1)
         arrival = self.clock.next_arrival()
         if arrival is not None and k > 1:
             starts = self.step_starts(plan.start, k)
@@ -651,13 +666,56 @@ class VllmRowScheduler(VllmScheduler):
     def run_decode_window(self, plan: RowPlan, k: int) -> float:  # type: ignore[override]
         """`k` decode steps of every row at once; cache calls only for rows that need a
         page or fill one (the others' would publish nothing: the lazy rule)."""
-        rows = self.rows
         steps = self.executor.decode_step_seconds(plan.start, k)
         ends = np.cumsum(np.concatenate(([self.clock.now], steps)))[1:]
         first = self.result.steps
         self.result.steps += k
         end = float(ends[-1])
         self.gpu_free = end
+        if self.kernels is None or not self.window_compiled(plan, k, ends, first):
+            self.window_numpy(plan, k, ends, first)
+        self.record_pages(end)
+        return end
+
+    def window_compiled(self, plan: RowPlan, k: int, ends: np.ndarray, first: int) -> bool:
+        """`window_numpy` by the compiled loops (`row_kernels.window_calls`,
+        `window_deliver`): the same calls, rows, gaps and finishes. False, having changed
+        nothing, when a conditional promise leaves a row unproven: `window_numpy` decides
+        it at its turn."""
+        rows, kernels = self.rows, self.kernels
+        promise, free = self.promise()
+        todo, known, doubtful = kernels.window_calls(  # type: ignore[union-attr]
+            plan.start, rows.computed, rows.capacity, rows.committed, rows.known, k, self.cache.page_size, self.lazy,
+            self.quiet_fills, promise, free, rows.private,
+        )  # fmt: skip
+        if doubtful:
+            return False
+        rows.known = rows.known + k  # the window's k tokens are sampled (appended at a sync)
+        if len(todo):
+            # every row synced first (its flush: this step's token too; then grow and publish
+            # to the window's end), then their calls in one timed region (`call_rows`)
+            called = todo[:, 0].tolist()
+            steps = self.advance_steps([(i, ni, ei, CALLS) for i, ni, ei in todo.tolist()], known.tolist())
+            done = self.client.advance_all(steps)
+            if len(done) < len(steps) or done[-1] is None:
+                raise RuntimeError("decode window ran out of pages; the window check is wrong")
+            self.rows_called(called, done)  # type: ignore[arg-type]  # none is None (checked)
+        itl = self.result.itl
+        prev = itl.last_step
+        done_rows, gaps, regular, many = kernels.window_deliver(  # type: ignore[union-attr]
+            rows.computed, rows.generated, rows.work, rows.target, plan.start, rows.timed, rows.last, k,
+            float(ends[0]), float(ends[-1]), 0.0 if prev is None else prev, prev is not None,
+        )  # fmt: skip
+        itl.add_step(gaps.tolist(), regular, float(ends[0]))
+        itl.add_window_steps(ends, many)
+        self.stop_rows(done_rows, float(ends[-1]), first + k - 1)
+        return True
+
+    def window_numpy(self, plan: RowPlan, k: int, ends: np.ndarray, first: int) -> None:
+        """The calls and deliveries of a decode window of `k` steps ending at `ends` (the
+        numpy reference of `window_compiled`)."""
+        rows = self.rows
+        end = float(ends[-1])
         final = plan.start + k
         page = self.cache.page_size
         if self.quiet_fills:  # every row is past its prompt (`window_steps`): fills publish nothing
@@ -696,5 +754,3 @@ class VllmRowScheduler(VllmScheduler):
         rows.work = rows.work + k
         rows.last = self.result.itl.window_rows(rows.last, rows.timed, ends)
         self.stop_rows(np.flatnonzero(rows.generated >= rows.target), end, first + k - 1)
-        self.record_pages(end)
-        return end
