@@ -19,6 +19,11 @@ the object loop's, never the decisions, since an id is only ever compared for eq
 and every fresh id is new. Step times are the executor's `batch_seconds`, which adds the
 batch's terms in batch order (the same floats as `step_seconds`).
 
+Each step's array work (budget split and the rows to call, deliveries, a decode window's
+bounds, calls and deliveries) is numpy here, the reference; where numba is installed it
+runs as compiled loops instead (experiments/engine/row_kernels.py, `kernel=`), the same
+values to the last bit.
+
 Used for the synchronous loop with an executor that prices steps without running a model
 (`supports_decode_windows`: cost model, fixed); async scheduling, the model executor and a
 cache with memory tiers whose transfers cost time (`ServingConfig.time_transfers`,
