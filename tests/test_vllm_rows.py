@@ -160,6 +160,8 @@ def test_batch_seconds_is_the_loop_to_the_last_bit(kernel):
         batch = [(None, int(n), int(s)) for n, s in zip(new, starts, strict=True) if n]
         if batch:
             assert ex.batch_seconds(new.astype(np.int64), starts.astype(np.int64)) == ex.step_seconds(batch)
+            # other integer arrays (int32, a strided view) price the same
+            assert ex.batch_seconds(new.astype(np.int32), np.repeat(starts, 2)[::2]) == ex.step_seconds(batch)
 
 
 def test_an_engine_kernel_is_named_and_numba_is_asked_for_only_where_installed(monkeypatch):

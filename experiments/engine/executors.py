@@ -239,6 +239,9 @@ class CostModelExecutor:
         s, d = self.shape, self.device
         per_token = 4.0 * s.num_layers * s.num_heads * s.head_dim
         if self.kernels is not None:
+            # (the loop takes contiguous int64 arrays: the engine's rows are; a caller's other
+            # integers are converted, not refused)
+            new, starts = np.ascontiguousarray(new, dtype=np.int64), np.ascontiguousarray(starts, dtype=np.int64)
             flops, tokens, kv_read = self.kernels.price_rows(new, starts, per_token, 2.0 * s.num_params)
         else:
             if np.count_nonzero(new) != new.size:  # items computing nothing are not in the step

@@ -36,6 +36,27 @@ _BOOL = types.Array(types.boolean, 1, "C")
 PROMISE_ALWAYS, PROMISE_WHILE_FREE, PROMISE_IF_PRIVATE = 0, 1, 2
 
 
+@njit(_I64(_I64, _I64, types.int64), cache=True)
+def _split_budget(computed, known, budget):
+    """Tokens each row computes this step, in running order: all it needs (`known -
+    computed`) while the budget lasts, then what is left of it, then none (`vllm_rows`'
+    `min(max(budget - before, 0), need)`, before: the need of the rows ahead)."""
+    m = computed.size
+    n = np.empty(m, dtype=np.int64)
+    total = 0
+    for i in range(m):
+        total += known[i] - computed[i]
+    before = 0
+    for i in range(m):
+        need = known[i] - computed[i]
+        if total <= budget:
+            n[i] = need
+        else:
+            n[i] = min(max(budget - before, 0), need)
+        before += need
+    return n
+
+
 @njit(
     types.Tuple((_I64, types.Array(types.int64, 2, "C"), _I64, types.boolean))(
         _I64, _I64, _I64, _I64, types.int64, types.int64, types.boolean, types.boolean, types.int64, types.int64, _BOOL
@@ -57,18 +78,7 @@ def plan_rows(computed, known, capacity, prompt, budget, page, lazy, quiet, prom
     row is decided at its turn, one call at a time: the caller then takes the numpy path
     (the table is for the unconditional case)."""
     m = computed.size
-    n = np.empty(m, dtype=np.int64)
-    total = 0
-    for i in range(m):
-        total += known[i] - computed[i]
-    before = 0
-    for i in range(m):
-        need = known[i] - computed[i]
-        if total <= budget:
-            n[i] = need
-        else:
-            n[i] = min(max(budget - before, 0), need)
-        before += need
+    n = _split_budget(computed, known, budget)
     table = np.empty((m, 4), dtype=np.int64)
     known_out = np.empty(m, dtype=np.int64)
     k = 0
