@@ -181,6 +181,17 @@ def test_an_engine_kernel_is_named_and_numba_is_asked_for_only_where_installed(m
 
 
 @pytest.mark.skipif(not numba_installed(), reason="the compiled path needs numba (the fast extra)")
+def test_the_kernels_name_kinds_and_promises_as_the_engine_does():
+    from cachelib.interface import DECODE_NOOPS_CONDITIONS
+    from experiments.engine import row_kernels as k
+    from experiments.engine import vllm_rows as v
+
+    assert (k._EXCUSED, k._FILLS, k._NEW_PAGE, k._CALLS) == (v.EXCUSED, v.FILLS, v.NEW_PAGE, v.CALLS)
+    # every condition a cache may declare has its number (VllmRowScheduler.promise)
+    assert len({k.PROMISE_ALWAYS, k.PROMISE_WHILE_FREE, k.PROMISE_IF_PRIVATE}) == 1 + len(DECODE_NOOPS_CONDITIONS)
+
+
+@pytest.mark.skipif(not numba_installed(), reason="the compiled path needs numba (the fast extra)")
 def test_plan_rows_is_the_numpy_split_and_classification():
     """`row_kernels.plan_rows` against the numpy formulas of `plan_and_call`,
     `rows_to_call` and `unproven_rows` (the budget as one cumulative sum, the lazy rule by

@@ -5,17 +5,22 @@ operations over its running rows: split the token budget, pick the rows whose st
 cache call, deliver the sampled tokens. Each numpy call costs about a microsecond whatever
 its size, and a step makes some forty of them: on the Mooncake trace's serving cells that
 is a quarter of the engine's time (a few hundred rows per step at large capacities, a dozen
-at small ones, where the fixed cost is nearly all of it). The two functions here compute
-the same values in one pass each (`plan_rows`: the budget split and the calls;
-`deliver_rows`: the tokens sampled, first tokens, finishes and inter-token gaps).
+at small ones, where the fixed cost is nearly all of it). The functions here compute the
+same values in one pass each: `plan_rows` (the budget split and the rows to call),
+`deliver_rows` (the tokens sampled, first tokens, finishes and inter-token gaps),
+`price_rows` (the cost model's sums for a step's price), and for a decode window
+`window_bound` and `most_steps` (how many steps it may take), `window_calls` and
+`window_deliver`.
 
-The numpy code in vllm_rows.py stays the reference, rule for rule: `VllmRowScheduler`
-takes either (`kernel`: `numba`, `numpy`, or `auto`, numba where it is installed), and
-tests/test_vllm_rows.py runs both against the object loop, comparing every record. Values
-are integers, bools and float64 subtractions (no reassociated sums), so the two paths agree
-to the last bit. Importing this module imports numba; vllm_rows imports it only when the
-compiled path is chosen. Each function has one explicit signature: compiled, or loaded
-from numba's cache, at import, never inside a run.
+The numpy code in vllm_rows.py and executors.py stays the reference, rule for rule:
+`VllmRowScheduler` and `CostModelExecutor` take either (`kernel`: `numba`, `numpy`, or
+`auto`, numba where it is installed; experiments/engine/compiled.py), and
+tests/test_vllm_rows.py runs both against the object loop, comparing every record, and
+each function against the numpy formulas. Values are integers, bools, float64
+subtractions and one sum added in the numpy path's order (no reassociation), so the two
+paths agree to the last bit. Importing this module imports numba; the engine imports it
+only when the compiled path is chosen. Each function has one explicit signature: compiled,
+or loaded from numba's cache, at import, never inside a run.
 """
 
 from __future__ import annotations

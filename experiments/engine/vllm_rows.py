@@ -361,7 +361,9 @@ class VllmRowScheduler(VllmScheduler):
             return kernels.PROMISE_ALWAYS, 0  # type: ignore[union-attr]
         if self.lazy_when == DECODE_NOOPS_WHILE_FREE:
             return kernels.PROMISE_WHILE_FREE, self.cache.pages_free()  # type: ignore[union-attr]
-        return kernels.PROMISE_IF_PRIVATE, 0  # type: ignore[union-attr]
+        if self.lazy_when == DECODE_NOOPS_IF_PRIVATE:
+            return kernels.PROMISE_IF_PRIVATE, 0  # type: ignore[union-attr]
+        raise ValueError(f"the compiled row step has no form of the lazy condition {self.lazy_when!r}")
 
     def plan_and_call(self, budget: int) -> RowPlan:
         """The budget split in running order as one cumulative sum, then the cache calls of
