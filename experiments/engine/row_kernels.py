@@ -121,6 +121,20 @@ def plan_rows(computed, known, capacity, prompt, budget, page, lazy, quiet, prom
     return n, table[:k], known_out[:k], unproven
 
 
+@njit(cache=True, inline="always")
+def _gap(came, at, prev, has_prev, gaps, ng):
+    """`TokenGaps.step_rows`' rule for one timed row that got a token at `at`, its last one
+    having come at `came`: (1, ng) when that was the previous step's end (`prev`, when
+    `has_prev`: the step's shared gap); else its own gap `at - came` is written to
+    `gaps[ng]`, (0, ng + 1), unless it had none before (NaN: its first token), (0, ng)."""
+    if has_prev and came == prev:
+        return 1, ng
+    if not np.isnan(came):
+        gaps[ng] = at - came
+        return 0, ng + 1
+    return 0, ng
+
+
 @njit(
     types.Tuple((_I64, _I64, _F64, types.int64))(
         _I64, _I64, _I64, _I64, _BOOL, _BOOL, _F64, _I64, types.float64, types.float64, types.boolean
@@ -151,12 +165,8 @@ def deliver_rows(computed, known, generated, target, has_first, timed, last, n, 
             firsts[nf] = i
             nf += 1
         if timed[i]:
-            came = last[i]
-            if has_prev and came == prev:
-                regular += 1
-            elif not np.isnan(came):
-                gaps[ng] = at - came
-                ng += 1
+            came_at_prev, ng = _gap(last[i], at, prev, has_prev, gaps, ng)
+            regular += came_at_prev
             last[i] = at
         if generated[i] >= target[i]:
             done[nd] = i
@@ -168,10 +178,10 @@ def deliver_rows(computed, known, generated, target, has_first, timed, last, n, 
 def price_rows(new, starts, per_token, params_flops):
     """The sums `CostModelExecutor.batch_seconds` prices a step by, over the items with
     `new[i] > 0` (the others are not in the step): the FLOPs, the step's tokens and the
-    KV tokens read (each item's context and its new tokens). FLOPs add in batch order after `params_flops * tokens` (2 x the
-    parameters per token), each item's term `per_token * new * (start + (new + 1) / 2)`
-    (`per_token`: 4 x layers x heads x head dim), as the numpy path's cumulative sum adds
-    them: the same float to the last bit."""
+    KV tokens read (each item's context and its new tokens). FLOPs add in batch order
+    after `params_flops * tokens` (2 x the parameters per token), each item's term
+    `per_token * new * (start + (new + 1) / 2)` (`per_token`: 4 x layers x heads x head
+    dim), as the numpy path's cumulative sum adds them: the same float to the last bit."""
     tokens = 0
     kv_read = 0
     for i in range(new.size):
@@ -315,12 +325,8 @@ def window_deliver(computed, generated, work, target, start, timed, last, k, fir
         work[i] += k
         if timed[i]:
             many += 1
-            came = last[i]
-            if has_prev and came == prev:
-                regular += 1
-            elif not np.isnan(came):
-                gaps[ng] = first_end - came
-                ng += 1
+            came_at_prev, ng = _gap(last[i], first_end, prev, has_prev, gaps, ng)
+            regular += came_at_prev
             last[i] = final_end
         if generated[i] >= target[i]:
             done[nd] = i
