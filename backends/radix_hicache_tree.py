@@ -747,10 +747,17 @@ class HiCacheTree(RadixTree):
         """The page keys of `tokens[start:limit]` below `anchor` (None: a root not built yet)
         and the tokens storage holds of them from the first (`batch_exists`), 0 when SGLang
         would issue no prefetch (the anchor not backed up, the span shorter than the
-        threshold). Changes nothing: it reads no recency."""
+        threshold, or a match made before the tree grew below it). Changes nothing: it
+        reads no recency."""
         ps = self.page_size
         if anchor is not None and anchor.parent is not None and anchor.host_pages is None:
             return [], 0  # `_prefetch_kvcache`: the anchor must be backed up (or the root)
+        if anchor is not None and self._child_key(tokens, start) in anchor.children:
+            # A match made before another request inserted below its end (the contract
+            # admits such a stale match as it was made, as radix does): a fresh one would
+            # have gone on down that child. SGLang matches and prefetches at once, so it
+            # never meets this; here the request computes those tokens, no prefetch.
+            return [], 0
         if limit - start < self.prefetch_threshold:
             return [], 0  # `prefetch_from_storage`: declined_too_short
         prior = self.node_keys(anchor)[-1] if anchor is not None and anchor.parent is not None else None

@@ -116,6 +116,32 @@ def test_no_host_room_for_the_hit_means_no_prefetch():
     assert cache.tier_traffic()["prefetched"] == 0
 
 
+def test_a_match_made_before_the_tree_grew_below_it_is_admitted_without_a_prefetch():
+    """The contract admits a stale match as it was made when nothing was evicted since
+    (radix does). Replica 1 matches A + [1] while A is only in the shared pool (replica 0
+    stored it); then A + [2] brings A onto replica 1's device. A fresh match would hit A
+    there; the stale one prefetches nothing (SGLang, which matches and prefetches at once,
+    never meets this) and recomputes, and the tiers stay whole. (Found by the property
+    tests: the prefetch tried to put a second child for A under the root.)"""
+    from cachelib.tiers import NO_PREFETCH
+
+    one, two = make(storage_backend="shared"), make(storage_backend="shared")
+    share_storage([one, two])
+    serve(one, A)
+    late = Sequence("late", np.asarray(A + [1], dtype=np.int32))
+    m = two.match(late)
+    assert m.num_tokens == 0 and two.storage_prefetch(late, m).tokens == 12  # A is in the pool only
+    assert serve(two, A + [2])[:3] == (0, 12, 12)  # A comes onto replica 1: host, then device
+    assert two.storage_prefetch(late, m) == NO_PREFETCH
+    ops = two.admit(late, m, len(late))  # nothing was evicted: the stale match stands
+    assert ops is not None and late.num_computed == 0 and two.storage_hit_tokens(late) == 0
+    two.check_invariants()
+    two.commit(late, len(late))
+    two.release(late)
+    two.check_invariants()
+    assert serve(two, A + [1])[:3] == (12, 0, 0)  # A + [1]'s own copy of A was a duplicate
+
+
 def test_the_prefetch_threshold_declines_short_spans_and_short_hits():
     # SGLang's default threshold, 256 tokens: a 12-token prompt is never prefetched
     cache = make(prefetch_threshold=256)
