@@ -57,6 +57,7 @@ class LRFU(EvictionPolicy):
     name = "aged"
     rekey_on_lookup = True  # a lookup references every node of the reused prefix
     rekey_on_split = True  # with cost weighting the key reads the node's position
+    tracks_creation = True  # a new node starts with one reference now
 
     def __init__(self, half_life: float, cost_context: float | None) -> None:
         self.half_life = half_life

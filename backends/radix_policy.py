@@ -38,13 +38,25 @@ class EvictionPolicy(ABC):
     #: the key reads where the node lies or how long it is (`start`, `key`): a split moves
     #: the lower part deeper and shortens it, so the tree re-keys it
     rekey_on_split: ClassVar[bool] = False
+    #: `created` keeps per-node state: the tree calls it for every node it creates (False:
+    #: never called, one call less per new node for the policies that key on node fields)
+    tracks_creation: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        # the tree calls `created` only where it is declared: an undeclared one would never run
+        if "created" in cls.__dict__ and not cls.tracks_creation:
+            raise TypeError(
+                f"{cls.__name__} defines created() but not tracks_creation = True: the tree would never call it"
+            )
 
     @abstractmethod
     def key(self, node: RadixNode) -> tuple:
         """The node's sort key as a candidate; ends with `(node_id, node)`."""
 
     def created(self, node: RadixNode) -> None:  # noqa: B027 - an optional hook
-        """An insert (or a split) just created `node` (not a candidate yet)."""
+        """An insert (or a split) just created `node` (not a candidate yet). Called only
+        where the policy declares `tracks_creation`."""
 
     def split(self, upper: RadixNode, lower: RadixNode) -> None:  # noqa: B027 - an optional hook
         """`lower` was split: `upper` (just created) now holds its first tokens."""

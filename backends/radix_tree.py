@@ -185,7 +185,8 @@ class RadixTree:
         self.page_size = page_size
         self.policy = policy
         self._key: Callable[[RadixNode], tuple] = policy.key  # bound once: called on every re-key
-        self._created: Callable[[RadixNode], None] = policy.created  # bound once: every new node
+        #: bound once, called for every new node; None where the policy keeps no state of its own
+        self._created: Callable[[RadixNode], None] | None = policy.created if policy.tracks_creation else None
         self._rekey_on_lookup = policy.rekey_on_lookup  # read on every match
         self.roots: dict[tuple, RadixNode] = {}
         self.candidates = EvictionQueue()
@@ -297,7 +298,8 @@ class RadixTree:
         self.num_nodes += 1
         node = self.node_class(key, pages, parent, tick, self._next_id, edge)
         parent.children[edge] = node
-        self._created(node)
+        if self._created is not None:
+            self._created(node)
         return node
 
     def _rekey(self, node: RadixNode) -> None:

@@ -14,6 +14,9 @@ Every call either succeeds or leaves the cache exactly as it was (an error, or `
     cache.grow(seq, n2); cache.commit(seq, k2) ...   # decode / next prefill chunk
     cache.release(seq)                # finished or preempted
 
+    cache.prefill(seq)                # = match, admit(len(seq)), commit(len(seq)): validated once
+    cache.grow_commit(seq, n)         # = grow(n), commit(n)
+
 The public calls are template methods: this class validates the arguments, finds the
 sequence's live state (the exact `Sequence` object admitted), refuses a stale, foreign or
 forged `Match`, keeps the counters every backend keeps alike, and only then calls the
@@ -41,7 +44,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
-from cachelib.errors import InvalidRequestError, StaleMatchError, UnknownSequenceError
+from cachelib.errors import InvalidRequestError, InvariantViolation, StaleMatchError, UnknownSequenceError
 from cachelib.kv_events import KvEvent, KvEventFanout, KvEventListener, PageKeys
 from cachelib.tiers import NO_PREFETCH, StoragePrefetch
 from cachelib.types import CacheStats, CopyOp, Match, Sequence
@@ -249,6 +252,70 @@ class PrefixCache(ABC):
                 f"{len(seq.page_table) * self.page_size}"
             )
         self._commit(seq, state, num_computed)
+
+    # -- two calls the engines make back to back, validated once ---------------------------
+
+    def prefill(self, seq: Sequence) -> tuple[Match, list[CopyOp] | None, int]:
+        """`match(seq)`, then `admit(seq, m, len(seq))` and, when that fits, `commit(seq,
+        len(seq))`: a whole prompt computed in one step (the replay protocol's prefill).
+
+        The same hooks in the same order as the three calls, so the same decisions, counters
+        and errors. What cannot fail is not checked again: the match is this call's own, so
+        of `_check_match` only the proof against the index runs (`_prove_match`, where a
+        backend may prepare its admission), not the tests for a foreign, forged or stale
+        match; commit needs no live-state lookup (admit just made the state) and no range
+        test (the count is the whole sequence). A sequence already admitted is refused
+        before the lookup, which would refresh recency: a refused call changes nothing.
+        Returns (the match, the copies or None when it does not fit, the sequence's
+        computed count right after admit: the match plus what a tiered cache loaded
+        back)."""
+        self._check_new(seq)
+        m = self.match(seq)
+        n = len(seq)
+        self._prove_match(seq, m)
+        admitted = self._admit(seq, m, n)
+        if admitted is None:
+            return m, None, 0
+        state, ops = admitted
+        self._live[seq.request_id] = state
+        c = self._counters
+        c["admitted"] += 1
+        c["admitted_tokens"] += n
+        c["hit_tokens"] += m.num_tokens
+        if ops:
+            c["copied_pages"] += _cow_copies(ops)
+        computed = seq.num_computed
+        if n > len(seq.page_table) * self.page_size:
+            self._refuse_uncovered(seq, n)
+        self._commit(seq, state, n)
+        return m, ops, computed
+
+    def grow_commit(self, seq: Sequence, num_tokens: int) -> list[CopyOp] | None:
+        """`grow(seq, num_tokens)` and, when that fits, `commit(seq, num_tokens)`: tokens whose
+        KV is written by the step that allocates their pages (a decode run, a prefill
+        chunk). `num_tokens` must be in commit's range, `[seq.num_computed, len(seq)]`,
+        checked before the grow: a call that would fail grows nothing. The same hooks,
+        decisions and counters as the two calls."""
+        state = self._check_live(seq)
+        if num_tokens.__class__ is not int or not seq.num_computed <= num_tokens <= len(seq):
+            self._check_num_tokens(seq, num_tokens, seq.num_computed)  # raises (its fast path, inlined)
+        ops = self._grow(seq, state, num_tokens)
+        if ops is None:
+            return None
+        if ops:
+            self._counters["copied_pages"] += _cow_copies(ops)
+        if num_tokens > len(seq.page_table) * self.page_size:
+            self._refuse_uncovered(seq, num_tokens)
+        self._commit(seq, state, num_tokens)
+        return ops
+
+    def _refuse_uncovered(self, seq: Sequence, num_tokens: int) -> None:
+        """An admit or grow to `num_tokens` fit but left the table short of them: the
+        backend is wrong, not its caller (commit would refuse the count)."""
+        raise InvariantViolation(
+            f"{self.name}: request {seq.request_id!r} was given pages for "
+            f"{len(seq.page_table) * self.page_size} tokens when it asked for {num_tokens}"
+        )
 
     def fork(self, parent: Sequence, child: Sequence) -> list[CopyOp] | None:
         """Let `child` continue from `parent`'s computed tokens and KV (sampling, beam search).
@@ -594,7 +661,11 @@ class PrefixCache(ABC):
             )
         if epoch != self._epoch:
             raise StaleMatchError(f"request {seq.request_id!r}: the cache changed since this match; match again")
-        if n or (handle is not None and not (handle.__class__ is list and not handle)):
-            # a hit, or a miss with a handle (radix's namespace root): neither may smuggle a
-            # node or blocks of another cache, sequence or namespace into admit
+        self._prove_match(seq, match)
+
+    def _prove_match(self, seq: Sequence, match: Match) -> None:
+        """`_verify_match` for a hit, or a miss with a handle (radix's namespace root): neither
+        may smuggle a node or blocks of another cache, sequence or namespace into admit."""
+        handle = match.handle
+        if match.num_tokens or (handle is not None and not (handle.__class__ is list and not handle)):
             self._verify_match(seq, match)

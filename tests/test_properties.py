@@ -76,6 +76,8 @@ OPERATIONS = frozenset(
         "admit",
         "grow",
         "commit",
+        "prefill",
+        "grow_commit",
         "fork",
         "release",
         "evict",
@@ -171,10 +173,11 @@ class CacheMachine(RuleBasedStateMachine):
             else:
                 self.kv[op.dst_page] = list(self.kv.get(op.src_page, [None] * self.page_size))
 
-    def _write(self, s: Sequence, upto: int):
+    def _write(self, s: Sequence, upto: int, start: int | None = None):
+        """The KV of positions `start` (default: the computed count) .. `upto` - 1."""
         B = self.page_size
         vals = self._prefix_values(s, upto)
-        for t in range(s.num_computed, upto):
+        for t in range(s.num_computed if start is None else start, upto):
             self.kv.setdefault(s.page_table[t // B], [None] * B)[t % B] = vals[t]
 
     def _reads_back(self, s: Sequence, pages, n: int) -> bool:
@@ -255,16 +258,21 @@ class CacheMachine(RuleBasedStateMachine):
                 return True
         return False
 
-    def _extend(self, s: Sequence, n: int) -> bool:
-        """grow to `n` (finishing older sequences while it does not fit), write, commit."""
-        ops = self.cache.grow(s, n)
+    def _extend(self, s: Sequence, n: int, fused: bool = False) -> bool:
+        """grow to `n` (finishing older sequences while it does not fit), write, commit;
+        `fused`: in one `grow_commit` (the cache publishes before the shadow is written,
+        which no read comes between)."""
+        grow = self.cache.grow_commit if fused else self.cache.grow
+        start = s.num_computed
+        ops = grow(s, n)
         while ops is None:
             if not self._finish_oldest(keep=s):
                 return False
-            ops = self.cache.grow(s, n)
+            ops = grow(s, n)
         self._apply(ops)
-        self._write(s, n)
-        self.cache.commit(s, n)
+        self._write(s, n, start)
+        if not fused:
+            self.cache.commit(s, n)
         return True
 
     def _refused(self, what: str, call, *objs, allow=CacheError) -> None:
@@ -310,6 +318,27 @@ class CacheMachine(RuleBasedStateMachine):
                 return
 
     @rule(prefix=pick(PREFIXES), suffix=st.lists(TOKENS, max_size=8), extra=pick(EXTRAS))
+    def prefill(self, prefix, suffix, extra):
+        """match, admit and commit of the whole prompt in one `prefill` call: its hit reads
+        back its own prefix, and what it loaded back too, as `_admit` checks one by one."""
+        s = self._sequence(prefix, suffix, extra)
+        while True:
+            m, ops, computed = self.cache.prefill(s)
+            assert m.num_tokens <= len(s) - 1
+            assert self._reads_back(s, m.pages, m.num_tokens), "prefill matched pages holding other KV"
+            if ops is not None:
+                break
+            assert s.num_computed == 0 and not self.raw._live.get(s.request_id)
+            if not self._finish_oldest():
+                return
+        assert m.num_tokens <= computed and s.num_computed == len(s)
+        assert computed == m.num_tokens or self.tiered
+        self._apply(ops)
+        assert self._reads_back(s, s.page_table, computed), "the loaded-back prefix holds other KV"
+        self.live[s.request_id] = s
+        self._write(s, len(s), computed)
+
+    @rule(prefix=pick(PREFIXES), suffix=st.lists(TOKENS, max_size=8), extra=pick(EXTRAS))
     def match_for_later(self, prefix, suffix, extra):
         s = self._sequence(prefix, suffix, extra)
         self.pending.append((s, self.cache.match(s)))
@@ -336,15 +365,16 @@ class CacheMachine(RuleBasedStateMachine):
         self._extend(s, len(s))
 
     @precondition(lambda self: self.live)
-    @rule(data=st.data(), new=st.lists(TOKENS, min_size=1, max_size=16))
-    def decode(self, data, new):
-        """Token by token, as an engine decodes: append, grow, write, commit."""
+    @rule(data=st.data(), new=st.lists(TOKENS, min_size=1, max_size=16), fused=st.booleans())
+    def decode(self, data, new, fused):
+        """Token by token, as an engine decodes: append, grow, write, commit (`fused`: grow
+        and commit in one `grow_commit`)."""
         s = self._pick_live(data)
         for tok in new:
             if s.num_computed < len(s):  # an earlier grow did not fit: finish that first
                 break
             s.append_token(tok)
-            if not self._extend(s, len(s)):
+            if not self._extend(s, len(s), fused):
                 return
 
     @precondition(lambda self: self.live)
@@ -381,10 +411,10 @@ class CacheMachine(RuleBasedStateMachine):
 
     # -- misuse: each must raise a CacheError and change nothing ------------------------
 
-    @rule(data=st.data(), kind=pick(["impostor", "other_tokens", "foreign", "forged", "fork_extra", "types"]))
+    @rule(data=st.data(), kind=pick(["impostor", "other_tokens", "foreign", "forged", "fork_extra", "types", "fused"]))
     def misuse(self, data, kind):
         """One misuse of the contract (one rule, so ordinary calls keep most of the steps)."""
-        if kind in ("impostor", "fork_extra") and not self.live:
+        if kind in ("impostor", "fork_extra", "fused") and not self.live:
             kind = "types"
         getattr(self, f"_misuse_{kind}")(data)
 
@@ -458,6 +488,24 @@ class CacheMachine(RuleBasedStateMachine):
             forged = m._replace(num_tokens=float(m.num_tokens))
         self._refused(f"a forged match ({how})", lambda: self.cache.admit(s, forged, len(s)), s)
 
+    def _misuse_fused(self, data):
+        """The fused calls out of order: `prefill` of a live sequence (refused before its
+        lookup, which would refresh recency), `grow_commit` below the computed count (refused
+        before its grow), of an impostor, or of a sequence never admitted."""
+        s = self._pick_live(data)
+        which = data.draw(st.integers(0, 3))
+        imp = Sequence(s.request_id, s.tokens.copy(), s.extra)
+        fresh = Sequence(self._new_id(), [1, 2, 3, 4, 5])
+        calls = [
+            lambda: self.cache.prefill(s),
+            lambda: self.cache.grow_commit(s, s.num_computed - 1),
+            lambda: self.cache.grow_commit(imp, len(imp)),
+            lambda: self.cache.grow_commit(fresh, 3),
+        ]
+        if which == 1 and not s.num_computed:
+            which = 0
+        self._refused(f"fused call #{which}", calls[which], s, imp, fresh)
+
     def _misuse_fork_extra(self, data):
         """Fork a live sequence into a child under other extra keys (salt, LoRA)."""
         extra = data.draw(pick(OTHER_EXTRAS))
@@ -469,7 +517,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def _misuse_types(self, data):
         """A call with an argument of the wrong type."""
-        which = data.draw(st.integers(0, 13))
+        which = data.draw(st.integers(0, 15))
         live = self._pick_live(data) if self.live else Sequence(self._new_id(), [1, 2, 3])
         fresh = Sequence(self._new_id(), [1, 2, 3, 4, 5])
         m = self.cache.match(fresh)
@@ -491,6 +539,8 @@ class CacheMachine(RuleBasedStateMachine):
             lambda: c.release(renamed),
             lambda: c.evict(1.0),
             lambda: live.append_token(1.5),
+            lambda: c.prefill(None),
+            lambda: c.grow_commit(live, float(len(live))),
         ]
         self._refused(f"wrong-type call #{which}", calls[which], live, fresh)
 

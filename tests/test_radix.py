@@ -623,3 +623,38 @@ def test_the_kept_match_pages_are_bounded_oldest_dropped_first():
     assert len(cache._match_pages) == _MATCH_PAGES_KEPT
     assert list(cache._match_pages) == ends[-_MATCH_PAGES_KEPT:]  # the oldest went first
     cache.check_invariants()
+
+
+def test_a_policy_that_keeps_creation_state_must_declare_it():
+    """The tree calls `created` only for a policy declaring `tracks_creation` (one call less
+    per new node for the others): one that defines the hook without declaring it is refused
+    where it is defined, not skipped silently; a declared one is called for every new node."""
+    with pytest.raises(TypeError, match="tracks_creation"):
+
+        class Forgetful(EvictionPolicy):  # noqa: F841 - defining it is the test
+            __slots__ = ()
+            name = "forgetful"
+
+            def key(self, node):
+                return (node.node_id, node)
+
+            def created(self, node):
+                node.policy_state = 0
+
+    class Counting(EvictionPolicy):
+        __slots__ = ("seen",)
+        name = "counting"
+        tracks_creation = True
+
+        def __init__(self):
+            self.seen = 0
+
+        def key(self, node):
+            return (node.last_access, node.node_id, node)
+
+        def created(self, node):
+            self.seen += 1
+
+    policy = Counting()
+    cache = build_tree(policy)
+    assert policy.seen == cache.tree.num_nodes > 0

@@ -45,13 +45,17 @@ class CacheClient:
     that wants wall time passes `time.perf_counter`).
     """
 
-    __slots__ = ("cache", "seconds", "_clock", "_live")
+    __slots__ = ("cache", "seconds", "_clock", "_live", "_fused")
 
     def __init__(self, cache: PrefixCache, clock: Callable[[], float] = CPU_CLOCK) -> None:
         self.cache = cache
         self.seconds = 0.0
         self._clock = clock
         self._live: set[int] = set()  # id() of every admitted or forked, unreleased Sequence
+        #: a `PrefixCache` makes the calls an engine makes back to back in one (`prefill`,
+        #: `grow_commit`); a test's reference model of vLLM or SGLang has only the contract's
+        #: single calls, made one by one here (the same calls, in the same order)
+        self._fused = isinstance(cache, PrefixCache)
 
     # -- the contract, timed --------------------------------------------------------
 
@@ -82,24 +86,33 @@ class CacheClient:
         return ops
 
     def prefill(self, seq: Sequence) -> tuple[Match, list[CopyOp] | None, int]:
-        """`match`, `admit` of the whole sequence and, when it fits, `commit` of it, in one
-        timed region (the replay protocol's prefill: one region reads the clock twice
-        instead of three times two). Returns the match, the copies (None: it did not fit,
+        """`cache.prefill`: `match`, `admit` of the whole sequence and, when it fits, `commit`
+        of it, in one call and one timed region (the replay protocol's prefill: one region
+        reads the clock twice instead of three times two, and the cache validates the
+        sequence once). Returns the match, the copies (None: it did not fit,
         nothing admitted or committed) and the sequence's computed count right after
         `admit` (the match, plus what a tiered cache loaded back)."""
         if id(seq) in self._live:
             raise CallOrderError(f"admit {seq.request_id!r}: already admitted; release it first")
-        cache = self.cache
         t0 = self._clock()
+        if self._fused:
+            m, ops, admitted = self.cache.prefill(seq)
+        else:
+            m, ops, admitted = self._prefill_one_by_one(seq)
+        self.seconds += self._clock() - t0
+        if ops is not None:
+            self._live.add(id(seq))
+        return m, ops, admitted
+
+    def _prefill_one_by_one(self, seq: Sequence) -> tuple[Match, list[CopyOp] | None, int]:
+        """`PrefixCache.prefill` as its three calls, for a cache model that has only those."""
+        cache = self.cache
         m = cache.match(seq)
         ops = cache.admit(seq, m, len(seq))
         if ops is None:
-            self.seconds += self._clock() - t0
             return m, None, 0
         admitted = seq.num_computed
         cache.commit(seq, len(seq))
-        self.seconds += self._clock() - t0
-        self._live.add(id(seq))
         return m, ops, admitted
 
     # grow and commit run for a request every few decode steps: the live check is inlined
@@ -169,13 +182,17 @@ class CacheClient:
         return out
 
     def grow_commit(self, seq: Sequence, num_tokens: int) -> list[CopyOp] | None:
-        """`grow` to `num_tokens` and, when it fits, `commit` them (a decode step whose KV
-        the engine writes at once); one timed region."""
+        """`cache.grow_commit`: `grow` to `num_tokens` and, when it fits, `commit` them (a
+        decode run whose KV the engine writes at once); one call, one timed region."""
         self._require_live(seq, "grow")
+        cache = self.cache
         t0 = self._clock()
-        ops = self.cache.grow(seq, num_tokens)
-        if ops is not None:
-            self.cache.commit(seq, num_tokens)
+        if self._fused:
+            ops = cache.grow_commit(seq, num_tokens)
+        else:
+            ops = cache.grow(seq, num_tokens)
+            if ops is not None:
+                cache.commit(seq, num_tokens)
         self.seconds += self._clock() - t0
         return ops
 
