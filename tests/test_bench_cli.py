@@ -164,3 +164,20 @@ def test_speed_rows_report_the_clock_regions_they_measure():
     assert 2.5 <= r["timed_regions_per_request"] < 4  # (a one-token answer has no decode region)
     assert r["clock_us_per_request"] == round(r["timed_regions_per_request"] * r["empty_region_us"], 2)
     assert 0 <= empty_region_us("perf", repeats=100) < 50
+
+
+def test_a_speed_row_measured_on_a_baseline_checkout(tmp_path, capsys):
+    """`--baseline DIR` replays a row with DIR's own code (a child started there): here this
+    very checkout stands in for an older one, so its figures must look like the row's; a
+    folder that is not a checkout of the project is refused before anything runs."""
+    from experiments.bench.speed_targets import ROOT, Row, main, measure_baseline_row
+
+    tiny = Row("tiny", "radix", 16, 40, 200_000, 25.0, "none")
+    b = measure_baseline_row(tiny, runs=2, clock="thread", folder=ROOT)
+    assert b["checkout"] == str(ROOT) and len(b["runs_us_per_request"]) == 2
+    assert b["commit"] is None or len(b["commit"]) == 40
+    assert 0 < b["median_us_per_request"] < 10_000
+    with pytest.raises(SystemExit):
+        main(["--rows", "radix16", "--baseline", str(tmp_path), "--output", str(tmp_path / "x.json")])
+    assert "not a checkout of this project" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()

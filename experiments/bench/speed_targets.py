@@ -2,7 +2,7 @@
 
     python -m experiments.bench.speed_targets [--rows apc16 radix1 radix16 apc1]
         [--runs 3] [--clock thread] [--hash-kernel auto|numba|python] [--mooncake [--trace FILE]]
-        [--output bench-results/speed_targets.json]
+        [--baseline DIR] [--output bench-results/speed_targets.json]
 
 Rows (replay protocol on the shipped conversation slice, prompts expanded before timing;
 only time inside cache calls counts, hashing included):
@@ -35,6 +35,18 @@ Each row records the kernel that ran.
 serving, bounds; `--jobs 2`) on the full trace (`--trace`; `--trace-full` is its older
 spelling) in a subprocess writing to a temporary folder: wall seconds and the largest
 resident set of any of its processes (`ru_maxrss` of the children).
+
+`--baseline DIR` measures the same on another checkout (e.g. `git worktree add /tmp/base
+f3ed196`, the code the issue's table was measured on) right after each of this checkout's
+rows and runs: its own code replays the same requests (this checkout's slice, prompts built
+before timing) through its own `CacheClient` on the same clock, in a child process started
+in DIR; `--mooncake` runs its `experiments compare` with the same arguments. Each row (and
+the Mooncake run) then carries `baseline` (its commit, runs, median) and `speedup` (the
+baseline's median over this one's): the same machine in the same minutes, so the ratio
+holds even where the machine's speed moves between sessions. The baseline's apc rows hash
+as its code does (no `--hash-kernel` there). A checkout whose code lacks
+`CacheClient(cache, clock=...)`, `create_cache`, `replay` or `load_mooncake` cannot be
+measured this way.
 """
 
 from __future__ import annotations
@@ -43,7 +55,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -164,19 +175,90 @@ def measure_row(row: Row, runs: int, clock: str = "thread", hash_kernel: str = "
     }
 
 
-def measure_mooncake(trace: Path) -> dict:
-    """Wall time and largest child RSS of `make mooncake`'s compare, into a temp folder."""
+#: what `--baseline` runs in the other checkout (its own code: the child starts there, with
+#: that folder first on its path): the row's replays on its CacheClient, per-request µs as JSON
+BASELINE_ROW = """
+import json, sys, time
+sys.path.insert(0, ".")
+import numpy as np
+from cachelib import create_cache
+from experiments.engine import replay
+from experiments.engine.cache_client import CacheClient
+from experiments.workloads.mooncake import load_mooncake
+from experiments.workloads.spec import RequestSpec
+backend, page_size, limit, capacity, runs, clock, trace = json.loads(sys.argv[1])
+requests = [RequestSpec(s.request_id, np.ascontiguousarray(s.prompt), s.output_len, s.arrival)
+            for s in load_mooncake(trace, limit)]
+out = []
+for _ in range(runs):
+    client = CacheClient(create_cache(backend, num_pages=capacity // page_size, page_size=page_size),
+                         clock=getattr(time, clock))
+    replay(client, requests)
+    out.append(client.seconds / len(requests) * 1e6)
+print(json.dumps(out))
+"""
+
+
+def checkout_commit(folder: Path) -> str | None:
+    """The commit checked out in `folder` (None when git cannot tell)."""
+    done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=folder, capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def measure_baseline_row(row: Row, runs: int, clock: str, folder: Path) -> dict:
+    """`row` replayed by the code checked out in `folder` (`BASELINE_ROW`), `runs` times."""
+    clock_fn = {"thread": "thread_time", "perf": "perf_counter"}[clock]
+    args = json.dumps([row.backend, row.page_size, row.limit, row.capacity_tokens, runs, clock_fn, str(TRACE)])
+    done = subprocess.run([sys.executable, "-c", BASELINE_ROW, args], cwd=folder, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the baseline in {folder} could not replay row {row.name}:\n{done.stderr[-2000:]}")
+    per_run = json.loads(done.stdout.strip().splitlines()[-1])
+    return {
+        "checkout": str(folder),
+        "commit": checkout_commit(folder),
+        "runs_us_per_request": [round(x, 2) for x in per_run],
+        "median_us_per_request": round(statistics.median(per_run), 2),
+    }
+
+
+def mooncake_command(trace: Path, out: Path) -> list[str]:
+    """`make mooncake`'s compare, writing into `out`."""
+    return [sys.executable, "-m", "experiments", "compare", "--trace", str(trace), "--capacity-tokens",
+            *MOONCAKE_CAPACITIES, "--jobs", "2", "--output-dir", str(out), "--no-progress"]  # fmt: skip
+
+
+def time_mooncake(trace: Path, folder: Path) -> tuple[float, float]:
+    """Wall seconds and the largest process RSS (MB) of `mooncake_command` run in `folder`
+    (a checkout: its own code), into a temp folder. The RSS is that of a child started for
+    this run alone (`ru_maxrss` of the children is a high-water mark over all of them)."""
+    probe = (
+        "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL); "
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        done = subprocess.run(
+            [sys.executable, "-c", probe, *mooncake_command(trace, Path(tmp) / "mooncake")],
+            check=True, cwd=folder, capture_output=True, text=True,
+        )  # fmt: skip
+        wall = time.perf_counter() - t0
+    return wall, int(done.stdout.strip().splitlines()[-1]) / 1024  # Linux: KiB
+
+
+def measure_mooncake(trace: Path, baseline: Path | None = None) -> dict:
+    """Wall time and largest child RSS of `make mooncake`'s compare, into a temp folder; with
+    `baseline`, the same run by that checkout's code right after."""
     if not trace.is_file():
         raise FileNotFoundError(f"the full conversation trace is not at {trace} (pass --trace)")
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "experiments", "compare", "--trace", str(trace), "--capacity-tokens",
-               *MOONCAKE_CAPACITIES, "--jobs", "2", "--output-dir", str(Path(tmp) / "mooncake"), "--no-progress"]  # fmt: skip
-        t0 = time.perf_counter()
-        subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-        wall = time.perf_counter() - t0
-    rss_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # Linux: KiB
-    return {"command": " ".join(cmd[1:]), "wall_seconds": round(wall, 1), "max_process_rss_mb": round(rss_kb / 1024, 1),
-            "target_wall_seconds": 60.0, "met": wall <= 60.0}  # fmt: skip
+    wall, rss = time_mooncake(trace, ROOT)
+    out = {"command": " ".join(mooncake_command(trace, Path("OUT"))[1:]), "wall_seconds": round(wall, 1),
+           "max_process_rss_mb": round(rss, 1), "target_wall_seconds": 60.0, "met": wall <= 60.0}  # fmt: skip
+    if baseline is not None:
+        base_wall, base_rss = time_mooncake(trace, baseline)
+        out["baseline"] = {"checkout": str(baseline), "commit": checkout_commit(baseline),
+                           "wall_seconds": round(base_wall, 1), "max_process_rss_mb": round(base_rss, 1)}  # fmt: skip
+        out["speedup"] = round(base_wall / wall, 2)
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -206,6 +288,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the full conversation trace --mooncake runs on (the rows always replay the shipped 2,000-request "
         "slice; --trace-full is an older spelling)",
     )
+    p.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="another checkout (a git worktree of an older commit) measured the same way right after each row "
+        "(and --mooncake): each gets its baseline figures and the speedup (default: none, no baseline)",
+    )
     p.add_argument("--output", type=Path, default=RESULTS / "speed_targets.json", help="JSON file to write")
     return p
 
@@ -215,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.runs < 1:
         p.error("--runs must be >= 1")
+    if args.baseline is not None and not (args.baseline / "cachelib").is_dir():
+        p.error(f"--baseline {args.baseline}: not a checkout of this project (no cachelib/ there)")
     out = {
         "benchmark": "speed_targets",
         "command": "python -m experiments.bench.speed_targets " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -231,10 +323,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: median {r['median_us_per_request']:.1f} us/request (runs {r['runs_us_per_request']}), "
               f"target {r['target_us']:.0f}: {'met' if r['met'] else 'NOT met'}; of it the clock's own reads "
               f"~{r['clock_us_per_request']:.1f} ({r['timed_regions_per_request']:.2f} regions x {r['empty_region_us']:.2f})")  # fmt: skip
+        if args.baseline is not None:
+            r["baseline"] = measure_baseline_row(ROWS[name], args.runs, args.clock, args.baseline)
+            r["speedup"] = round(r["baseline"]["median_us_per_request"] / r["median_us_per_request"], 2)
+            print(f"  baseline {r['baseline']['commit']}: median {r['baseline']['median_us_per_request']:.1f} "
+                  f"us/request, speedup {r['speedup']}x")  # fmt: skip
     if args.mooncake:
-        out["mooncake"] = measure_mooncake(args.trace_full)
+        out["mooncake"] = measure_mooncake(args.trace_full, args.baseline)
         m = out["mooncake"]
         print(f"make mooncake: {m['wall_seconds']} s, largest process {m['max_process_rss_mb']} MB")
+        if args.baseline is not None:
+            b = m["baseline"]
+            print(f"  baseline {b['commit']}: {b['wall_seconds']} s, largest process {b['max_process_rss_mb']} MB, "
+                  f"speedup {m['speedup']}x")  # fmt: skip
     out["machine"]["load_avg_end"] = os.getloadavg()
     write_output(args.output, json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.output}")
