@@ -239,9 +239,11 @@ def time_mooncake(trace: Path, folder: Path) -> tuple[float, float]:
         t0 = time.perf_counter()
         done = subprocess.run(
             [sys.executable, "-c", probe, *mooncake_command(trace, Path(tmp) / "mooncake")],
-            check=True, cwd=folder, capture_output=True, text=True,
+            cwd=folder, capture_output=True, text=True,
         )  # fmt: skip
         wall = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise RuntimeError(f"make mooncake's command failed in {folder}:\n{done.stderr[-2000:]}")
     return wall, int(done.stdout.strip().splitlines()[-1]) / 1024  # Linux: KiB
 
 
@@ -250,6 +252,7 @@ def measure_mooncake(trace: Path, baseline: Path | None = None) -> dict:
     `baseline`, the same run by that checkout's code right after."""
     if not trace.is_file():
         raise FileNotFoundError(f"the full conversation trace is not at {trace} (pass --trace)")
+    trace = trace.resolve()  # the baseline runs in its own folder
     wall, rss = time_mooncake(trace, ROOT)
     out = {"command": " ".join(mooncake_command(trace, Path("OUT"))[1:]), "wall_seconds": round(wall, 1),
            "max_process_rss_mb": round(rss, 1), "target_wall_seconds": 60.0, "met": wall <= 60.0}  # fmt: skip
