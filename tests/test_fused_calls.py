@@ -72,7 +72,7 @@ def test_the_fused_calls_are_the_calls_one_by_one(backend):
     pair = ((fused, heard), (apart, heard2))
     rng = np.random.default_rng(7)
     live: list[tuple[Sequence, Sequence]] = []
-    admitted = refused = 0
+    admitted = refused = hits = loaded = 0
     for i in range(60):
         tokens = _prompt(rng, i)
         s, t = Sequence(f"r{i}", tokens), Sequence(f"r{i}", tokens)
@@ -92,6 +92,8 @@ def test_the_fused_calls_are_the_calls_one_by_one(backend):
                 apart.release(old2)
             continue
         admitted += 1
+        hits += m.num_tokens > 0
+        loaded += computed > m.num_tokens  # a tiered cache loaded more back from its host
         live.append((s, t))
         for _ in range(rng.integers(0, 3)):  # decode runs of a few tokens, KV written at once
             run = rng.integers(1, 7)
@@ -113,6 +115,8 @@ def test_the_fused_calls_are_the_calls_one_by_one(backend):
             _same(pair, live, f"release of {old.request_id}")
         fused.check_invariants()
     assert admitted > 20 and refused > 0
+    assert hits > 5 or not fused.reuses_kv or fused.declares_prefixes  # paged reuses declared prefixes only
+    assert loaded > 0 or len(fused.memory_tiers) == 1
     for s, t in live:
         fused.release(s)
         apart.release(t)
