@@ -206,6 +206,12 @@ class PrefixCache(ABC):
         if admitted is None:
             return None
         state, ops = admitted
+        self._record_admission(seq, state, ops, hit)
+        return ops
+
+    def _record_admission(self, seq: Sequence, state: Any, ops: list, hit: int) -> None:
+        """What `admit` (and `prefill`) keep of an admission that fit: the live state under
+        the request id, and the counters."""
         self._live[seq.request_id] = state
         c = self._counters
         c["admitted"] += 1
@@ -213,7 +219,6 @@ class PrefixCache(ABC):
         c["hit_tokens"] += hit
         if ops:
             c["copied_pages"] += _cow_copies(ops)
-        return ops
 
     def can_admit(self, seq: Sequence, match: Match, num_tokens: int) -> bool:
         """Would `admit(seq, match, num_tokens)` succeed right now (return copies, not `None`)?
@@ -277,13 +282,7 @@ class PrefixCache(ABC):
         if admitted is None:
             return m, None, 0
         state, ops = admitted
-        self._live[seq.request_id] = state
-        c = self._counters
-        c["admitted"] += 1
-        c["admitted_tokens"] += n
-        c["hit_tokens"] += m.num_tokens
-        if ops:
-            c["copied_pages"] += _cow_copies(ops)
+        self._record_admission(seq, state, ops, m.num_tokens)
         computed = seq.num_computed
         if n > len(seq.page_table) * self.page_size:
             self._refuse_uncovered(seq, n)
