@@ -198,6 +198,11 @@ class RadixCache(PrefixCache):
     # records the same tokens into the same held pages)
     commit_publishes_decode = False
     reuses_kv = True
+    # prefill admits the match it has just made, with nothing in between: `_verify_match`
+    # only checks (it prepares nothing admit reads), and of the cache's own fresh match it
+    # would find the memo and an unevicted node; a subclass's full proof (radix-hicache
+    # keeps no memo) could only pass too. So prefill does not call it
+    proves_fresh_match = False
     emits_kv_events = True  # RadixEvents: a node's pages stored when created, removed when evicted
 
     def __init__(
@@ -300,7 +305,7 @@ class RadixCache(PrefixCache):
 
     def _match(self, seq: Sequence) -> tuple[int, tuple[int, ...], RadixNode | None]:
         ps = self.page_size
-        limit = (len(seq) - 1) // ps * ps
+        limit = (seq.num_tokens - 1) // ps * ps  # `len(seq)`, less its Python call
         if limit <= 0:
             return 0, (), None
         node, hit = self.tree.match(seq.extra.namespace, seq.tokens, limit)  # `_namespace`
@@ -347,7 +352,7 @@ class RadixCache(PrefixCache):
         tree.lock(node)
         if num_tokens - hit + self._reserve_tokens > free * ps or need > free:
             self._evict_for_extend(num_tokens - hit, need)  # else it would evict nothing
-        n = -(-len(seq) // ps)  # `_new_table`, inlined
+        n = -(-seq.num_tokens // ps)  # `_new_table`, inlined
         table = PageTable(n + n // 8 + 16)
         slots = table.append_slots(hit_pages + need)  # the whole table, filled in place
         self._num_free -= need

@@ -124,6 +124,12 @@ class PrefixCache(ABC):
     commit_publishes_decode: ClassVar[bool] = True
     #: True when `match` can return a hit: the backend then overrides `_verify_match`
     reuses_kv: ClassVar[bool] = False
+    #: True when `prefill` proves the match it has just made (`_prove_match`) before
+    #: admitting it, as `admit` proves any match: apc's proof prepares its admission. False
+    #: for a backend whose proof of its own match, made in the same call with nothing in
+    #: between, can only pass (radix: its proof recognises the match by the memo `_match`
+    #: just wrote and checks only that nothing was evicted since)
+    proves_fresh_match: ClassVar[bool] = True
     #: True when the backend takes declared prefixes (`register_prefix`, `prefix_sequence`,
     #: `unregister_prefix`, and `Sequence.prefix_id`): paged
     declares_prefixes: ClassVar[bool] = False
@@ -185,7 +191,7 @@ class PrefixCache(ABC):
         num_tokens, pages, handle = self._match(seq)
         c = self._counters
         c["lookups"] += 1
-        c["lookup_tokens"] += len(seq)
+        c["lookup_tokens"] += seq.num_tokens  # `len(seq)` less its Python call
         # `Match(...)` less its generated `__new__` (a Python call): the same tuple
         return _new_match(Match, (seq.request_id, num_tokens, pages, handle, self._epoch, self.match_token))
 
@@ -200,7 +206,7 @@ class PrefixCache(ABC):
         self._check_new(seq)
         self._check_match(seq, match)
         hit = match.num_tokens
-        if num_tokens.__class__ is not int or not (hit or 1) <= num_tokens <= len(seq):
+        if num_tokens.__class__ is not int or not (hit or 1) <= num_tokens <= seq.num_tokens:
             self._check_num_tokens(seq, num_tokens, hit or 1)  # raises (its fast path, inlined)
         admitted = self._admit(seq, match, num_tokens)
         if admitted is None:
@@ -215,7 +221,7 @@ class PrefixCache(ABC):
         self._live[seq.request_id] = state
         c = self._counters
         c["admitted"] += 1
-        c["admitted_tokens"] += len(seq)
+        c["admitted_tokens"] += seq.num_tokens
         c["hit_tokens"] += hit
         if ops:
             c["copied_pages"] += _cow_copies(ops)
@@ -237,7 +243,7 @@ class PrefixCache(ABC):
     def grow(self, seq: Sequence, num_tokens: int) -> list[CopyOp] | None:
         """Extend an admitted sequence's table to cover `num_tokens` tokens; `None` if no room."""
         state = self._check_live(seq)
-        if num_tokens.__class__ is not int or not 0 <= num_tokens <= len(seq):
+        if num_tokens.__class__ is not int or not 0 <= num_tokens <= seq.num_tokens:
             self._check_num_tokens(seq, num_tokens, 0)  # raises (its fast path, inlined)
         ops = self._grow(seq, state, num_tokens)
         if ops:
@@ -249,7 +255,7 @@ class PrefixCache(ABC):
 
         The count never goes back and never passes the pages the table covers."""
         state = self._commit_state(seq)
-        if num_computed.__class__ is not int or not seq.num_computed <= num_computed <= len(seq):
+        if num_computed.__class__ is not int or not seq.num_computed <= num_computed <= seq.num_tokens:
             self._check_num_tokens(seq, num_computed, seq.num_computed)  # raises (its fast path, inlined)
         if num_computed > len(seq.page_table) * self.page_size:
             raise InvalidRequestError(
@@ -267,8 +273,9 @@ class PrefixCache(ABC):
         The same hooks in the same order as the three calls, so the same decisions, counters
         and errors. What cannot fail is not checked again: the match is this call's own, so
         of `_check_match` only the proof against the index runs (`_prove_match`, where a
-        backend may prepare its admission), not the tests for a foreign, forged or stale
-        match; commit needs no live-state lookup (admit just made the state) and no range
+        backend may prepare its admission; skipped where the backend declares its own fresh
+        match needs none, `proves_fresh_match`), not the tests for a foreign, forged or
+        stale match; commit needs no live-state lookup (admit just made the state) and no range
         test (the count is the whole sequence). A sequence already admitted is refused
         before the lookup, which would refresh recency: a refused call changes nothing.
         Returns (the match, the copies or None when it does not fit, the sequence's
@@ -276,8 +283,9 @@ class PrefixCache(ABC):
         back)."""
         self._check_new(seq)
         m = self.match(seq)
-        n = len(seq)
-        self._prove_match(seq, m)
+        n = seq.num_tokens
+        if self.proves_fresh_match:
+            self._prove_match(seq, m)
         admitted = self._admit(seq, m, n)
         if admitted is None:
             return m, None, 0
@@ -296,7 +304,7 @@ class PrefixCache(ABC):
         checked before the grow: a call that would fail grows nothing. The same hooks,
         decisions and counters as the two calls."""
         state = self._check_live(seq)
-        if num_tokens.__class__ is not int or not seq.num_computed <= num_tokens <= len(seq):
+        if num_tokens.__class__ is not int or not seq.num_computed <= num_tokens <= seq.num_tokens:
             self._check_num_tokens(seq, num_tokens, seq.num_computed)  # raises (its fast path, inlined)
         ops = self._grow(seq, state, num_tokens)
         if ops is None:

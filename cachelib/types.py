@@ -111,6 +111,9 @@ class Sequence:
     page `page_table[t // page_size]`, slot `t % page_size`. `cache_memo` is scratch space for
     the cache that matched the sequence (vLLM keeps block hashes on its Request likewise).
 
+    `num_tokens` is `len(seq)` as a plain attribute, for the caches' hot paths (a Python
+    `__len__` costs a call each time); only the sequence's own methods change it.
+
     `room`: token slots to keep free past the prompt for the tokens it will generate (an
     engine passes the request's output length), so appending them never regrows the
     buffer; more may be appended (it then doubles). The prompt is copied once either way.
@@ -124,8 +127,8 @@ class Sequence:
         "num_computed",
         "prefix_id",
         "cache_memo",
+        "num_tokens",
         "_buf",
-        "_len",
         "_view",
         "_ro",
     )
@@ -166,7 +169,7 @@ class Sequence:
             self._buf[: tokens.size] = tokens
         else:
             self._buf = tokens.copy() if tokens is prompt else tokens
-        self._len = int(tokens.size)
+        self.num_tokens = int(tokens.size)
         self._view: np.ndarray | None = None  # `tokens`, made once per length
         self._ro: np.ndarray | None = None  # a read-only view of all of `_buf`, made once per buffer
 
@@ -185,31 +188,31 @@ class Sequence:
             if ro is None:
                 ro = self._ro = self._buf.view()
                 ro.flags.writeable = False
-            view = self._view = ro[: self._len]
+            view = self._view = ro[: self.num_tokens]
         return view
 
     def __len__(self) -> int:
-        return self._len
+        return self.num_tokens
 
     def token_bytes(self, start: int, stop: int) -> bytes:
         """The int32 bytes of tokens `start .. stop - 1` (a block's, to hash it): read from
         the buffer, without making the `tokens` view (a decode step appends, so each
         step's view would be a new one)."""
-        if not 0 <= start <= stop <= self._len:
-            raise IndexError(f"tokens {start}..{stop} outside [0, {self._len}]")
+        if not 0 <= start <= stop <= self.num_tokens:
+            raise IndexError(f"tokens {start}..{stop} outside [0, {self.num_tokens}]")
         return self._buf[start:stop].tobytes()
 
     def append(self, new_tokens: Any) -> None:
         """Append generated token ids (validated like the prompt)."""
         new = as_token_ids(new_tokens, what=f"request {self.request_id!r} appended tokens", allow_empty=True)
-        need = self._len + new.size
+        need = self.num_tokens + new.size
         if need > self._buf.size:
             grown = np.empty(max(need, 2 * self._buf.size), dtype=np.int32)
-            grown[: self._len] = self._buf[: self._len]
+            grown[: self.num_tokens] = self._buf[: self.num_tokens]
             self._buf = grown
             self._ro = None
-        self._buf[self._len : need] = new
-        self._len = need
+        self._buf[self.num_tokens : need] = new
+        self.num_tokens = need
         self._view = None
 
     def extend_ids(self, ids: list[int] | range) -> None:
@@ -230,14 +233,14 @@ class Sequence:
             raise InvalidRequestError(
                 f"request {self.request_id!r}: token id {lo if lo < 0 else hi} outside [0, {INT32_MAX}]"
             )
-        need = self._len + len(ids)
+        need = self.num_tokens + len(ids)
         if need > self._buf.size:
             grown = np.empty(max(need, 2 * self._buf.size), dtype=np.int32)
-            grown[: self._len] = self._buf[: self._len]
+            grown[: self.num_tokens] = self._buf[: self.num_tokens]
             self._buf = grown
             self._ro = None
-        self._buf[self._len : need] = ids
-        self._len = need
+        self._buf[self.num_tokens : need] = ids
+        self.num_tokens = need
         self._view = None
 
     def _extend_run(self, ids: range) -> None:
@@ -252,14 +255,14 @@ class Sequence:
             raise InvalidRequestError(
                 f"request {self.request_id!r}: token id {lo if lo < 0 else hi} outside [0, {INT32_MAX}]"
             )
-        need = self._len + k
+        need = self.num_tokens + k
         if need > self._buf.size:
             grown = np.empty(max(need, 2 * self._buf.size), dtype=np.int32)
-            grown[: self._len] = self._buf[: self._len]
+            grown[: self.num_tokens] = self._buf[: self.num_tokens]
             self._buf = grown
             self._ro = None
-        self._buf[self._len : need] = np.arange(lo, hi + 1, dtype=np.int32)
-        self._len = need
+        self._buf[self.num_tokens : need] = np.arange(lo, hi + 1, dtype=np.int32)
+        self.num_tokens = need
         self._view = None
 
     def append_token(self, token: int) -> None:
@@ -272,24 +275,24 @@ class Sequence:
             token = int(token)
         if not 0 <= token <= INT32_MAX:
             raise InvalidRequestError(f"request {self.request_id!r}: token id {token} outside [0, {INT32_MAX}]")
-        if self._len == self._buf.size:
+        if self.num_tokens == self._buf.size:
             grown = np.empty(2 * self._buf.size, dtype=np.int32)
-            grown[: self._len] = self._buf
+            grown[: self.num_tokens] = self._buf
             self._buf = grown
             self._ro = None
-        self._buf[self._len] = token
-        self._len += 1
+        self._buf[self.num_tokens] = token
+        self.num_tokens += 1
         self._view = None
 
     def fork(self, request_id: str) -> Sequence:
         """A new sequence with the same tokens and extra keys and an empty page table."""
-        child = Sequence(request_id, self._buf[: self._len].copy(), self.extra, prefix_id=self.prefix_id)
+        child = Sequence(request_id, self._buf[: self.num_tokens].copy(), self.extra, prefix_id=self.prefix_id)
         child.prompt_len = self.prompt_len
         return child
 
     def __repr__(self) -> str:
         return (
-            f"Sequence({self.request_id!r}, len={self._len}, prompt_len={self.prompt_len}, "
+            f"Sequence({self.request_id!r}, len={self.num_tokens}, prompt_len={self.prompt_len}, "
             f"computed={self.num_computed}, pages={len(self.page_table)})"
         )
 
