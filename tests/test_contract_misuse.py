@@ -261,6 +261,27 @@ def test_append_token_takes_numpy_ints_and_the_whole_int32_range():
         s.append_token(2**31)
 
 
+def test_num_tokens_is_the_length_after_every_kind_of_append():
+    """`Sequence.num_tokens` (what the caches read for `len(seq)`) follows every append
+    form, a refused one included (nothing appended), and a buffer outgrown on the way."""
+    s = Sequence("r", np.arange(3, dtype=np.int32), room=2)
+    seen = [s.num_tokens]
+    s.append_token(7)
+    seen.append(s.num_tokens)
+    s.extend_ids([8, 9, 10])  # past the room: the buffer doubles
+    seen.append(s.num_tokens)
+    s.extend_ids(range(100, 150))
+    seen.append(s.num_tokens)
+    s.append(np.array([1, 2], dtype=np.int32))
+    seen.append(s.num_tokens)
+    with pytest.raises(InvalidRequestError):
+        s.extend_ids([1, -1])
+    seen.append(s.num_tokens)
+    assert seen == [3, 4, 7, 57, 59, 59]
+    assert s.num_tokens == len(s) == s.tokens.size
+    assert s.fork("c").num_tokens == 59
+
+
 def _wrong_type_calls(cache: PrefixCache, live: Sequence, fresh: Sequence, m: Match):
     """(name, call) pairs that must each raise a CacheError, never a TypeError or similar."""
     renamed = Sequence("renamed", [1, 2, 3])
