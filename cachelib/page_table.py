@@ -29,7 +29,7 @@ class PageTable:
     __slots__ = ("_buf", "_len")
 
     def __init__(self, capacity: int, dtype: type = np.int32) -> None:
-        self._buf = np.empty(max(capacity, 4), dtype=dtype)
+        self._buf = np.empty(capacity if capacity > 4 else 4, dtype)  # (positional: numpy parses a keyword per call)
         self._len = 0
 
     @classmethod
