@@ -24,6 +24,7 @@ MODULES = sorted(m.name for m in pkgutil.iter_modules(bench_pkg.__path__) if m.n
 SHARED = {
     "bounds_memory": {"--trace", "--limit", "--page-size", "--capacity-tokens", "--output"},
     "half_life_sweep": {"--page-size", "--output"},
+    "instructions": {"--limit", "--output"},
     "lmcache_timing": {"--trace", "--limit", "--page-size", "--capacity-tokens", "--output"},
     "mooncake_breakdown": {"--trace", "--limit", "--page-size", "--capacity-tokens", "--backend", "--output"},
     "oracle_bench": {"--trace", "--limit", "--page-size", "--capacity-tokens", "--backend", "--output"},
@@ -181,3 +182,62 @@ def test_a_speed_row_measured_on_a_baseline_checkout(tmp_path, capsys):
         main(["--rows", "radix16", "--baseline", str(tmp_path), "--output", str(tmp_path / "x.json")])
     assert "not a checkout of this project" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+def _callgrind_or_skip():
+    import shutil
+
+    if shutil.which("valgrind") is None or shutil.which("gcc") is None:
+        pytest.skip("needs valgrind and gcc")
+
+
+def test_instruction_counts_of_a_speed_row(tmp_path):
+    """`instructions` counts what `speed_targets` times: the instructions inside the timed
+    regions (a prefill, a decode's grow and commit, a release per request), the clock's
+    share reported beside them."""
+    _callgrind_or_skip()
+    from experiments.bench.instructions import Callgrind, count_row
+    from experiments.bench.speed_targets import ROOT, ROWS
+
+    r = count_row(Callgrind(tmp_path), ROOT, ROWS["radix16"], limit=3)
+    assert r["requests"] == 3 and r["checkout"] == str(ROOT)
+    assert 2.5 <= r["timed_regions_per_request"] < 4
+    # a replayed request costs tens of thousands of instructions in the cache, far more than its clock reads
+    assert 10_000 < r["instructions_per_request"] < 5_000_000
+    assert 0 < r["clock_instructions_per_request"] < r["instructions_per_request"] / 3
+    # (both figures rounded: they agree to an instruction or two)
+    assert (
+        abs(r["clock_instructions_per_request"] - r["timed_regions_per_request"] * r["empty_region_instructions"]) <= 2
+    )
+
+
+@pytest.mark.slow
+def test_instruction_counts_repeat_exactly(tmp_path):
+    """The same code on the same requests counts the same instructions (the reason for the
+    measure: this machine's clocks move by up to 4x between sessions)."""
+    _callgrind_or_skip()
+    from experiments.bench.instructions import Callgrind, count_row
+    from experiments.bench.speed_targets import ROOT, ROWS
+
+    grind = Callgrind(tmp_path)
+    a, b = (count_row(grind, ROOT, ROWS["radix16"], limit=5) for _ in range(2))
+    assert abs(a["instructions"] - b["instructions"]) <= a["instructions"] * 1e-4
+
+
+def test_instruction_counts_refuse_before_work(tmp_path, capsys, monkeypatch):
+    """No valgrind (or gcc), a baseline that is not a checkout, a bad limit: refused, nothing written."""
+    from experiments.bench import instructions
+
+    out = tmp_path / "x.json"
+    for argv, message in (
+        (["--baseline", str(tmp_path)], "not a checkout of this project"),
+        (["--limit", "0"], "--limit must be >= 1"),
+    ):
+        with pytest.raises(SystemExit):
+            instructions.main([*argv, "--output", str(out)])
+        assert message in capsys.readouterr().err
+    monkeypatch.setattr(instructions.shutil, "which", lambda tool: None)
+    with pytest.raises(SystemExit):
+        instructions.main(["--rows", "radix16", "--output", str(out)])
+    assert "need valgrind and gcc" in capsys.readouterr().err
+    assert not out.exists()
