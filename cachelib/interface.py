@@ -126,9 +126,9 @@ class PrefixCache(ABC):
     reuses_kv: ClassVar[bool] = False
     #: True when `prefill` proves the match it has just made (`_prove_match`) before
     #: admitting it, as `admit` proves any match: apc's proof prepares its admission. False
-    #: for a backend whose proof of its own match, made in the same call with nothing in
-    #: between, can only pass (radix: its proof recognises the match by the memo `_match`
-    #: just wrote and checks only that nothing was evicted since)
+    #: for a backend whose proof only checks (it prepares nothing `_admit` reads), so that of
+    #: its own match, made in the same call with nothing in between, it can only pass (radix
+    #: and its subclasses: radix recognises the match by the memo `_match` just wrote)
     proves_fresh_match: ClassVar[bool] = True
     #: True when the backend takes declared prefixes (`register_prefix`, `prefix_sequence`,
     #: `unregister_prefix`, and `Sequence.prefix_id`): paged

@@ -158,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--limit",
         type=int,
         default=None,
-        help="count only each row's first N requests (default: the row's own count, as speed_targets replays)",
+        help="count only each row's first N requests, at most the row's own count (default: that count, as speed_targets "
+        "replays; the JSON gives each row's limit)",
     )
     p.add_argument(
         "--baseline",
