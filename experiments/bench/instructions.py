@@ -41,12 +41,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from experiments.bench import RESULTS, HelpFormatter, write_output
-from experiments.bench.speed_targets import ROOT, ROWS, TRACE, Row, checkout_commit
-from experiments.results import git_commit
+from experiments.bench.speed_targets import ROOT, ROWS, TRACE, Row, check_baseline, checkout_commit, report_header
 
 #: the clock of the child: every call toggles callgrind's collection, `region_reads` counts them
 TOGGLE_C = r"""#include <valgrind/callgrind.h>
@@ -177,13 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.limit is not None and args.limit < 1:
         p.error("--limit must be >= 1")
-    if args.baseline is not None and not (args.baseline / "cachelib").is_dir():
-        p.error(f"--baseline {args.baseline}: not a checkout of this project (no cachelib/ there)")
+    check_baseline(p, args.baseline)
     out = {
-        "benchmark": "instructions",
-        "command": "python -m experiments.bench.instructions " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "commit": git_commit(),
+        **report_header("instructions", argv),
         "unit": "instructions inside cache calls per request (valgrind callgrind, deterministic)",
         "rows": [],
     }

@@ -264,6 +264,22 @@ def measure_mooncake(trace: Path, baseline: Path | None = None) -> dict:
     return out
 
 
+def check_baseline(p: argparse.ArgumentParser, folder: Path | None) -> None:
+    """Refuse, before any work, a `--baseline` that is not a checkout of this project."""
+    if folder is not None and not (folder / "cachelib").is_dir():
+        p.error(f"--baseline {folder}: not a checkout of this project (no cachelib/ there)")
+
+
+def report_header(benchmark: str, argv: list[str] | None) -> dict:
+    """What a speed report opens with: the benchmark, its command line, when and on which commit it ran."""
+    return {
+        "benchmark": benchmark,
+        "command": f"python -m experiments.bench.{benchmark} " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "commit": git_commit(),
+    }
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m experiments.bench.speed_targets",
@@ -308,13 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.runs < 1:
         p.error("--runs must be >= 1")
-    if args.baseline is not None and not (args.baseline / "cachelib").is_dir():
-        p.error(f"--baseline {args.baseline}: not a checkout of this project (no cachelib/ there)")
+    check_baseline(p, args.baseline)
     out = {
-        "benchmark": "speed_targets",
-        "command": "python -m experiments.bench.speed_targets " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "commit": git_commit(),
+        **report_header("speed_targets", argv),
         "clock": args.clock,
         "hash_kernel": args.hash_kernel,
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "load_avg": os.getloadavg()},
