@@ -868,10 +868,10 @@ class APCCache(PrefixCache):
         out, self._transfers = self._transfers, []
         return out
 
-    def tier_link_seconds(self, src: str, dst: str, tokens: int) -> float:
+    def _tier_link_seconds(self, src: str, dst: str, tokens: int) -> float:
         if self.host is not None and (src, dst) in (("host", "gpu"), ("gpu", "host")):
             return self.host.spec.tier.transfer_seconds(tokens, write=dst == "host")
-        return super().tier_link_seconds(src, dst, tokens)
+        return super()._tier_link_seconds(src, dst, tokens)
 
     def tier_bytes(self, tokens: int) -> int:
         if self.host is None:

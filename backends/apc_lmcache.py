@@ -700,22 +700,21 @@ class APCLMCacheCache(APCCache):
         out, self._lmc_transfers = self._lmc_transfers, []
         return out
 
-    def tier_link_seconds(self, src: str, dst: str, tokens: int) -> float:
+    def _tier_link_seconds(self, src: str, dst: str, tokens: int) -> float:
         spec = self.lmc.spec
         if (src, dst) in (("host", "gpu"), ("gpu", "host")):
             return spec.host.transfer_seconds(tokens, write=dst == "host")
         if spec.disk is not None and (src, dst) in (("storage", "host"), ("host", "storage")):
             return spec.disk.transfer_seconds(tokens, write=dst == "storage")
-        return super().tier_link_seconds(src, dst, tokens)
+        return super()._tier_link_seconds(src, dst, tokens)
 
     def tier_bytes(self, tokens: int) -> int:
         return self.lmc.spec.host.bytes_of(tokens)
 
     # -- observation ----------------------------------------------------------------------
 
-    def storage_hit_tokens(self, seq: Sequence) -> int:
+    def _storage_hit_tokens(self, seq: Sequence) -> int:
         """Of the tokens the live `seq`'s admission loaded back, those from chunks found on disk."""
-        self._check_live(seq)
         tracker = self._trackers.get(seq.request_id)
         return tracker.storage_tokens if tracker is not None else 0
 

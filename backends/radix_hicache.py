@@ -89,7 +89,14 @@ nodes and `admit` must not pass the chunk); under replay a node is never in flig
 (transfers are instantaneous); any eviction makes older matches stale (a demoted node stays in the
 tree, so a match is not proven by its nodes alone); the executor copies a node's KV to the
 host when it is demoted rather than when it is backed up (only then can its GPU pages be
-reused), while `tier_traffic` counts bytes when SGLang moves them.
+reused), while `tier_traffic` counts bytes when SGLang moves them. Under serving, a
+load-back's ticket holds a lock on the loaded path until it completes (SGLang relies on
+the request's own lock, which its scheduler never drops before the copy is acknowledged; a
+caller here may release first, and a node with a load in flight must not be evicted); and
+where a write_back eviction runs out of leaves because drops were declined under host
+copies that storage writes still read, SGLang 0.5.23 stops ("Prefill out of memory"),
+while this model waits for those writes and evicts the passed-by leaves
+(`HiCacheTree.evict`).
 
 Options: `write_policy` (`write_through`: back up a node at its first hit;
 `write_through_selective`: at its second; `write_back`: only when the device evicts it),
@@ -226,6 +233,7 @@ class HiRadixCache(RadixCache):
         self._timed = False
         self._transfers: list[TierTransfer] = []
         self._tickets: dict[int, tuple[int, TieredNode]] = {}  # ticket -> (_LOAD/_BACKUP/_STORE, node)
+        self._done_early: set[int] = set()  # storage writes waited for before the engine said so
         self._next_ticket = 0
         #: timed storage writes decided, waiting for their node's backup to be acknowledged
         self._store_after: dict[TieredNode, int] = {}
@@ -346,6 +354,18 @@ class HiRadixCache(RadixCache):
         node.host_lock += 1
         self.tree._refresh(node)
 
+    def await_storage_writes(self, nodes: list[TieredNode]) -> None:
+        """The storage writes in flight from `nodes`' host copies are waited for: each one's
+        host lock goes now, and its ticket (handed to the engine already) is remembered as
+        done, so the engine's later `finish_transfers` of it changes nothing."""
+        wanted = set(nodes)
+        for ticket, (kind, node) in list(self._tickets.items()):
+            if kind == _STORE and node in wanted:
+                del self._tickets[ticket]
+                self._done_early.add(ticket)
+                node.host_lock -= 1
+                self.tree._refresh(node)
+
     def _issue_store(self, node: TieredNode) -> None:
         tokens = self._store_after.pop(node)
         self._transfers.append(TierTransfer("host", "storage", tokens, None, self._ticket(_STORE, node)))
@@ -373,15 +393,22 @@ class HiRadixCache(RadixCache):
         out, self._transfers = self._transfers, []
         return out
 
-    def finish_transfers(self, tickets: list[int]) -> None:
-        unknown = [t for t in tickets if t not in self._tickets]
+    def _finish_transfers(self, tickets: list[int]) -> None:
+        early = self._done_early
+        unknown = [t for t in tickets if t not in self._tickets and t not in early]
         if unknown:
             raise InvalidRequestError(f"finish_transfers: no transfer in flight has ticket(s) {unknown[:8]}")
+        if len(set(tickets)) != len(tickets):
+            raise InvalidRequestError(f"finish_transfers: a ticket named twice in {sorted(tickets)[:8]}")
         tree = self.tree
         for t in tickets:
+            if t in early:  # waited for already (`await_storage_writes`)
+                early.discard(t)
+                continue
             kind, node = self._tickets.pop(t)
             if kind == _LOAD:
                 tree.finish_load(node)
+                tree.unlock(node)
             elif kind == _BACKUP:
                 tree.unlock(node)  # `_finish_write_through_ack` -> `dec_lock_ref`
                 if node in self._store_after:
@@ -390,7 +417,7 @@ class HiRadixCache(RadixCache):
                 node.host_lock -= 1  # the storage write's ack: `dec_host_lock_ref`
                 tree._refresh(node)
 
-    def tier_link_seconds(self, src: str, dst: str, tokens: int) -> float:
+    def _tier_link_seconds(self, src: str, dst: str, tokens: int) -> float:
         if (src, dst) == ("host", "gpu"):
             return self.host_tier.transfer_seconds(tokens, write=False)
         if (src, dst) == ("gpu", "host"):
@@ -398,24 +425,24 @@ class HiRadixCache(RadixCache):
         storage = self.storage_tier
         if storage is not None and (src, dst) in (("storage", "host"), ("host", "storage")):
             return storage.transfer_seconds(tokens, write=dst == "storage")
-        return super().tier_link_seconds(src, dst, tokens)
+        return super()._tier_link_seconds(src, dst, tokens)
 
     def tier_bytes(self, tokens: int) -> int:
         return self.host_tier.bytes_of(tokens)
 
     def _registered_pages(self) -> list[int]:
-        """Device pages a backup in flight holds (its node's locked path)."""
+        """Device pages a backup or load-back in flight holds (its node's locked path)."""
         tree = self.tree
         pages: set[int] = set()
-        for kind, node in self._tickets.values():
-            if kind == _BACKUP:
-                for x in tree.path(node):
-                    pages.update(tree.pages_of(x))
+        for node in self.ticket_locked_nodes():
+            for x in tree.path(node):
+                pages.update(tree.pages_of(x))
         return sorted(pages)
 
-    def backup_locked_nodes(self) -> list[TieredNode]:
-        """The nodes whose backup is in flight (each holds a lock on its path)."""
-        return [node for kind, node in self._tickets.values() if kind == _BACKUP]
+    def ticket_locked_nodes(self) -> list[TieredNode]:
+        """The nodes a transfer in flight holds a lock on the path of: a backup's node, a
+        load-back's anchor (storage writes hold a host lock, not a path lock)."""
+        return [node for kind, node in self._tickets.values() if kind != _STORE]
 
     def stored_from_host(self, host_pages: list[int], keys: list) -> None:
         self._moves.append(StorageCopy(True, tuple(host_pages), tuple(keys), len(keys) * self.page_size))
@@ -483,6 +510,11 @@ class HiRadixCache(RadixCache):
                 node = host[-1]
                 self.host_hit_tokens += host_len
                 if self._timed:
+                    # the copy's own lock on the loaded path until its ticket completes: SGLang
+                    # never evicts a node with a load in flight (`_is_host_leaf`: "marked nodes
+                    # are never evicted"), which there the request's lock guarantees; here a
+                    # caller may release the request first
+                    tree.lock(node)
                     ticket = self._ticket(_LOAD, node)
                     self._transfers.append(TierTransfer("host", "gpu", host_len, seq.request_id, ticket))
                 loaded_from_storage = stored
@@ -592,7 +624,7 @@ class HiRadixCache(RadixCache):
             raise InvalidRequestError(f"limit_prefetch: tokens must be a non-negative int, got {tokens!r}")
         self._prefetch_budget[seq.request_id] = int(tokens)
 
-    def storage_hit_tokens(self, seq: Sequence) -> int:
+    def _storage_hit_tokens(self, seq: Sequence) -> int:
         """Of the tokens the last `admit` of `seq` loaded back, those that came up from
         storage (SGLang's `cached_tokens_storage`); 0 without a storage tier."""
         return self._storage_hits.get(seq.request_id, 0)

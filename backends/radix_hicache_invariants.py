@@ -26,7 +26,7 @@ def check_hicache(cache: HiRadixCache) -> None:
     if cache._num_free != len(cache._free_pages()) or any(not run for run in cache._free_runs):
         _fail(f"free count {cache._num_free}, actual {len(cache._free_pages())} (or an empty run)")
     _check_tiers(cache)
-    _check_sequences(cache, cache.backup_locked_nodes())
+    _check_sequences(cache, cache.ticket_locked_nodes())
     if cache.storage_tier is not None:
         _check_storage(cache)
     if cache._contents is not None:

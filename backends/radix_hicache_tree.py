@@ -23,7 +23,8 @@ neither is removed from the tree. What SGLang 0.5.23 keeps in
   (`_execute_and_commit_kv_backup` / `_execute_kv_backup`).
 - Device eviction (`evict`): a device leaf with a host copy loses only its device copy
   (`_demote`); without one, under `write_back` it is backed up first (then demoted) or,
-  if the host cannot take it, dropped with its host-only subtree (`drop_subtree_no_host`);
+  if the host cannot take it, dropped with its host-only subtree (`drop_subtree_no_host`;
+  declined while a node below is locked, or a storage write reads its host copy: see `evict`);
   otherwise it is deleted (`_delete_unbacked_device_leaf`).
 - Host eviction (`evict_host`, `drive_host_eviction`): under `write_back` it first frees
   the host copies of nodes that are also on the device, in the order they became such
@@ -117,6 +118,10 @@ class TierMover(Protocol):
 
     def storage_write_issued(self, node: TieredNode, tokens: int) -> None:
         """A timed storage write of `tokens` new tokens of `node`'s host copy was decided."""
+
+    def await_storage_writes(self, nodes: list[TieredNode]) -> None:
+        """The storage writes in flight from `nodes`' host copies complete now (their host
+        locks released; their tickets, when the engine names them, are already done)."""
 
     def stored_from_host(self, host_pages: list[int], keys: list[BlockHash]) -> None:
         """A demoted node's host copy is in the executor now: its pages under their storage keys."""
@@ -304,12 +309,17 @@ class HiCacheTree(RadixTree):
         self._refresh(x)
 
     def _remove(self, x: TieredNode) -> None:
-        """Take `x` (no children) out of the tree."""
+        """Take `x` (no children) out of the tree, and out of both tiers' leaf sets."""
         parent = x.parent
         del parent.children[x.edge]
         self.num_nodes -= 1
         self.dups.pop(x.node_id, None)
         self.host_leaves.discard(x)
+        if x.cand_key is not None:
+            # a device leaf being evicted can be queued again while it is handled: write_back's
+            # backup of it evicts its host-only children, and `_refresh` then finds it a device
+            # leaf; left queued once removed, the next eviction would pop a node with no pages
+            self.candidates.remove(x)
         if self.on_evict is not None:
             self.on_evict(x.namespace, x.start, x.key)
         x.parent = None
@@ -527,30 +537,72 @@ class HiCacheTree(RadixTree):
 
     def evict(self, num_tokens: int, give: Callable[[list[int]], None]) -> int:
         """Free at least `num_tokens` device tokens from device leaves in policy order
-        (`_evict_components`); returns the device tokens freed."""
+        (`_evict_components`); returns the device tokens freed.
+
+        Under write_back a leaf the host cannot take and whose drop is declined stays on the
+        device, and the walk goes on (SGLang: "subtree drop declined (node locked); ...
+        stays device-resident until host space frees"). Past what SGLang 0.5.23 does: when
+        the walk runs out of leaves short of `num_tokens`, SGLang's allocation after it stops
+        the server ("Prefill out of memory"); a drop is declined only while a storage write
+        still reads a host copy below (`ongoing_backup`'s host lock: nothing else holds a
+        host-only node between calls), so the model waits for those writes, as write_back
+        waits for its own backups, and evicts the passed-by leaves then, oldest first."""
         freed = 0
         cands = self.candidates
+        passed: list[TieredNode] = []  # declined in this walk, in the order met
+        stuck: list[TieredNode] = []  # declined again after the wait (not expected)
         while freed < num_tokens:
             x = cands.pop()
             if x is None:
-                break
+                if not passed:
+                    break
+                x = passed.pop(0)
+                self.mover.await_storage_writes(self._host_locked_below(x))
+                if self._evict_write_back(x, give):
+                    freed += len(x.key)
+                else:
+                    stuck.append(x)
+                continue
             assert x.lock_ref == 0 and x.dev_children == 0 and x.lender is None, f"radix-hicache: evicting {x}"
             n = len(x.key)
             if x.host_pages is not None:
                 self._demote(x, give)
-            elif self.write_back:
-                if self._backup(x):
-                    if self.hold_backups:
-                        # write_back's backup at eviction is waited for at once
-                        # (`writing_check(write_back=True)` blocks): nothing stays locked
-                        self.mover.backup_issued(x, n, blocking=True)
-                    self._demote(x, give)
-                else:
-                    self._drop_subtree(x, give)
-            else:
+            elif not self.write_back:
                 self._delete_device_leaf(x, give)
+            elif not self._evict_write_back(x, give):
+                # the backup's host eviction may have queued it anew: out of this walk
+                if x.cand_key is not None:
+                    cands.remove(x)
+                passed.append(x)
+                continue
             freed += n
+        for x in passed + stuck:
+            self._refresh(x)
         return freed
+
+    def _evict_write_back(self, x: TieredNode, give: Callable[[list[int]], None]) -> bool:
+        """write_back, device leaf `x` without a host copy: back it up and demote it, or if
+        the host cannot take it drop it with its host-only subtree; False (nothing changed
+        but what the backup's host eviction freed) when the drop is declined."""
+        if self._backup(x):
+            if self.hold_backups:
+                # write_back's backup at eviction is waited for at once
+                # (`writing_check(write_back=True)` blocks): nothing stays locked
+                self.mover.backup_issued(x, len(x.key), blocking=True)
+            self._demote(x, give)
+            return True
+        return self._drop_subtree(x, give)
+
+    @staticmethod
+    def _host_locked_below(x: TieredNode) -> list[TieredNode]:
+        out = []
+        stack = list(x.children.values())
+        while stack:
+            d = stack.pop()
+            if d.host_lock:
+                out.append(d)
+            stack.extend(d.children.values())
+        return out
 
     def _demote(self, x: TieredNode, give: Callable[[list[int]], None]) -> None:
         """Free `x`'s device copy; its host copy stays (`_demote`)."""
@@ -577,15 +629,19 @@ class HiCacheTree(RadixTree):
         x.parent.dev_children -= 1
         self._remove(x)
 
-    def _drop_subtree(self, x: TieredNode, give: Callable[[list[int]], None]) -> None:
+    def _drop_subtree(self, x: TieredNode, give: Callable[[list[int]], None]) -> bool:
         """write_back, the host cannot take `x`: drop its host-only subtree and `x`
-        (`drop_subtree_no_host`)."""
+        (`drop_subtree_no_host`); False, changing nothing, when a node of it is locked on
+        either tier or has a transfer in flight (a storage write holds a host lock), as
+        SGLang declines."""
+        if x.host_lock or x.load_pending:
+            return False
         below = []
         stack = list(x.children.values())
         while stack:
             d = stack.pop()
             if d.lock_ref or d.host_lock or d.load_pending:
-                raise AssertionError(f"radix-hicache: dropping a locked host node {d}")
+                return False
             below.append(d)
             stack.extend(d.children.values())
         for d in reversed(below):
@@ -595,6 +651,7 @@ class HiCacheTree(RadixTree):
             self._free_host(d)
             self._remove(d)
         self._delete_device_leaf(x, give)
+        return True
 
     def _free_host(self, x: TieredNode) -> int:
         self.host_free += x.host_pages

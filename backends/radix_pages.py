@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from cachelib.errors import InvariantViolation
 from cachelib.page_table import PageTable
 
 __all__ = ["PagePool", "PageTable"]
@@ -81,6 +82,9 @@ class PagePool:
             got += k
         if got < n:
             fresh = self._fresh
+            if fresh + n - got > self.num_pages:
+                # the caller's check failed: never hand out an id past the pool
+                raise InvariantViolation(f"radix: {n} pages taken with {got + self.num_pages - fresh} free")
             out[got:] = np.arange(fresh, fresh + n - got, dtype=np.int32)
             self._fresh = fresh + n - got
 

@@ -396,7 +396,14 @@ class PrefixCache(ABC):
     def storage_hit_tokens(self, seq: Sequence) -> int:
         """Of the tokens the admission of the live `seq` loaded back from a lower tier (its
         `num_computed` after `admit` less its match), those that came from storage (L3); the
-        rest came from host memory. 0 for a cache without a storage tier."""
+        rest came from host memory. 0 for a cache without a storage tier. A sequence that is
+        not live (released, never admitted, an impostor) is refused: its admission is gone,
+        and 0 would read as "nothing came from storage"."""
+        self._check_live(seq)
+        return self._storage_hit_tokens(seq)
+
+    def _storage_hit_tokens(self, seq: Sequence) -> int:
+        """`storage_hit_tokens` of a live `seq` (checked)."""
         return 0
 
     def storage_prefetch(self, seq: Sequence, match: Match) -> StoragePrefetch:
@@ -428,9 +435,18 @@ class PrefixCache(ABC):
         return []
 
     def finish_transfers(self, tickets: list[int]) -> None:
-        """The transfers with these tickets completed: release what they held."""
+        """The transfers with these tickets completed: release what they held. Each ticket
+        must be one in flight, named once; otherwise nothing is done and the call is refused."""
+        if not isinstance(tickets, (list, tuple)) or any(
+            isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in tickets
+        ):
+            raise InvalidRequestError(f"finish_transfers: tickets must be a list of ints, got {tickets!r:.80}")
+        self._finish_transfers([int(t) for t in tickets])
+
+    def _finish_transfers(self, tickets: list[int]) -> None:
+        """`finish_transfers` of a checked list of ints."""
         if tickets:
-            raise InvalidRequestError(f"a {self.name} cache issued no transfer tickets, got {tickets!r}")
+            raise InvalidRequestError(f"a {self.name} cache issued no transfer tickets, got {tickets!r:.80}")
 
     def tier_bytes(self, tokens: int) -> int:
         """Bytes of KV in `tokens` tokens, as the tiers count them (`HostTier.bytes_of`)."""
@@ -439,7 +455,18 @@ class PrefixCache(ABC):
     def tier_link_seconds(self, src: str, dst: str, tokens: int) -> float:
         """Seconds to move `tokens` tokens of KV from tier `src` to tier `dst` at this cache's
         tier bandwidths (what a serving engine charges; the tier objects of
-        `cachelib/tiers.py` hold the figures)."""
+        `cachelib/tiers.py` hold the figures). `tokens` must be a non-negative int and the
+        link one of this cache's (`memory_tiers`): anything else is refused, never priced."""
+        if isinstance(tokens, bool) or not isinstance(tokens, (int, np.integer)) or tokens < 0:
+            raise InvalidRequestError(f"tier_link_seconds: tokens must be a non-negative int, got {tokens!r}")
+        if src == dst or src not in self.memory_tiers or dst not in self.memory_tiers:
+            raise InvalidRequestError(
+                f"a {self.name} cache has no tier link {src!r} -> {dst!r} (its tiers: {', '.join(self.memory_tiers)})"
+            )
+        return self._tier_link_seconds(src, dst, int(tokens))
+
+    def _tier_link_seconds(self, src: str, dst: str, tokens: int) -> float:
+        """`tier_link_seconds` of a checked link and count."""
         raise InvalidRequestError(f"a {self.name} cache has no tier link {src} -> {dst}")
 
     def use_storage_pool(self, pool: Any) -> None:

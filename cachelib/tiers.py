@@ -168,7 +168,9 @@ class TierFigures:
     def transfer_seconds(self, tokens: int, *, write: bool) -> float:
         """Seconds to move `tokens` tokens of KV one way: into this tier (`write`) or out of
         it, at its bandwidth (what a serving clock charges; the replay protocol charges
-        nothing)."""
+        nothing). A negative count is refused: it would price as time given back."""
+        if tokens < 0:
+            raise InvalidRequestError(f"transfer_seconds: tokens must be non-negative, got {tokens!r}")
         gbps = self.write_gbps if write else self.read_gbps
         return self.bytes_of(tokens) / (gbps * 1e9)
 

@@ -242,7 +242,10 @@ def test_the_default_host_is_lmcaches_5_gib_and_no_disk():
     cache = create_cache("apc-lmcache", num_pages=8, page_size=16)
     assert cache.lmc.spec.host.capacity_tokens == 5 * 1024**3 // 131072
     assert cache.memory_tiers == ("gpu", "host") and cache.lmc.spec.chunk_tokens == 256
-    assert create_cache("apc", num_pages=8, page_size=16).storage_hit_tokens(Sequence("x", [1])) == 0
+    plain = create_cache("apc", num_pages=8, page_size=16)
+    seq = Sequence("x", [1])
+    plain.prefill(seq)
+    assert plain.storage_hit_tokens(seq) == 0
 
 
 def test_invariants_catch_a_store_above_capacity_and_a_lost_page_id():
