@@ -222,3 +222,31 @@ def test_limit_prefetch_refuses_bad_input():
         with pytest.raises(InvalidRequestError, match="storage tier"):
             other.limit_prefetch(seq, 16)
         assert other.storage_prefetch(seq, CacheClient(other).match(seq)) == (0, 0)
+
+
+def test_a_prefetch_done_while_its_request_does_not_fit_is_not_waited_for(tmp_path):
+    """A request whose prefetch completed but that does not fit yet waits for the next real
+    event (a ticket in flight), not for its prefetch's past completion: the engine once took
+    empty steps at the same instant forever there (docs on a 40-page cache with storage)."""
+    import signal
+
+    from experiments.workloads.registry import make_workload
+
+    requests = make_workload(
+        "shared_doc_qa", seed=3, num_documents=4, doc_len=300, num_requests=60, output_len=40,
+        output_dist="uniform", rate=50.0, vocab_size=5000,
+    ).requests  # fmt: skip
+    cache = create_cache(
+        "radix-hicache", num_pages=40, page_size=PAGE, host_capacity_tokens=1280, storage_backend="file",
+        prefetch_threshold=32,
+    )  # fmt: skip
+    signal.signal(signal.SIGALRM, lambda *_: pytest.fail("the serving loop did not end"))
+    signal.alarm(60)
+    try:
+        from experiments.engine import CostModelExecutor
+
+        res = serve(cache, requests, CostModelExecutor(), ServingConfig(token_budget=512, max_running=16))
+    finally:
+        signal.alarm(0)
+    assert len(res.requests) == 60 and not res.aborted
+    cache.check_invariants()

@@ -162,7 +162,7 @@ class VllmScheduler(Scheduler):
             and not plan.preempted
             and not self.running
             and bool(self.waiting)
-            and (self.transfers is None or self.next_transfer_event() is None)
+            and (self.transfers is None or self.next_transfer_event(after=self.clock.now) is None)
         )
 
     def give_up_on_head(self) -> None:
@@ -626,22 +626,25 @@ class VllmScheduler(Scheduler):
                     r.load_stall_s += load_stall
         return seconds
 
-    def next_transfer_event(self, arrival: float | None = None) -> float | None:
+    def next_transfer_event(self, arrival: float | None = None, after: float | None = None) -> float | None:
         """The earliest of `arrival` and what a poll would act on: a load that completes, a
-        ticket, a held request's stores."""
+        ticket, a held request's stores; with `after`, only what comes later than that (a
+        prefetch that completed while its request did not fit is no event to wait for)."""
         tc = self.transfers
         times = [t for t in (arrival, tc.next_completion()) if t is not None]
         times += [tc.load_ready[r.spec.request_id] for r in self.loading]
         times += [done for done, _ in self.held]
         if self._prefetches:
             times += self.prefetch_wake_times()
+        if after is not None:
+            times = [t for t in times if t > after]
         return min(times) if times else None
 
     def wake_time(self, now: float) -> float:
-        """When an empty step should look again: the next transfer event or arrival, not
-        before `now` (`now` itself when nothing is pending)."""
-        t = self.next_transfer_event(self.clock.next_arrival())
-        return now if t is None else max(now, t)
+        """When an empty step should look again: the next transfer event or arrival after
+        `now` (`now` itself when nothing is pending: the caller then sees it `stuck`)."""
+        t = self.next_transfer_event(self.clock.next_arrival(), after=now)
+        return now if t is None else t
 
     def finish(self, r: Request, at: float, *, aborted: bool = False, admitted: bool = True) -> None:
         """`Scheduler.finish`; a finished request whose stores are still in flight keeps its
