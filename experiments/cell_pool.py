@@ -46,7 +46,7 @@ from experiments.interrupts import SIGNALS, DeferredInterrupts
 #: cache: ~0.3 s a process, paid once here instead of in each child)
 _PRELOAD = [
     "experiments.cli.main",
-    *(["experiments.engine.row_kernels", "cachelib.xxh3_chain"] if numba_installed() else []),
+    *(["experiments.engine.precompiled", "cachelib.xxh3_chain"] if numba_installed() else []),
 ]
 
 

@@ -21,8 +21,7 @@ MODEL = "llama3-8b"
 ATTENTION = "auto"
 TOKEN_BUDGET = 8192
 MAX_RUNNING = 256
-ORDERING = "fcfs"
-#: serving's scheduling policy: vLLM 0.33 V1's decisions (`legacy`: the one before issue 11)
+#: serving's scheduling policy: vLLM 0.33 V1's decisions
 SCHEDULER = "vllm"
 JOBS = 1
 #: serving replicas of a cell (`--replicas`): one, single-replica serving; more run behind a router

@@ -42,7 +42,7 @@ COLUMNS = [
 #: as JSON, `router` the router with its non-default options (empty for one replica); the
 #: others are the cell's `config` keys (`step_ms` empty but for the fixed executor)
 CSV_CONFIG = (
-    "backend", "label", "backend_options", "workload", "capacity_tokens", "page_size", "executor", "device", "ordering",
+    "backend", "label", "backend_options", "workload", "capacity_tokens", "page_size", "executor", "device",
     "scheduler", "async_scheduling", "step_ms", "model", "token_budget", "max_running", "protocol", "seed",
 )  # fmt: skip
 #: the configuration columns a document with a cluster cell adds (one replica: 1, empty, {})
@@ -327,6 +327,11 @@ def _scheduler(cfg: dict[str, Any]) -> str:
     return f"scheduler {cfg['scheduler']}" + (" with async scheduling" if cfg["async_scheduling"] else "")
 
 
+def _ordering(cfg: dict[str, Any]) -> str:
+    """A document made by the retired legacy scheduler names its waiting-queue order."""
+    return f", ordering {cfg['ordering']}" if "ordering" in cfg else ""
+
+
 def markdown(results: dict[str, Any], figures: list[str]) -> str:
     cfg = {**_BEFORE_SCHEDULERS, **results["settings"]}
     lines = [
@@ -334,8 +339,8 @@ def markdown(results: dict[str, Any], figures: list[str]) -> str:
         "",
         f"Command: `{results['command']}`  ",
         f"Created {results['created']} at commit `{results['commit']}`{_package(results)}; page size {cfg['page_size']}, "
-        f"{_executor(cfg)}, {_scheduler(cfg)}, token budget {cfg['token_budget']}, "
-        f"ordering {cfg['ordering']}; workload knobs `{json.dumps(results['workload']['config'])}`.",
+        f"{_executor(cfg)}, {_scheduler(cfg)}, token budget {cfg['token_budget']}"
+        f"{_ordering(cfg)}; workload knobs `{json.dumps(results['workload']['config'])}`.",
         "",
         "Replay hit rates come from the sequential replay protocol, the one the bounds are defined for;",
         "everything else comes from the serving protocol (continuous batching on a virtual clock).",

@@ -19,7 +19,7 @@ from experiments.workloads.generators import Workload
 #: CellConfig fields shared by every cell of a document, shown in the report's header
 SETTINGS = (
     "page_size", "executor", "step_ms", "device", "model", "token_budget", "max_running", "scheduler",
-    "async_scheduling", "ordering", "protocol", "seed",
+    "async_scheduling", "protocol", "seed",
 )  # fmt: skip
 #: the per-request results of a run's serving cells, one JSON object a line (`write_per_request`)
 PER_REQUEST_FILE = "per_request.jsonl"

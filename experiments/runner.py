@@ -38,7 +38,7 @@ from experiments.engine import (
     serve,
 )
 from experiments.engine.executors import DEVICE_PROFILES
-from experiments.engine.request import ORDERINGS, SCHEDULERS
+from experiments.engine.request import SCHEDULERS
 from experiments.errors import InputError
 from experiments.labels import cell_label_of
 from experiments.metrics import Slos, latency_section, serving_metrics
@@ -69,8 +69,8 @@ class CapacityError(InputError, ValueError):
 
 class ConfigError(InputError, ValueError):
     """A cell setting that names nothing known (a protocol, executor, device, scheduler or
-    model), or settings that contradict each other (`--ordering lpf` with the vllm scheduler,
-    async scheduling with the legacy one, a step time without the fixed executor or its lack)."""
+    model), or settings that contradict each other (a step time without the fixed executor
+    or its lack)."""
 
 
 class WorkloadInputError(InputError, ValueError):
@@ -95,8 +95,7 @@ class CellConfig:
     device_calibration: str | None = None  # GPU benchmark JSON the cost model calibrates from
     token_budget: int = defaults.TOKEN_BUDGET
     max_running: int = defaults.MAX_RUNNING
-    ordering: str = defaults.ORDERING
-    #: serving's scheduling policy (`SCHEDULERS`): vllm | legacy (the only one taking ordering lpf)
+    #: serving's scheduling policy (`SCHEDULERS`)
     scheduler: str = defaults.SCHEDULER
     #: vLLM's async scheduling, two batches in flight (vllm scheduler only)
     async_scheduling: bool = False
@@ -143,8 +142,11 @@ class CellConfig:
     def _check_serving(self) -> None:
         """The scheduler and step settings agree with each other (before any work: a cell's
         `ServingConfig` would refuse them only once it runs)."""
-        if self.ordering not in ORDERINGS:
-            raise ConfigError(f"unknown ordering {self.ordering!r}; choose one of {', '.join(ORDERINGS)}")
+        if self.scheduler == "legacy":
+            raise ConfigError(
+                "the legacy scheduler was retired (issue 31): serving runs vLLM 0.33's policy (--scheduler vllm); "
+                "results made with it stay readable, and the code that made them is in the project's history"
+            )
         if self.scheduler not in SCHEDULERS:
             raise ConfigError(f"unknown scheduler {self.scheduler!r}; choose one of {', '.join(SCHEDULERS)}")
         if self.executor == "fixed":
@@ -158,17 +160,8 @@ class CellConfig:
                 f"a step time (--step-ms {self.step_ms!r}) is for executor 'fixed' only; "
                 f"executor {self.executor!r} times its steps itself (add --executor fixed, or drop --step-ms)"
             )
-        if self.scheduler == "vllm" and self.ordering != "fcfs":
-            raise ConfigError(
-                f"ordering {self.ordering!r} needs --scheduler legacy: the vllm scheduler is FCFS, as vLLM's default policy"
-            )
         if not isinstance(self.async_scheduling, bool):
             raise ConfigError(f"async_scheduling is true or false, got {self.async_scheduling!r}")
-        if self.async_scheduling and self.scheduler != "vllm":
-            raise ConfigError(
-                f"async scheduling (--async-scheduling) is vLLM's engine loop: it needs --scheduler vllm, "
-                f"not {self.scheduler!r}"
-            )
 
     def _check_cluster(self) -> None:
         """A cluster has at least one replica, a router exactly when it has more than one,
@@ -470,7 +463,7 @@ def slos_of(cfg: CellConfig) -> Slos:
 
 def _serving_config(cfg: CellConfig) -> ServingConfig:
     return ServingConfig(
-        cfg.token_budget, cfg.max_running, cfg.ordering, scheduler=cfg.scheduler, async_scheduling=cfg.async_scheduling
+        cfg.token_budget, cfg.max_running, scheduler=cfg.scheduler, async_scheduling=cfg.async_scheduling
     )
 
 

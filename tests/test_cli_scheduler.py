@@ -72,7 +72,7 @@ def test_help_names_the_schedulers_and_the_fixed_executor(capsys):
         main(["compare", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "vllm = vLLM 0.33 V1 scheduler's decisions (the default)" in text
-    assert "legacy = this project's scheduler before issue 11, the only one taking --ordering lpf" in text
+    assert "legacy" not in text and "--ordering" not in text  # retired (issue 31)
     assert "fixed = a constant --step-ms per non-empty step" in text and "two batches in flight" in text
 
 
@@ -93,15 +93,13 @@ def test_the_flags_reach_the_cell(tmp_path):
     assert "executor fixed (20 ms per step), scheduler vllm with async scheduling" in (out / "report.md").read_text()
 
 
-def test_the_defaults_and_the_legacy_scheduler_reach_the_cell(tmp_path):
+def test_the_defaults_reach_the_cell(tmp_path):
     out = tmp_path / "out"
     argv = ["run", *TINY, "--backend", "radix", "--capacity-tokens", "4000", "--protocol", "serving"]
     assert main([*argv, "--output-dir", str(out)]) == 0
     cfg = json.loads((out / "results.json").read_text())["cells"][0]["config"]
     assert (cfg["scheduler"], cfg["async_scheduling"], cfg["executor"], cfg["step_ms"]) == ("vllm", False, "cost", None)
-    assert main([*argv, "--scheduler", "legacy", "--ordering", "lpf", "--output-dir", str(out)]) == 0
-    cfg = json.loads((out / "results.json").read_text())["cells"][0]["config"]
-    assert (cfg["scheduler"], cfg["ordering"]) == ("legacy", "lpf")
+    assert "ordering" not in cfg
 
 
 def test_a_fixed_step_is_what_the_serving_clock_advances_by():
@@ -123,9 +121,6 @@ BAD_COMBINATIONS = [
     (["--executor", "fixed"], "executor 'fixed' needs --step-ms MS"),
     (["--step-ms", "20"], "is for executor 'fixed' only; executor 'cost'"),
     (["--executor", "model", "--model", "tiny", "--step-ms", "20"], "is for executor 'fixed' only; executor 'model'"),
-    (["--ordering", "lpf"], "ordering 'lpf' needs --scheduler legacy"),
-    (["--scheduler", "vllm", "--ordering", "lpf"], "ordering 'lpf' needs --scheduler legacy"),
-    (["--scheduler", "legacy", "--async-scheduling"], "async scheduling (--async-scheduling) is vLLM's engine loop"),
 ]
 #: malformed values: exit 2, as argparse refuses them
 MALFORMED = [
@@ -165,8 +160,8 @@ def test_a_malformed_value_is_bad_usage(command, extra, message, tmp_path, monke
 @pytest.mark.parametrize(
     "settings, message",
     [
-        ({"scheduler": "sglang"}, "unknown scheduler 'sglang'; choose one of vllm, legacy"),
-        ({"ordering": "sjf"}, "unknown ordering 'sjf'"),
+        ({"scheduler": "sglang"}, "unknown scheduler 'sglang'; choose one of vllm"),
+        ({"scheduler": "legacy"}, "the legacy scheduler was retired (issue 31)"),
         ({"executor": "fixed"}, "executor 'fixed' needs --step-ms"),
         ({"executor": "fixed", "step_ms": 0.0}, "positive, finite step time"),
         ({"executor": "fixed", "step_ms": -1}, "positive, finite step time"),
@@ -176,8 +171,6 @@ def test_a_malformed_value_is_bad_usage(command, extra, message, tmp_path, monke
         ({"executor": "fixed", "step_ms": "20"}, "positive, finite step time"),
         ({"step_ms": 20.0}, "is for executor 'fixed' only"),
         ({"executor": "model", "step_ms": 20.0}, "is for executor 'fixed' only"),
-        ({"ordering": "lpf"}, "needs --scheduler legacy"),
-        ({"scheduler": "legacy", "async_scheduling": True}, "needs --scheduler vllm"),
         ({"async_scheduling": "yes"}, "async_scheduling is true or false"),
     ],
 )
@@ -188,18 +181,16 @@ def test_cell_config_refuses_contradictions(settings, message):
 
 
 def test_cell_config_takes_every_consistent_combination():
-    for scheduler, ordering, asynchronous in [("vllm", "fcfs", False), ("vllm", "fcfs", True),
-                                              ("legacy", "fcfs", False), ("legacy", "lpf", False)]:  # fmt: skip
+    for asynchronous in (False, True):
         for executor, step in [("cost", None), ("model", None), ("fixed", 20.0), ("fixed", 1)]:
-            cfg = CellConfig("apc", "no_sharing", 20000, executor=executor, step_ms=step, scheduler=scheduler,
-                             ordering=ordering, async_scheduling=asynchronous)  # fmt: skip
-            assert cfg.as_dict()["scheduler"] == scheduler
+            cfg = CellConfig("apc", "no_sharing", 20000, executor=executor, step_ms=step,
+                             async_scheduling=asynchronous)  # fmt: skip
+            assert cfg.as_dict()["scheduler"] == "vllm"
     base = CellConfig("apc", "no_sharing", 20000)
-    keys = {base.key(), CellConfig("apc", "no_sharing", 20000, scheduler="legacy").key(),
-            CellConfig("apc", "no_sharing", 20000, async_scheduling=True).key(),
+    keys = {base.key(), CellConfig("apc", "no_sharing", 20000, async_scheduling=True).key(),
             CellConfig("apc", "no_sharing", 20000, executor="fixed", step_ms=20).key(),
             CellConfig("apc", "no_sharing", 20000, executor="fixed", step_ms=25).key()}  # fmt: skip
-    assert len(keys) == 5  # each setting is part of the cell's key: no stale reuse
+    assert len(keys) == 4  # each setting is part of the cell's key: no stale reuse
 
 
 # -- per_request.jsonl ----------------------------------------------------------------------
@@ -319,11 +310,11 @@ def test_a_stored_serving_cell_without_its_records_is_run_again(tmp_path):
 def test_sweep_reports_carry_per_request(tmp_path):
     out = tmp_path / "sw"
     argv = ["sweep", *TINY, "--backend", "apc,none", "--capacity-tokens", "4000", "--page-size", "16", "32"]
-    assert main([*argv, *FIXED, "--scheduler", "legacy", "--output-dir", str(out)]) == 0
+    assert main([*argv, *FIXED, "--scheduler", "vllm", "--output-dir", str(out)]) == 0
     for page in (16, 32):
         rows = _rows(out / f"shared_doc_qa-p{page}" / PER_REQUEST_FILE)
         assert [(r["backend"], r["page_size"], r["request_index"]) for r in rows] == [
             (b, page, i) for b in ("apc", "none") for i in range(N)
         ]
         cfg = json.loads((out / f"shared_doc_qa-p{page}" / "results.json").read_text())["cells"][0]["config"]
-        assert (cfg["scheduler"], cfg["executor"], cfg["step_ms"]) == ("legacy", "fixed", 20.0)
+        assert (cfg["scheduler"], cfg["executor"], cfg["step_ms"]) == ("vllm", "fixed", 20.0)

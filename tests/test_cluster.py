@@ -16,7 +16,7 @@ from experiments.__main__ import main
 from experiments.cluster_metrics import merged_timeline
 from experiments.engine import CacheClient, CostModelExecutor, FixedStepExecutor, ServingConfig, VirtualClock, serve
 from experiments.engine.cluster import ReplicaView, serve_cluster, session_ids
-from experiments.engine.vllm_scheduler import VllmScheduler
+from experiments.engine.vllm import VllmScheduler
 from experiments.errors import InputError
 from experiments.routers import ROUTERS, Router, RouterError, make_router
 from experiments.runner import PER_REQUEST, CellConfig, run_cell
@@ -50,12 +50,11 @@ def _without_replica(records: list[dict]) -> list[dict]:
 
 @pytest.mark.parametrize("workload", list(WORKLOADS))
 @pytest.mark.parametrize("backend", ["apc", "none"])
-@pytest.mark.parametrize("scheduler", ["vllm", "legacy"])
 @pytest.mark.parametrize("executor", ["cost", "fixed"])
-def test_one_replica_equals_serve(workload, backend, scheduler, executor):
+def test_one_replica_equals_serve(workload, backend, executor):
     specs = make_workload(workload, seed=2, **WORKLOADS[workload]).requests
     make = (lambda: CostModelExecutor()) if executor == "cost" else (lambda: FixedStepExecutor(0.02))  # noqa: E731
-    cfg = ServingConfig(1024, 12, scheduler=scheduler)
+    cfg = ServingConfig(1024, 12)
     alone = serve(create_cache(backend, num_pages=150, page_size=16), specs, make(), cfg)
     got = serve_cluster(_caches(backend, 1, 150), specs, [make()], make_router("round_robin", 1), cfg)
     one = got.replicas[0]

@@ -170,10 +170,8 @@ def _ends(k: int) -> list[float]:
     return out
 
 
-@pytest.mark.parametrize("scheduler", ["vllm", "legacy"])
-def test_ttft_tpot_itl_e2e_and_goodput_on_a_hand_made_run(scheduler):
-    res = serve(create_cache("apc", num_pages=3, page_size=4), [A, B], FixedStepExecutor(0.01),
-                ServingConfig(64, 8, scheduler=scheduler))  # fmt: skip
+def test_ttft_tpot_itl_e2e_and_goodput_on_a_hand_made_run():
+    res = serve(create_cache("apc", num_pages=3, page_size=4), [A, B], FixedStepExecutor(0.01), ServingConfig(64, 8))
     t = _ends(8)
     a, b = sorted(res.requests, key=lambda r: r["request_id"])
     assert (a["preemptions"], b["preemptions"], a["finished_at"], b["finished_at"]) == (0, 1, t[6], t[8])
@@ -218,18 +216,15 @@ class NoWindows(CostModelExecutor):
     supports_decode_windows = False
 
 
-@pytest.mark.parametrize("scheduler", ["vllm", "legacy"])
-def test_every_gap_once_and_windows_give_the_same_gaps_as_single_steps(scheduler):
+def test_every_gap_once_and_windows_give_the_same_gaps_as_single_steps():
     specs = make_workload("shared_doc_qa", seed=2, num_documents=6, num_requests=60, rate=40.0, doc_len=400).requests
-    cfg = ServingConfig(1024, 12, scheduler=scheduler)
+    cfg = ServingConfig(1024, 12)
     windows = serve(create_cache("apc", num_pages=150, page_size=16), specs, CostModelExecutor(), cfg)
     single = serve(create_cache("apc", num_pages=150, page_size=16), specs, NoWindows(), cfg)
     assert windows.preemptions > 0 and len(windows.requests) == len(single.requests)
     got, want = np.sort(windows.itl.expanded()), np.sort(single.itl.expanded())
-    if scheduler == "vllm":  # its windows accumulate the clock step by step: the same floats
-        assert windows.requests == single.requests and np.array_equal(got, want)
-    else:  # legacy's window ends at now + the steps' sum: the last bits may differ
-        assert got.shape == want.shape and np.allclose(got, want, rtol=1e-9, atol=0)
+    # windows accumulate the clock step by step: the same floats
+    assert windows.requests == single.requests and np.array_equal(got, want)
     done = [r for r in windows.requests if r["sample_of"] is None and r["generated"] > 0]
     assert windows.itl.total == sum(r["generated"] - 1 for r in done)
     spans = sum(r["finished_at"] - r["first_token_at"] for r in done)
@@ -246,16 +241,31 @@ def test_async_scheduling_records_every_gap_once():
 
 
 def test_token_gaps_merge_and_group_a_steps_regular_gaps():
-    class R:
-        last_token_at = None
+    """Two requests' tokens through the delivery rule: steps at 1.0 and 1.5 (both), 2.0 (a
+    only), 3.0 (both: b missed a step, its own gap), then a window of steps ending at 4.0,
+    4.25, 5.0."""
+    from experiments.engine.kernels import deliver
 
-    a, b = R(), R()
+    known, generated, target = np.zeros(2, np.int64), np.zeros(2, np.int64), np.full(2, 99, np.int64)
+    has_first, timed, last = np.zeros(2, bool), np.ones(2, bool), np.full(2, np.nan)
     g = TokenGaps()
-    g.step([a, b], 1.0)
-    g.step([a, b], 1.5)
-    g.step([a], 2.0)
-    g.step([a, b], 3.0)  # b missed a step: its own gap
-    g.window([a, b], [4.0, 4.25, 5.0])
+
+    def step(got, at, last_at=None, k=1):
+        prev = g.last_step
+        tokens = np.array(got, dtype=np.int64) * k
+        _, _, gaps, regular = deliver(
+            known, generated, target, has_first, timed, last, tokens, at, at if last_at is None else last_at,
+            0.0 if prev is None else prev, prev is not None,
+        )  # fmt: skip
+        g.add_step(gaps.tolist(), int(regular), at)
+
+    step([1, 1], 1.0)
+    step([1, 1], 1.5)
+    step([1, 0], 2.0)
+    step([1, 1], 3.0)
+    ends = np.array([4.0, 4.25, 5.0])
+    step([1, 1], 4.0, last_at=5.0, k=3)
+    g.add_window_steps(ends, 2)
     assert list(zip(g.values, g.counts, strict=True)) == [
         (0.5, 2),
         (0.5, 1),

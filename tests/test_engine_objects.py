@@ -18,7 +18,7 @@ from experiments.engine import (
     serve,
 )
 from experiments.engine.serving import drive
-from experiments.engine.vllm_scheduler import VllmScheduler
+from experiments.engine.vllm import VllmScheduler
 from experiments.workloads.spec import RequestSpec
 
 

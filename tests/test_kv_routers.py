@@ -18,7 +18,7 @@ from experiments.backend_options import BackendVariant
 from experiments.cluster_grid import cells_over, check_shapes, cluster_shapes
 from experiments.engine import CacheClient, CostModelExecutor, FixedStepExecutor, ServingConfig, VirtualClock
 from experiments.engine.cluster import ReplicaView, serve_cluster
-from experiments.engine.vllm_scheduler import VllmScheduler
+from experiments.engine.vllm import VllmScheduler
 from experiments.errors import InputError
 from experiments.routers import ROUTERS, StaticView, make_router
 from experiments.routers.kv_cost import softmax_pick

@@ -3,8 +3,8 @@
 paged promises that a decode step inside a held block is a no-op for a sequence whose
 writable blocks are its own (`DECODE_NOOPS_IF_PRIVATE`: not after a fork, not in a declared
 prefix's shared partial block); radix with its one-page reserve, that it is one while a page
-is free (`DECODE_NOOPS_WHILE_FREE`: a step finding none evicts). Every serving loop (the row
-loop, the object loop, the legacy loop) runs each workload twice: lazily, and eagerly with
+is free (`DECODE_NOOPS_WHILE_FREE`: a step finding none evicts). The serving policy, by each
+path of its rules (compiled, and numpy), runs each workload twice: lazily, and eagerly with
 the promise withdrawn (a grow and a commit every step, as before the promise). Everything
 either run reports must be equal: every request record, the ITL pairs, the page timeline,
 the step and preemption counts, the cache's counters and figures, the step at which each KV
@@ -23,24 +23,23 @@ from backends.paged import PagedCache
 from backends.radix import RadixCache
 from cachelib import create_cache
 from cachelib.errors import InvalidRequestError
+from cachelib.hashing import numba_installed
 from cachelib.interface import DECODE_NOOPS_IF_PRIVATE, DECODE_NOOPS_WHILE_FREE
 from cachelib.types import Sequence
 from experiments.engine import CostModelExecutor, ServingConfig
 from experiments.engine.cache_client import CacheClient
 from experiments.engine.clock import VirtualClock
-from experiments.engine.scheduler import Scheduler
 from experiments.engine.serving import drive
-from experiments.engine.vllm_rows import VllmRowScheduler
-from experiments.engine.vllm_scheduler import VllmScheduler
+from experiments.engine.vllm import VllmScheduler
 from experiments.runner import _declare_prefixes
 from experiments.workloads.registry import make_workload
 
-#: the three synchronous loops that apply the lazy rule (legacy forks parallel samples)
-LOOPS: dict[str, type[Scheduler]] = {"rows": VllmRowScheduler, "objects": VllmScheduler, "legacy": Scheduler}
+#: the paths of the policy's rules (experiments/engine/compiled.py)
+LOOPS = ["numpy", *(["numba"] if numba_installed() else [])]
 
 
 class NoWindows(CostModelExecutor):
-    """The cost model, every step taken one by one (the object loop's per-step path)."""
+    """The cost model, every step taken one by one (no decode windows)."""
 
     supports_decode_windows: ClassVar[bool] = False
 
@@ -85,7 +84,7 @@ class Log:
 
     def __init__(self, client: CountingClient) -> None:
         self.client = client
-        self.scheduler: Scheduler | None = None
+        self.scheduler: VllmScheduler | None = None
         self.entries: list[tuple] = []
         self.decode_evictions = 0
 
@@ -120,8 +119,8 @@ def run(
         requests, _ = _declare_prefixes(cache, declare, executor)
     client = CountingClient(cache)
     clock = VirtualClock(requests)
-    config = ServingConfig(token_budget=budget, max_running=16, scheduler="legacy" if loop == "legacy" else "vllm")
-    s = LOOPS[loop](client, executor, config, clock)
+    config = ServingConfig(token_budget=budget, max_running=16)
+    s = VllmScheduler(client, executor, config, clock, kernel=loop)
     log = Log(client)
     log.scheduler = s
     if cache.emits_kv_events:
@@ -166,7 +165,7 @@ def _mooncake(limit: int):
     return make_workload("mooncake", seed=0, limit=limit).requests
 
 
-@pytest.mark.parametrize("loop", sorted(LOOPS))
+@pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("capacity", [40_000, 200_000])
 def test_radix_lazy_equals_eager_where_decode_steps_evict(loop, capacity):
     """The shipped Mooncake slice at capacities where decode steps inside held pages find no
@@ -178,11 +177,10 @@ def test_radix_lazy_equals_eager_where_decode_steps_evict(loop, capacity):
 
 
 def test_radix_lazy_equals_eager_step_by_step():
-    """The same without decode windows: every step through the object loop's per-step path
-    (the row and legacy loops take windows whenever the executor prices them)."""
+    """The same without decode windows: every step one by one."""
     requests = _mooncake(60)
     _, eager_log = both(
-        "objects", lambda: create_cache("radix", num_pages=40_000 // 16, page_size=16), requests, windows=False
+        "numpy", lambda: create_cache("radix", num_pages=40_000 // 16, page_size=16), requests, windows=False
     )
     assert eager_log.decode_evictions > 0
 
@@ -196,7 +194,7 @@ SYNTHETIC = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("loop", sorted(LOOPS))
+@pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("workload,pages", [("docs", 30), ("docs", 60), ("chat", 40)])
 @pytest.mark.parametrize("backend", ["radix", "radix-aged"])
 def test_radix_lazy_equals_eager_under_pressure(loop, workload, pages, backend):
@@ -209,7 +207,7 @@ def test_radix_lazy_equals_eager_under_pressure(loop, workload, pages, backend):
     assert eager_log.decode_evictions > 0
 
 
-@pytest.mark.parametrize("loop", sorted(LOOPS))
+@pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("policy", ["lfu", "mru"])
 def test_radix_lazy_equals_eager_under_other_policies(loop, policy):
     """Eviction order under other policies is the same lazily (a policy reads recency and
@@ -219,7 +217,7 @@ def test_radix_lazy_equals_eager_under_other_policies(loop, policy):
     both(loop, make, requests)
 
 
-@pytest.mark.parametrize("loop", sorted(LOOPS))
+@pytest.mark.parametrize("loop", LOOPS)
 def test_radix_page_size_one_keeps_its_unconditional_promise(loop):
     """At page size 1 there is no reserve: the promise is unconditional (and every decode
     step takes a page, so nothing is excused; lazy and eager still agree)."""
@@ -242,7 +240,7 @@ QUIET = {
 }
 
 
-@pytest.mark.parametrize("loop", ["rows", "objects"])
+@pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize(
     "workload,pages,budget",
     [("docs", 30, 512), ("docs", 30, 17), ("chat", 40, 512), ("chat", 40, 17), ("mooncake", 2_500, 512)],
@@ -304,19 +302,7 @@ def _paged(num_pages: int, page_size: int = 16):
     return lambda: create_cache("paged", num_pages=num_pages, page_size=page_size)
 
 
-@pytest.mark.parametrize("pages", [40, 400])
-@pytest.mark.parametrize("page_size", [4, 16])
-def test_paged_lazy_equals_eager_with_forked_samples(pages, page_size):
-    """The legacy loop forks parallel samples from the prompt: parent and children share the
-    partial last block, and the first decode write of each copies it (must call grow)."""
-    requests = make_workload("parallel_sampling", seed=3, n=3, num_requests=12, rate=5.0).requests
-    longest = max(s.prompt_len + max(s.output_lens) for s in requests)
-    num_pages = max(pages * 16 // page_size, -(-longest // page_size) + 1)
-    a, _ = both("legacy", _paged(num_pages, page_size), requests)
-    assert a["stats"].copied_pages > 0, "no block was copied on write: forks went untested"
-
-
-@pytest.mark.parametrize("loop", sorted(LOOPS))
+@pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("pages", [40, 400])
 def test_paged_lazy_equals_eager_with_declared_prefixes(loop, pages):
     """Declared documents of 300 tokens: the partial last prefix block is shared and copied on
@@ -341,7 +327,7 @@ def test_paged_lazy_equals_eager_with_declared_prefixes(loop, pages):
 
 def test_paged_lazy_equals_eager_step_by_step_on_mooncake():
     requests = _mooncake(60)
-    both("objects", _paged(40_000 // 16), requests, windows=False)
+    both("numpy", _paged(40_000 // 16), requests, windows=False)
 
 
 class Watchful(PagedCache):
@@ -363,7 +349,7 @@ class Watchful(PagedCache):
         return super()._grow(seq, table, num_tokens)
 
 
-@pytest.mark.parametrize("loop", sorted(LOOPS))
+@pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("workload,pages", [("docs", 60), ("docs", 400), ("chat", 40)])
 def test_the_engine_calls_every_step_of_a_sequence_the_cache_does_not_approve(loop, workload, pages):
     name, knobs = SYNTHETIC[workload]

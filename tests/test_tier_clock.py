@@ -18,10 +18,9 @@ from cachelib.types import Sequence
 from experiments.engine import CostModelExecutor, ServingConfig
 from experiments.engine.cache_client import CacheClient
 from experiments.engine.executors import FixedStepExecutor
-from experiments.engine.serving import scheduler_class, serve
+from experiments.engine.serving import serve
 from experiments.engine.transfers import TransferClock
-from experiments.engine.vllm_rows import VllmRowScheduler
-from experiments.engine.vllm_scheduler import VllmScheduler
+from experiments.engine.vllm import VllmScheduler
 from experiments.workloads.spec import RequestSpec
 
 STEP = 0.01
@@ -184,12 +183,13 @@ def test_vllm_finished_request_keeps_blocks_until_its_stores_end():
     s.step()
     clock.now = STEP
     s.step()
-    assert not s.running and len(s.held) == 1
-    assert s.held[0][0] == pytest.approx(STEP + 0.080, rel=1e-12)
+    held = s.tiers.held
+    assert not s.running and len(held) == 1
+    assert held[0][0] == pytest.approx(STEP + 0.080, rel=1e-12)
     assert cache.pages_pinned() > 0  # still held
     clock.now = STEP + 0.080
-    s.poll_transfers()
-    assert not s.held and cache.pages_pinned() == 0
+    s.schedule()  # its poll releases what is done
+    assert not s.tiers.held and cache.pages_pinned() == 0
 
 
 # -- invariants and what does not change -----------------------------------------------
@@ -226,17 +226,17 @@ def test_one_tier_caches_have_no_transfers_and_records_are_unchanged():
     assert "host_hit_tokens" not in res.requests[0]
     with pytest.raises(InvalidRequestError, match="no memory tiers"):
         cache.time_transfers()
-    assert scheduler_class(ServingConfig(), FixedStepExecutor(STEP), cache) is VllmRowScheduler
 
 
-def test_tiered_timed_caches_run_on_the_object_loop():
-    tiered = create_cache("radix-hicache", num_pages=8, page_size=16)
-    assert scheduler_class(ServingConfig(), CostModelExecutor(), tiered) is VllmScheduler
-    assert scheduler_class(ServingConfig(time_transfers=False), CostModelExecutor(), tiered) is VllmRowScheduler
+def test_a_tiered_cache_times_its_transfers_unless_told_not_to():
     from experiments.engine.clock import VirtualClock
 
-    with pytest.raises(ValueError, match="does not price tier transfers"):
-        VllmRowScheduler(CacheClient(tiered), CostModelExecutor(), ServingConfig(), VirtualClock([]))
+    def policy(config):
+        cache = create_cache("radix-hicache", num_pages=8, page_size=16)
+        return VllmScheduler(CacheClient(cache), CostModelExecutor(), config, VirtualClock([]))
+
+    assert policy(ServingConfig()).tiers is not None
+    assert policy(ServingConfig(time_transfers=False)).tiers is None
 
 
 def test_time_transfers_refused_once_the_cache_holds_kv():

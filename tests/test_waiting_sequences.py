@@ -1,12 +1,11 @@
 """A waiting request holds no `Sequence` until its scheduler first considers it.
 
-`Scheduler.sequence` builds a request's sequence (its prompt's tokens, with room for its
-output) when the scheduler first needs it, to match or admit the request: built at arrival,
+`VllmScheduler.sequence` builds a request's sequence (its prompt's tokens, with room for its
+output) when the policy first needs it, to match or admit the request: built at arrival,
 a long waiting queue held every waiting prompt's tokens (on the Mooncake conversation trace
-most of a serving run's memory). What a run decides is unchanged (tests/test_vllm_rows.py,
-the real-vLLM goldens and the fidelity tests run through these schedulers); here: when
-sequences are built, that each prompt is built once, and what reads a waiting request
-without one.
+most of a serving run's memory). What a run decides is unchanged (the engine goldens, the
+real-vLLM goldens and the fidelity tests run through it); here: when sequences are built,
+that each prompt is built once, and what reads a waiting request without one.
 """
 
 from __future__ import annotations
@@ -19,10 +18,8 @@ from experiments.engine import ServingConfig
 from experiments.engine.cache_client import CacheClient
 from experiments.engine.clock import VirtualClock
 from experiments.engine.executors import FixedStepExecutor
-from experiments.engine.scheduler import Scheduler
 from experiments.engine.serving import drive, drive_async
-from experiments.engine.vllm_rows import VllmRowScheduler
-from experiments.engine.vllm_scheduler import VllmScheduler
+from experiments.engine.vllm import VllmScheduler
 from experiments.workloads.spec import RequestSpec
 
 PAGE = 4
@@ -51,14 +48,13 @@ def requests(n: int) -> tuple[list[RequestSpec], list[CountingPrompt]]:
     return [RequestSpec(f"r{i}", src, OUTPUT, 0.0) for i, src in enumerate(sources)], sources
 
 
-def scheduler(cls: type[Scheduler], specs: list[RequestSpec], num_pages: int, **config) -> Scheduler:
-    """`cls` over an apc cache of `num_pages` pages, the requests not added yet."""
-    config = ServingConfig(scheduler="legacy" if cls is Scheduler else "vllm", **config)
+def scheduler(specs: list[RequestSpec], num_pages: int, **config) -> VllmScheduler:
+    """The policy over an apc cache of `num_pages` pages, the requests not added yet."""
     cache = create_cache("apc", num_pages=num_pages, page_size=PAGE)
-    return cls(CacheClient(cache), FixedStepExecutor(0.01), config, VirtualClock(specs))
+    return VllmScheduler(CacheClient(cache), FixedStepExecutor(0.01), ServingConfig(**config), VirtualClock(specs))
 
 
-def added(s: Scheduler, specs: list[RequestSpec]) -> Scheduler:
+def added(s: VllmScheduler, specs: list[RequestSpec]) -> VllmScheduler:
     for i, spec in enumerate(specs):
         s.add(spec, 0.0, i)
     return s
@@ -68,13 +64,9 @@ def added(s: Scheduler, specs: list[RequestSpec]) -> Scheduler:
 TWO = 2 * (PROMPT + OUTPUT) // PAGE + 2
 
 
-SCHEDULERS = [VllmScheduler, VllmRowScheduler, Scheduler]
-
-
-@pytest.mark.parametrize("cls", SCHEDULERS, ids=lambda c: c.__name__)
-def test_a_waiting_request_holds_no_sequence_until_it_is_considered(cls):
+def test_a_waiting_request_holds_no_sequence_until_it_is_considered():
     specs, sources = requests(20)
-    s = added(scheduler(cls, specs, TWO), specs)
+    s = added(scheduler(specs, TWO), specs)
     assert all(r.seq is None for r in s.waiting)
     assert sum(src.built for src in sources) == 0  # arrival builds no prompt
     s.step()
@@ -88,18 +80,11 @@ def test_a_waiting_request_holds_no_sequence_until_it_is_considered(cls):
 
 
 @pytest.mark.parametrize(
-    ("cls", "drive_loop", "config"),
-    [
-        (VllmScheduler, drive, {}),
-        (VllmRowScheduler, drive, {}),
-        (Scheduler, drive, {}),
-        (VllmScheduler, drive_async, {"async_scheduling": True}),
-    ],
-    ids=["vllm", "rows", "legacy", "async"],
+    ("drive_loop", "config"), [(drive, {}), (drive_async, {"async_scheduling": True})], ids=["sync", "async"]
 )
-def test_every_prompt_is_built_once_over_a_run(cls, drive_loop, config):
+def test_every_prompt_is_built_once_over_a_run(drive_loop, config):
     specs, sources = requests(20)
-    s = scheduler(cls, specs, TWO, **config)
+    s = scheduler(specs, TWO, **config)
     drive_loop(s.clock, s, {spec.request_id: i for i, spec in enumerate(specs)})
     assert sorted(rec["request_id"] for rec in s.result.requests) == sorted(spec.request_id for spec in specs)
     assert all(rec["output_tokens"] == OUTPUT for rec in s.result.requests)
@@ -107,9 +92,8 @@ def test_every_prompt_is_built_once_over_a_run(cls, drive_loop, config):
     assert [src.built for src in sources] == [1] * 20
 
 
-@pytest.mark.parametrize("cls", SCHEDULERS, ids=lambda c: c.__name__)
-def test_loads_count_a_waiting_requests_whole_prompt_without_building_it(cls):
+def test_loads_count_a_waiting_requests_whole_prompt_without_building_it():
     specs, sources = requests(5)
-    s = added(scheduler(cls, specs, 64), specs)
+    s = added(scheduler(specs, 64), specs)
     assert s.loads(PAGE) == (5 * (PROMPT + OUTPUT), 5 * PROMPT, 5 * (PROMPT // PAGE))  # outstanding, prefill, pages
     assert sum(src.built for src in sources) == 0

@@ -22,7 +22,7 @@ from experiments.backend_options import (
     split_backend_list,
 )
 from experiments.cluster_grid import ClusterShape, check_shapes, cluster_shapes
-from experiments.engine.request import ORDERINGS, SCHEDULERS
+from experiments.engine.request import SCHEDULERS
 from experiments.errors import InputError, UsageError
 from experiments.routers.registry import ROUTERS
 from experiments.runner import EXECUTORS, CellConfig
@@ -208,19 +208,12 @@ def add_run_arguments(p: argparse.ArgumentParser, many_backends: bool) -> None:
         "--scheduler",
         default=defaults.SCHEDULER,
         choices=SCHEDULERS,
-        help="serving's scheduling policy: vllm = vLLM 0.33 V1 scheduler's decisions (the default); "
-        "legacy = this project's scheduler before issue 11, the only one taking --ordering lpf",
+        help="serving's scheduling policy: vllm = vLLM 0.33 V1 scheduler's decisions (the default)",
     )
     p.add_argument(
         "--async-scheduling",
         action="store_true",
         help="vLLM's async scheduling: two batches in flight, admissions slip a step (--scheduler vllm only)",
-    )
-    p.add_argument(
-        "--ordering",
-        default=defaults.ORDERING,
-        choices=ORDERINGS,
-        help="waiting queue: fcfs, or lpf = longest cached prefix first (--scheduler legacy only)",
     )
     add_backend_options(p)
     add_cluster_options(p)
@@ -396,7 +389,6 @@ def cell_template(args: argparse.Namespace, workload: str, knobs: dict[str, Any]
         device_calibration=args.device_calibration,
         token_budget=args.token_budget,
         max_running=args.max_running,
-        ordering=args.ordering,
         scheduler=args.scheduler,
         async_scheduling=args.async_scheduling,
         step_ms=args.step_ms,

@@ -58,8 +58,8 @@ from experiments.engine.cache_client import CPU_CLOCK, CacheClient
 from experiments.engine.clock import VirtualClock
 from experiments.engine.executors import Executor
 from experiments.engine.request import ServingConfig, ServingResult
-from experiments.engine.scheduler import Loads, Scheduler
 from experiments.engine.serving import DEFAULT_CONFIG, finish_transfers, progress_bar, refuse_beams, scheduler_class
+from experiments.engine.vllm import Loads, VllmScheduler
 from experiments.routers.base import Router, RouterError
 from experiments.workloads.spec import RequestSpec
 
@@ -117,7 +117,7 @@ class ReplicaView:
     A replica's `Loads` are summed over its requests when first asked, and kept until the
     replica steps or gets a request (`invalidate`)."""
 
-    def __init__(self, replicas: Seq[Scheduler], clock: VirtualClock, sessions: dict[str, str]) -> None:
+    def __init__(self, replicas: Seq[VllmScheduler], clock: VirtualClock, sessions: dict[str, str]) -> None:
         self.replicas = replicas
         self.clock = clock
         self.sessions = sessions
@@ -219,7 +219,7 @@ class Cluster:
     """The event loop of the module docstring over `replicas` (schedulers on `clock`)."""
 
     def __init__(
-        self, replicas: Seq[Scheduler], clock: ClusterClock, router: Router, requests: Seq[RequestSpec]
+        self, replicas: Seq[VllmScheduler], clock: ClusterClock, router: Router, requests: Seq[RequestSpec]
     ) -> None:
         self.replicas = replicas
         self.clock = clock
@@ -328,7 +328,7 @@ def serve_cluster(
     refuse_beams(requests)
     relays = subscribe_router(router, [c.cache for c in clients])
     clock = ClusterClock(requests)
-    policy = scheduler_class(config, executors[0], clients[0].cache)
+    policy = scheduler_class(config)
     replicas = [policy(c, e, config, clock, keep_outputs=keep_outputs) for c, e in zip(clients, executors, strict=True)]
     cluster = Cluster(replicas, clock, router, requests)
     bar = progress_bar(len(requests), f"serve {n} x {clients[0].cache.name} ({router.name})") if progress else None

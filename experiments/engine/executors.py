@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 
 from cachelib.types import CopyOp, Sequence
-from experiments.engine.compiled import engine_kernels, kernel_name
+from experiments.engine.compiled import engine_kernels
 from experiments.workloads.spec import GENERATED_TOKEN_BASE
 
 #: a batch item: the sequence, tokens to compute, the first of them
@@ -198,7 +198,7 @@ class CostModelExecutor:
         self.num_layers = self.shape.num_layers
         #: `batch_seconds`' sums by a compiled loop, or None: numpy (experiments/engine/compiled.py)
         self.kernels = engine_kernels(kernel)
-        self.kernel = kernel_name(self.kernels)
+        self.kernel = self.kernels.name
 
     def apply_copies(self, ops: list[CopyOp]) -> None:
         pass  # a page copy is a few µs of bandwidth; counted by the cache's copied_pages
@@ -232,28 +232,17 @@ class CostModelExecutor:
         return np.maximum(compute, memory) + d.step_overhead_s
 
     def batch_seconds(self, new: np.ndarray, starts: np.ndarray) -> float:
-        """`step_seconds` over arrays: each item's term is the same float expression, and the
-        terms are added one at a time in batch order (`np.cumsum` accumulates sequentially,
-        as does the compiled loop, `row_kernels.price_rows`), so the result is the loop's
-        to the last bit (tests/test_vllm_rows.py)."""
+        """`step_seconds` over arrays (`kernels.price_rows`: each item's term is the same
+        float expression, and the terms are added one at a time in batch order, as
+        `step_seconds` adds them), so the result is its to the last bit."""
         s, d = self.shape, self.device
         per_token = 4.0 * s.num_layers * s.num_heads * s.head_dim
-        if self.kernels is not None:
-            # (the loop takes contiguous int64 arrays: the engine's rows are; a caller's other
-            # integers are converted, not refused)
-            new, starts = np.ascontiguousarray(new, dtype=np.int64), np.ascontiguousarray(starts, dtype=np.int64)
-            flops, tokens, kv_read = self.kernels.price_rows(new, starts, per_token, 2.0 * s.num_params)
-        else:
-            if np.count_nonzero(new) != new.size:  # items computing nothing are not in the step
-                on = new > 0
-                new, starts = new[on], starts[on]
-            tokens = int(new.sum())
-            per_item = per_token * new * (starts + (new + 1) / 2)
-            # (methods, not the np.* wrappers: this runs every step on a few hundred items)
-            flops = float(np.concatenate(([2.0 * s.num_params * tokens], per_item)).cumsum()[-1])
-            kv_read = int(starts.sum()) + tokens  # sum(starts + new), in exact ints
-        nbytes = s.num_params * s.bytes_per_param + (kv_read + tokens) * s.kv_bytes_per_token
-        compute = flops / (d.peak_flops * d.flops_efficiency)
+        # (the rule takes contiguous int64 arrays: the engine's rows are; a caller's other
+        # integers are converted, not refused)
+        new, starts = np.ascontiguousarray(new, dtype=np.int64), np.ascontiguousarray(starts, dtype=np.int64)
+        flops, tokens, kv_read = self.kernels.price_rows(new, starts, per_token, 2.0 * s.num_params)
+        nbytes = s.num_params * s.bytes_per_param + (int(kv_read) + int(tokens)) * s.kv_bytes_per_token
+        compute = float(flops) / (d.peak_flops * d.flops_efficiency)
         memory = nbytes / (d.mem_bandwidth * d.bandwidth_efficiency)
         return max(compute, memory) + d.step_overhead_s
 

@@ -9,9 +9,11 @@ fails, the oldest in-flight request finishes and admission is retried; with noth
 flight the request is unschedulable. A request's plan (`RequestSpec.sample_lens`,
 `beam_parents`, `forced_output`) says what it forks and generates.
 
-This module is only the driver: the requests, their state and every decision (admit,
-decode, fork, finish the oldest for room) are a `Scheduler`'s, the same class the serving
-driver steps (see `experiments/engine/scheduler.py`, "the replay protocol").
+This is a driver of its own over a `CacheClient`, not a mode of a serving policy: no clock,
+no token budget, no steps. Memory pressure has one answer here, `finish_oldest` (serving's
+is its policy's preemption); a request that cannot fit even alone is unschedulable, a
+sample that cannot fork is dropped, a decode or a beam search that cannot grow stops early
+(`truncated`).
 
 Only time spent inside cache calls is counted in `cache_seconds` (hashing is inside them), as
 the thread's CPU time unless the client was given another clock (`cache_client.CPU_CLOCK`).
@@ -19,16 +21,18 @@ the thread's CPU time unless the client was given another clock (`cache_client.C
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import Any, NamedTuple
+
+import numpy as np
 
 from cachelib.interface import PrefixCache
 from cachelib.tiers import TIER_NAMES
+from cachelib.types import Sequence
 from experiments.engine.cache_client import CacheClient
-from experiments.engine.clock import VirtualClock
-from experiments.engine.executors import ReplayExecutor
-from experiments.engine.request import ServingConfig
-from experiments.engine.scheduler import Scheduler
+from experiments.engine.executors import FreshTokens
+from experiments.engine.request import new_sequence
 from experiments.workloads.spec import RequestSpec
 
 
@@ -62,21 +66,30 @@ def unlimited_pages(requests: Seq[RequestSpec], page_size: int) -> int:
     return max(total, 1)
 
 
+class PromptHit(NamedTuple):
+    """What a request's prompt reused at admission: every token not recomputed, those
+    loaded back from below the GPU, and of those the ones that came up from storage."""
+
+    tokens: int
+    loaded: int
+    storage: int
+
+
 class Replay:
-    """The replay driver: feeds requests in trace order to a `Scheduler` (whose running list
-    is the in-flight queue, oldest first) and keeps the replay's counters."""
+    """The replay driver: requests in trace order, each run to completion at admission; the
+    in-flight queue (oldest first) holds what each request releases when it finishes."""
 
     def __init__(self, client: CacheClient, concurrency: int = 1) -> None:
-        if concurrency < 1:
-            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            raise ValueError(f"concurrency must be an int >= 1, got {concurrency!r}")
         self.client = client
         self.concurrency = concurrency
-        config = ServingConfig(max_running=concurrency)
-        self.scheduler = Scheduler(client, ReplayExecutor(), config, VirtualClock())
+        self.tokens = FreshTokens()
+        self.in_flight: deque[list[Sequence]] = deque()
         self.hits: list[int] = []
-        #: per request [gpu, host, storage] tokens reused (only for a tiered cache)
         cache = client.cache  # a PrefixCache, or a test's reference model with the same calls
         self.tiers = isinstance(cache, PrefixCache) and len(cache.memory_tiers) > 1
+        #: per request [gpu, host, storage] tokens reused (only for a tiered cache)
         self.hits_by_tier: list[list[int]] = []
         self.prompt_tokens = self.hit_tokens = self.unschedulable = self.truncated = 0
 
@@ -90,7 +103,7 @@ class Replay:
             self.add(spec)
             if bar is not None:
                 bar.update(1)
-        while self.scheduler.finish_oldest():
+        while self.finish_oldest():
             pass
         if bar is not None:
             bar.close()
@@ -98,25 +111,139 @@ class Replay:
 
     def add(self, spec: RequestSpec) -> None:
         """One request: room for it in flight, its prompt admitted, its plan decoded."""
-        scheduler = self.scheduler
-        while len(scheduler.running) >= self.concurrency:
-            scheduler.finish_oldest()
-        r = scheduler.request(spec)
-        if not scheduler.admit_prompt(r):
+        while len(self.in_flight) >= self.concurrency:
+            self.finish_oldest()
+        seq = new_sequence(spec)
+        hit = self.admit_prompt(seq)
+        if hit is None:
             self.unschedulable += 1
             self.hits.append(-1)
             if self.tiers:
                 self.hits_by_tier.append([-1, -1, -1])
             return
-        hit = r.hit_tokens
-        self.hits.append(hit)
+        self.hits.append(hit.tokens)
         if self.tiers:
-            storage = self.client.cache.storage_hit_tokens(r.seq)  # of those loaded back, from L3
-            self.hits_by_tier.append([hit - r.host_hit_tokens, r.host_hit_tokens - storage, storage])
-        self.prompt_tokens += len(r.seq)
-        self.hit_tokens += hit
-        scheduler.run_to_completion(r)
-        self.truncated += r.truncated
+            self.hits_by_tier.append([hit.tokens - hit.loaded, hit.loaded - hit.storage, hit.storage])
+        self.prompt_tokens += len(seq)
+        self.hit_tokens += hit.tokens
+        group = self.run_beams(spec, seq) if spec.beam_width > 1 else self.run_samples(spec, seq)
+        if group is not None:
+            self.in_flight.append(group)
+
+    # -- decisions ---------------------------------------------------------------------
+
+    def finish_oldest(self) -> bool:
+        """Replay's answer to memory pressure: the oldest request in flight finishes, its pages
+        become evictable; False when nothing is in flight."""
+        if not self.in_flight:
+            return False
+        self.release_all(self.in_flight.popleft())
+        return True
+
+    def admit_prompt(self, seq: Sequence) -> PromptHit | None:
+        """Match and admit `seq`'s whole prompt and commit it (replay prefills at once),
+        finishing the oldest for room; None when it does not fit even with nothing in flight."""
+        client = self.client
+        while True:
+            # match, admit and commit (one timed region); `hit`: the match, plus what a
+            # tiered cache loaded back in admit
+            m, ops, hit = client.prefill(seq)
+            if ops is not None:
+                break
+            if not self.finish_oldest():
+                return None
+        loaded = hit - m.num_tokens
+        storage = client.cache.storage_hit_tokens(seq) if self.tiers else 0  # of those loaded back, from L3
+        return PromptHit(hit, loaded, storage)
+
+    # -- a request's plan -------------------------------------------------------------------
+
+    def run_samples(self, spec: RequestSpec, seq: Sequence) -> list[Sequence]:
+        """Fork the `n - 1` samples, decode each, then the request itself; returns the
+        request and the samples that forked (what it releases when it finishes)."""
+        lens = spec.output_lens
+        group = [seq]
+        for j in range(1, spec.n):
+            child = seq.fork(f"{spec.request_id}/{j}")
+            if not self.fork_for_room(seq, child):
+                self.truncated += 1  # no room even for this sample: it is dropped
+                continue
+            group.append(child)
+            # Even alone a sample that cannot hold its output stops early.
+            self.truncated += not self.decode_all(child, lens[j])
+        self.truncated += not self.decode_all(seq, lens[0], spec.forced_output)
+        return group
+
+    def decode_all(self, seq: Sequence, output_len: int, forced: np.ndarray | None = None) -> bool:
+        """Append `output_len` tokens (`forced` ones first, then fresh ids) and give all but
+        the last KV (it is never fed back, as in vLLM); False if no room."""
+        start = len(seq)
+        if output_len > 0 and forced is None:
+            seq.extend_ids(self.tokens.take_run(output_len))  # one run, checked at its ends
+        elif output_len > 0:
+            given = np.asarray(forced[:output_len], dtype=np.int32)
+            run = self.tokens.take_run(output_len - len(given))
+            seq.append(np.concatenate([given, np.arange(run.start, run.stop, dtype=np.int32)]))
+        target = start + max(output_len - 1, 0)
+        if target <= seq.num_computed:
+            return True
+        return self.write_for_room(seq, target)
+
+    def write_for_room(self, seq: Sequence, target: int) -> bool:
+        """Grow and commit `seq` to `target` tokens, finishing the oldest for room."""
+        while self.client.grow_commit(seq, target) is None:
+            if not self.finish_oldest():
+                return False
+        return True
+
+    def fork_for_room(self, parent: Sequence, child: Sequence) -> bool:
+        """Fork `child` from `parent`, finishing the oldest for room; False if no room."""
+        while self.client.fork(parent, child) is None:
+            if not self.finish_oldest():
+                return False
+        return True
+
+    def run_beams(self, spec: RequestSpec, seq: Sequence) -> list[Sequence] | None:
+        """Follow `spec`'s beam schedule from the computed prompt `seq`: returns the live beams
+        at the end, or None (all released, the request truncated) when even alone there is
+        no room."""
+        beams, forks = [seq], 0
+        schedule = spec.beam_parents
+        for t, parents in enumerate(schedule):
+            counts = np.bincount(np.asarray(parents, dtype=np.int64), minlength=len(beams)).tolist()
+            self.release_all([b for b, k in zip(beams, counts, strict=True) if k == 0])  # pruned first
+            kept: list[Sequence] = []
+            for i, (b, k) in enumerate(zip(beams, counts, strict=True)):
+                if k:
+                    kept.append(b)
+                for _ in range(k - 1):
+                    forks += 1
+                    child = b.fork(f"{spec.request_id}/b{forks}")
+                    if not self.fork_for_room(b, child):
+                        self.release_all(kept + [x for x, c in zip(beams[i + 1 :], counts[i + 1 :], strict=True) if c])
+                        self.truncated += 1
+                        return None
+                    kept.append(child)
+            beams = kept
+            if t + 1 < len(schedule) and not self.extend_beams(beams):  # last step: never fed back
+                self.truncated += 1
+                return None
+        return beams
+
+    def extend_beams(self, beams: list[Sequence]) -> bool:
+        """One fresh token on every beam, with KV; False (all released) when there is no room."""
+        for b in beams:
+            b.append_token(self.tokens.take_one())
+            if not self.write_for_room(b, len(b)):
+                self.release_all(beams)
+                return False
+        return True
+
+    def release_all(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            self.client.release(seq)
+
+    # -- the result -------------------------------------------------------------------------
 
     def result(self, num_requests: int) -> dict[str, Any]:
         """The replay's outcome as a JSON-able dict."""

@@ -1,4 +1,4 @@
-"""What a `Scheduler` schedules and reports: its knobs, a request's state, the run's result."""
+"""What a serving policy schedules and reports: its knobs, a request's state, the run's result."""
 
 from __future__ import annotations
 
@@ -11,102 +11,107 @@ from cachelib.types import Sequence
 from experiments.engine.token_gaps import TokenGaps
 from experiments.workloads.spec import RequestSpec
 
-ORDERINGS = ("fcfs", "lpf")
-#: scheduling policies (`--scheduler`): `vllm` makes vLLM 0.33's V1 decisions (the default);
-#: `legacy` is this project's scheduler before it (kept to reproduce older reports; it alone
-#: takes `ordering="lpf"`)
-SCHEDULERS = ("vllm", "legacy")
+#: serving policies (`--scheduler`): `vllm` makes vLLM 0.33's V1 decisions
+SCHEDULERS = ("vllm",)
+
+#: most token slots a request's `Sequence` reserves for its output up front (`output_room`):
+#: a trace may declare outputs of up to ~147M tokens, which a run may never generate; past
+#: this the buffer doubles as tokens come, as without room
+MAX_OUTPUT_ROOM = 1 << 16
+
+
+def output_room(spec: RequestSpec) -> int:
+    """Token slots to reserve for `spec`'s output in its `Sequence`."""
+    return min(spec.output_len, MAX_OUTPUT_ROOM)
+
+
+def new_sequence(spec: RequestSpec) -> Sequence:
+    """The `Sequence` a request of `spec` runs as: its prompt's tokens (built now, for a
+    trace's lazy prompt), with room for its output."""
+    return Sequence(spec.request_id, spec.prompt, spec.extra, prefix_id=spec.prefix_id, room=output_room(spec))
 
 
 @dataclass(frozen=True, slots=True)
 class ServingConfig:
-    """Scheduler knobs. `token_budget`: tokens computed per step (decodes + prefill chunks);
-    `max_running`: requests in the batch at most; `ordering`: fcfs | lpf (longest prefix
-    first, `legacy` only); `scheduler`: the policy (`SCHEDULERS`); `async_scheduling`: vLLM's
-    two batches in flight (`vllm` only); `time_transfers`: a tiered cache's transfers cost
-    time on the serving clock (`vllm` only; False: instant, as under replay)."""
+    """Policy knobs. `token_budget`: tokens computed per step (decodes + prefill chunks);
+    `max_running`: requests in the batch at most; `scheduler`: the policy (`SCHEDULERS`);
+    `async_scheduling`: vLLM's two batches in flight; `time_transfers`: a tiered cache's
+    transfers cost time on the serving clock (experiments/engine/tiered.py; False: they
+    complete at once, as under replay)."""
 
     token_budget: int = 8192
     max_running: int = 256
-    ordering: str = "fcfs"
     scheduler: str = "vllm"
     async_scheduling: bool = False
-    #: tier transfers cost time on the serving clock (`vllm` scheduler, a cache with memory
-    #: tiers: experiments/engine/transfers.py); False: they complete at once, as under replay
     time_transfers: bool = True
 
     def __post_init__(self) -> None:
-        if self.token_budget < 1 or self.max_running < 1:
-            raise ValueError("token_budget and max_running must be positive")
-        if self.ordering not in ORDERINGS:
-            raise ValueError(f"unknown ordering {self.ordering!r}; choose one of {', '.join(ORDERINGS)}")
+        for name in ("token_budget", "max_running"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"unknown scheduler {self.scheduler!r}; choose one of {', '.join(SCHEDULERS)}")
-        if self.scheduler == "vllm" and self.ordering != "fcfs":
-            raise ValueError(
-                f"the vllm scheduler is FCFS (vLLM's default policy); ordering {self.ordering!r} needs --scheduler legacy"
-            )
-        if self.async_scheduling and self.scheduler != "vllm":
-            raise ValueError("async scheduling is vLLM's engine loop: it needs --scheduler vllm")
+
+
+@dataclass(slots=True)
+class VllmCounters:
+    """vLLM's per-request counters (`vllm.v1.request.Request`) while the request is not
+    running; a running request's live in its row (`RunningRows`) and come back here when it
+    leaves the running list."""
+
+    known: int  # num_tokens: prompt + outputs delivered
+    computed: int = 0  # num_computed_tokens: scheduled so far, in-flight steps included
+    placeholders: int = 0  # num_output_placeholders: sampled in flight, not delivered (async)
+    in_flight: int = 0  # num_in_flight_tokens: scheduled in steps not yet processed (async)
+    stale: int = 0  # num_stale_output_tokens: in flight when preempted (async)
+    admission: int = -1  # while running: the number of its admission on its replica (its row's)
 
 
 @dataclass(slots=True, eq=False)  # identity: `in running` must not compare fields
 class Request:
-    """A request inside the scheduler: its sequence and what happened to it so far."""
+    """A request inside a serving policy: its sequence, its counters and what happened to it."""
 
     spec: RequestSpec
-    #: None while it waits for its first admission: its tokens are built when the scheduler
-    #: first considers it (`Scheduler.sequence`), not at arrival (a queue of thousands of
-    #: waiting requests would hold every prompt's tokens)
+    #: None while it waits for its first admission: its tokens are built when the policy
+    #: first considers it (`new_sequence`), not at arrival (a queue of thousands of waiting
+    #: requests would hold every prompt's tokens)
     seq: Sequence | None
+    arrival: float = 0.0  # when it joined the queue (after its predecessor, for a dependent turn)
+    index: int = -1  # position in the requests given to the engine (trace line); samples: their parent's
+    sample_of: str | None = None  # parallel sampling: the request this sample was forked from
+    target: int = 0  # tokens to generate (0: the spec's output_len)
+    forced: list[int] | None = None  # the spec's forced output as ints (the request itself only)
+    counters: VllmCounters | None = None  # the policy's counters while it is not running
     generated: int = 0
     first_admit_hit: int | None = None
     hit_tokens: int = 0  # over every admission, re-admissions after preemption included
-    #: of `hit_tokens`, those loaded back from a lower memory tier (the rest were on the GPU)
+    #: of `hit_tokens`, those loaded back from a lower memory tier (the rest were on the GPU),
+    #: and of those the ones from the storage tier (L3; `PrefixCache.storage_hit_tokens`)
     host_hit_tokens: int = 0
-    #: of `host_hit_tokens`, those loaded from the storage tier (L3; `storage_hit_tokens`)
     storage_hit_tokens: int = 0
-    #: serving with timed tier transfers: seconds its steps took beyond their compute waiting
-    #: on load-backs (`layerwise`), and seconds it waited for its load out of the running
-    #: list (`async`); experiments/engine/transfers.py
+    #: timed tier transfers: seconds its steps took beyond their compute waiting on
+    #: load-backs (`layerwise`), seconds it waited for its load out of the running list
+    #: (`async`), seconds it was held back waiting for a storage prefetch
     load_stall_s: float = 0.0
     load_wait_s: float = 0.0
-    #: of `host_hit_tokens`, those its storage prefetches brought up (L3), and the seconds
-    #: it was held back waiting for a prefetch (`wait_complete`, `timeout`; serving, timed)
-    storage_hit_tokens: int = 0
     prefetch_wait_s: float = 0.0
     computed_tokens: int = 0
     first_token_at: float | None = None
-    finished_at: float | None = None
-    preempted: int = 0
-    #: tokens generated so far; `VllmRowScheduler` fills it only where something reads it
-    #: (`keep_outputs`, a forced output) and leaves it empty otherwise
-    output: list[int] = field(default_factory=list)
-    arrival: float = 0.0  # when it joined the queue (after its predecessor, for a dependent turn)
-    target: int = 0  # tokens to generate (0: the spec's output_len)
-    lag: int = 0  # decode tokens computed but not yet committed (batched commits)
-    sample_of: str | None = None  # parallel sampling: the request this sample was forked from
-    forced: list[int] | None = None  # the spec's forced output as ints (the request itself only)
-    group: list[Sequence] | None = None  # replay: what it releases at finish (None: just `seq`)
-    truncated: int = 0  # replay: outputs (its own, its samples') cut short for want of room
-    index: int = -1  # position in the requests given to the engine (trace line); samples: their parent's
     first_token_step: int | None = None  # 0-based index among non-empty steps that sampled its first token
-    finish_step: int | None = None  # ... and its last
-    vllm: Any = None  # the vllm policy's counters (`vllm_scheduler.VllmCounters`)
     last_token_at: float | None = None  # when its latest token came (`TokenGaps`, ITL)
+    finished_at: float | None = None
+    finish_step: int | None = None  # ... and its last
+    preempted: int = 0
+    #: tokens generated so far, filled only where something reads it (`keep_outputs`, a
+    #: forced output, the model executor's samples)
+    output: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.target:
             self.target = max(self.spec.output_len, 1)
         if self.forced is None and self.sample_of is None and self.spec.forced_output is not None:
             self.forced = np.asarray(self.spec.forced_output, dtype=np.int64).tolist()
-
-    def prefill_left(self) -> int:
-        """Prompt tokens whose KV it has not computed: all of them while it waits without a
-        sequence, again after a preemption (a replica's load, `Scheduler.loads`)."""
-        prompt = self.spec.prompt_len
-        seq = self.seq
-        return prompt if seq is None else prompt - min(seq.num_computed + self.lag, prompt)
 
 
 @dataclass
@@ -126,10 +131,6 @@ class ServingResult:
     #: timed tier transfers (`TransferClock.summary`): tokens and bytes per direction, stall;
     #: None when the cache has no tiers or transfers were instant
     transfers: dict[str, Any] | None = None
-
-
-#: a step's batch: each request and the tokens it computes this step
-Batch = list[tuple[Request, int]]
 
 
 def request_record(r: Request, aborted: bool) -> dict[str, Any]:

@@ -17,29 +17,19 @@ from experiments.engine.cache_client import CacheClient
 from experiments.engine.clock import VirtualClock
 from experiments.engine.executors import Executor
 from experiments.engine.request import ServingConfig, ServingResult
-from experiments.engine.scheduler import Scheduler
-from experiments.engine.vllm_rows import VllmRowScheduler
-from experiments.engine.vllm_scheduler import StepPlan, VllmScheduler
+from experiments.engine.vllm import StepPlan, VllmScheduler
 from experiments.workloads.spec import RequestSpec
 
 DEFAULT_CONFIG = ServingConfig()
 #: vLLM's `max_concurrent_batches` with async scheduling (batch queue size)
 ASYNC_BATCHES = 2
 #: `ServingConfig.scheduler` -> the policy's class
-SCHEDULER_POLICIES: dict[str, type[Scheduler]] = {"vllm": VllmScheduler, "legacy": Scheduler}
+SCHEDULER_POLICIES: dict[str, type[VllmScheduler]] = {"vllm": VllmScheduler}
 
 
-def scheduler_class(config: ServingConfig, executor: Executor, cache: PrefixCache | None = None) -> type[Scheduler]:
-    """The class that runs `config.scheduler` with `executor`: the `vllm` policy's
-    synchronous loop over an executor that prices steps runs on rows (`VllmRowScheduler`:
-    the same decisions, vectorised), except for a `cache` with memory tiers whose transfers
-    are timed (`config.time_transfers`: the row loop does not price them); every other
-    combination on request objects."""
-    policy = SCHEDULER_POLICIES[config.scheduler]
-    if policy is VllmScheduler and not config.async_scheduling and executor.supports_decode_windows:
-        if not (config.time_transfers and isinstance(cache, PrefixCache) and cache.load_timing is not None):
-            return VllmRowScheduler
-    return policy
+def scheduler_class(config: ServingConfig) -> type[VllmScheduler]:
+    """The class of `config.scheduler`, the policy every replica runs."""
+    return SCHEDULER_POLICIES[config.scheduler]
 
 
 def serve(
@@ -67,13 +57,11 @@ def serve(
     refuse_beams(requests)
     client = cache if isinstance(cache, CacheClient) else CacheClient(cache)
     clock = VirtualClock(requests)
-    scheduler = scheduler_class(config, executor, client.cache)(
-        client, executor, config, clock, keep_outputs=keep_outputs
-    )
+    scheduler = scheduler_class(config)(client, executor, config, clock, keep_outputs=keep_outputs)
     bar = progress_bar(len(requests), f"serve {client.cache.name}") if progress else None
     index_of = {s.request_id: i for i, s in enumerate(requests)}
     if config.async_scheduling:
-        drive_async(clock, scheduler, index_of, bar)  # type: ignore[arg-type]  # async is vllm only (ServingConfig)
+        drive_async(clock, scheduler, index_of, bar)
     else:
         drive(clock, scheduler, index_of, bar)
     if bar is not None:
@@ -85,7 +73,7 @@ def serve(
     return res
 
 
-def drive(clock: VirtualClock, scheduler: Scheduler, index_of: dict[str, int], bar: Any = None) -> None:
+def drive(clock: VirtualClock, scheduler: VllmScheduler, index_of: dict[str, int], bar: Any = None) -> None:
     """Step `scheduler` until every request, arrived or not, has finished (vLLM's
     `EngineCore.step` loop: arrivals due by now join before each step; an idle engine
     jumps to the next arrival). `index_of`: request id -> trace line."""
@@ -122,7 +110,7 @@ def drive_async(clock: VirtualClock, scheduler: VllmScheduler, index_of: dict[st
                 continue
             scheduler.execute(plan)
             queue.appendleft(plan)
-            if len(queue) < ASYNC_BATCHES and (plan.items or scheduler.has_requests):
+            if len(queue) < ASYNC_BATCHES and (not plan.empty or scheduler.has_requests):
                 continue  # launch the next one before waiting on this
         plan = queue.pop()  # nothing more to schedule, or both slots taken: wait on the oldest
         clock.now = max(clock.now, plan.end)
@@ -131,14 +119,14 @@ def drive_async(clock: VirtualClock, scheduler: VllmScheduler, index_of: dict[st
             bar.update(len(scheduler.result.requests) - bar.n)
 
 
-def finish_transfers(scheduler: Scheduler, res: ServingResult) -> None:
+def finish_transfers(scheduler: VllmScheduler, res: ServingResult) -> None:
     """After the run: what finished requests held for their stores is released, the
     transfers still in flight complete, and the timed transfers' totals go to the result
     (`ServingResult.transfers`)."""
-    if scheduler.transfers is not None:
+    if scheduler.tiers is not None:
         scheduler.release_held()
-        scheduler.transfers.drain()
-        res.transfers = scheduler.transfers.summary()
+        scheduler.tiers.clock.drain()
+        res.transfers = scheduler.tiers.clock.summary()
 
 
 def refuse_beams(requests: Seq[RequestSpec]) -> None:

@@ -133,6 +133,37 @@ class TransferClock:
             self._in_flight = []
             self.cache.finish_transfers(tickets)
 
+    def after_blocking(self, start: float) -> float:
+        """When a step that would start at `start` starts: after the blocking transfers
+        (write_back's backups of evicted nodes, `writing_check(write_back=True)`); the wait
+        counts as blocked time."""
+        if self.blocked_until > start:
+            self.blocked_seconds += self.blocked_until - start
+            return self.blocked_until
+        return start
+
+    def load_done_at(self, request_id: str) -> float:
+        """When the async load of `request_id` completes."""
+        return self.load_ready[request_id]
+
+    def forget_load(self, request_id: str) -> None:
+        """`request_id`'s load is consumed (scheduled, or done inside its step): nothing waits on it."""
+        self.load_ready.pop(request_id, None)
+
+    def stores_done_at(self, request_id: str) -> float:
+        """When the stores of a finished `request_id` complete (0.0: it has none); forgotten after."""
+        return self.store_done.pop(request_id, 0.0)
+
+    def cut_short(self, t: TierTransfer, done: float, moved: int, now: float) -> None:
+        """Transfer `t`, issued to complete at `done`, ended at `now` after `moved` of its
+        tokens (a storage prefetch terminated early): the rest is not moved, and its stream
+        is free from now if nothing queued behind it."""
+        name = f"{t.src}_to_{t.dst}"
+        self.tokens_moved[name] -= t.tokens - moved
+        link = (t.src, t.dst)
+        if self.link_free.get(link) == done:
+            self.link_free[link] = now
+
     def next_completion(self) -> float | None:
         """When the earliest ticket in flight completes (None: nothing in flight)."""
         return self._in_flight[0][0] if self._in_flight else None
