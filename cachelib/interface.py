@@ -388,7 +388,7 @@ class PrefixCache(ABC):
     def tier_capacities(self) -> dict[str, int]:
         """The most tokens of KV each of `memory_tiers` holds, GPU first; 0 for a tier
         without a cap (SGLang's file storage by default). Their sum is the capacity the
-        tiered Belady bound is taken at (experiments/runner.py `tiered_bounds`): no policy
+        tiered Belady bound is taken at (experiments/runs/runner.py `tiered_bounds`): no policy
         moving KV between these tiers reuses more than one cache of that size; with an
         uncapped tier the bound is the infinite cache's."""
         return {"gpu": self.num_pages * self.page_size}

@@ -62,7 +62,7 @@ H200_HOST_WRITE_GBPS = 64.0
 #: `srt/arg_groups/hicache_hook.py` `handle_hicache_ratio_default`)
 DEFAULT_HOST_RATIO = 2
 
-#: bytes of KV per token of Llama-3-8B (the project's default model, experiments/defaults.py)
+#: bytes of KV per token of Llama-3-8B (the project's default model, experiments/runs/defaults.py)
 #: in bf16: 2 (K and V) x 32 layers x 8 KV heads x 128 head dim x 2 bytes; used only to
 #: turn a capacity in GB into tokens and tokens moved into bytes
 LLAMA3_8B_KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2

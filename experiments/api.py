@@ -7,7 +7,7 @@
     rows = res.per_request()      # per_request.jsonl as a DataFrame (serving cells)
 
 Keyword arguments are the command's options, named as in a `--config` file
-(experiments/run_config.py): the flag without dashes, `-` as `_`, a list for an option that
+(experiments/runs/run_config.py): the flag without dashes, `-` as `_`, a list for an option that
 takes several, `knobs` a dict. They go through the command line's own parser, so defaults,
 checks and errors are the CLI's: bad input raises `InputError`, bad usage `UsageError`,
 both before any work. Without `output_dir` the outputs go to a new temporary folder
@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from experiments.errors import InputError, UsageError
-from experiments.labels import cell_label_of
-from experiments.results import PER_REQUEST_FILE
-from experiments.run_config import to_argv
+from experiments.report.labels import cell_label_of
+from experiments.report.results import PER_REQUEST_FILE
+from experiments.runs.run_config import to_argv
 
 PANDAS_HINT = "pip install 'prefix-cache-lab[pandas]' (or pip install pandas)"
 

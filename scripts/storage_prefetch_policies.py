@@ -17,7 +17,7 @@ from cachelib import create_cache
 from experiments.bench import SHIPPED_TRACE
 from experiments.engine import CostModelExecutor, ServingConfig
 from experiments.engine.serving import serve
-from experiments.metrics import tier_section
+from experiments.report.metrics import tier_section
 from experiments.workloads.mooncake import load_mooncake
 
 

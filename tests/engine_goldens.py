@@ -184,7 +184,7 @@ def _run_serve(case: Case, requests) -> dict[str, Any]:
 
 def _run_cluster(case: Case, requests) -> dict[str, Any]:
     from experiments.engine import ServingConfig, serve_cluster
-    from experiments.routers.registry import make_router
+    from experiments.engine.routers.registry import make_router
 
     o = case.options
     n = o["replicas"]

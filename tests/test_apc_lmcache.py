@@ -13,9 +13,9 @@ import pytest
 from cachelib import create_cache
 from cachelib.errors import InvalidRequestError, InvariantViolation
 from cachelib.types import Sequence, TierCopy
-from experiments.backend_options import resolve_variants
 from experiments.engine import replay
 from experiments.errors import InputError
+from experiments.runs.backend_options import resolve_variants
 from experiments.workloads.spec import RequestSpec
 
 P, C = 4, 8
@@ -292,7 +292,7 @@ def test_bad_options_are_refused_naming_the_problem(options, message):
 
 
 def _given(*texts: str):
-    from experiments.backend_options import parse_backend_opt
+    from experiments.runs.backend_options import parse_backend_opt
 
     return [parse_backend_opt(t) for t in texts]
 

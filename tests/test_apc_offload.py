@@ -13,9 +13,9 @@ import pytest
 from cachelib import create_cache
 from cachelib.errors import InvalidRequestError
 from cachelib.types import Sequence
-from experiments.backend_options import resolve_variants
 from experiments.engine import replay
 from experiments.errors import InputError
+from experiments.runs.backend_options import resolve_variants
 from experiments.workloads.spec import RequestSpec
 
 P = 4
@@ -281,6 +281,6 @@ def test_bad_host_options_are_input_errors_in_the_options_layer():
 
 
 def _given(*texts: str):
-    from experiments.backend_options import parse_backend_opt
+    from experiments.runs.backend_options import parse_backend_opt
 
     return [parse_backend_opt(t) for t in texts]

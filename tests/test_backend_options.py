@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 
 import experiments.cli.compare as cli_compare
-import experiments.sweep as sweep_mod
-from experiments.backend_options import (
+import experiments.runs.sweep as sweep_mod
+from experiments.cli.main import main
+from experiments.errors import InputError, UsageError
+from experiments.runs.backend_options import (
     BackendVariant,
     OptionGiven,
     parse_backend_opt,
@@ -21,9 +23,7 @@ from experiments.backend_options import (
     split_backend_list,
     variant_label,
 )
-from experiments.cli.main import main
-from experiments.errors import InputError, UsageError
-from experiments.runner import CellConfig
+from experiments.runs.runner import CellConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "experiments" / "data" / "mooncake_conversation_2000.jsonl"

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from experiments.cli.main import main
-from experiments.runner import CellConfig, ConfigError, build_workload, kv_capacity
+from experiments.runs.runner import CellConfig, ConfigError, build_workload, kv_capacity
 
 KNOBS = {"num_documents": "4", "num_requests": "30", "doc_len": "100", "question_len": "10", "output_len": "4"}
 ARGS = [a for k, v in KNOBS.items() for a in ("--knob", f"{k}={v}")]

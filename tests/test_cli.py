@@ -79,7 +79,7 @@ def test_a_bug_inside_a_cell_shows_its_traceback(tmp_path, monkeypatch, capsys, 
     def bug(*args, **kwargs):
         raise error("'NoneType' object has no attribute 'requests'")
 
-    monkeypatch.setattr("experiments.cell_runs.run_cell", bug)
+    monkeypatch.setattr("experiments.runs.cell_runs.run_cell", bug)
     assert main(["compare", *FAST, "--backend", "apc", "--output-dir", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and "in bug" in err
@@ -125,9 +125,9 @@ def test_python_dash_m_experiments_still_works():
 CLI_MODULES = [
     "experiments.__main__", "experiments.cli.main", "experiments.cli.args", "experiments.cli.compare",
     "experiments.cli.sweep", "experiments.cli.replay", "experiments.cli.report", "experiments.cli.workloads",
-    "experiments.backend_options", "experiments.cell_runs", "experiments.sweep", "experiments.results",
-    "experiments.report", "experiments.cell_pool", "experiments.cell_store", "experiments.output_dir",
-    "experiments.provenance", "experiments.errors", "experiments.defaults", "experiments.ray_runner",
+    "experiments.runs.backend_options", "experiments.runs.cell_runs", "experiments.runs.sweep", "experiments.report.results",
+    "experiments.report.render", "experiments.runs.cell_pool", "experiments.runs.cell_store", "experiments.runs.output_dir",
+    "experiments.runs.provenance", "experiments.errors", "experiments.runs.defaults", "experiments.runs.ray_runner",
 ]  # fmt: skip
 #: private names a CLI module may import across modules: none
 ALLOWED_PRIVATE: set[tuple[str, str, str]] = set()

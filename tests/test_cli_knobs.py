@@ -1,12 +1,12 @@
-"""`--knob K=V` changes K alone: the main command's workload defaults (experiments/defaults.py
+"""`--knob K=V` changes K alone: the main command's workload defaults (experiments/runs/defaults.py
 `COMMAND_KNOBS`) stay, and `workloads` prints the defaults the commands run with."""
 
 from __future__ import annotations
 
-from experiments import defaults
 from experiments.cli.args import knobs
 from experiments.cli.main import build_parser, main
-from experiments.runner import build_workload
+from experiments.runs import defaults
+from experiments.runs.runner import build_workload
 
 
 def _knobs(*argv: str) -> dict:
@@ -25,7 +25,7 @@ def test_a_knob_replaces_a_default():
 
 
 def test_the_built_workload_has_the_commands_size():
-    from experiments.runner import CellConfig
+    from experiments.runs.runner import CellConfig
 
     cfg = CellConfig("apc", defaults.WORKLOAD, 20000, knobs=_knobs("--knob", "zipf_a=1.2"))
     wl = build_workload(cfg)

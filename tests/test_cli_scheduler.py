@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 import experiments.cli.compare as cli_compare
-import experiments.sweep as sweep_mod
+import experiments.runs.sweep as sweep_mod
 from experiments.__main__ import main
-from experiments.cell_store import CellStore
 from experiments.cli.main import build_parser
 from experiments.engine import FixedStepExecutor
-from experiments.results import PER_REQUEST_FILE
-from experiments.runner import PER_REQUEST, CellConfig, ConfigError, make_executor, run_cell
+from experiments.report.results import PER_REQUEST_FILE
+from experiments.runs.cell_store import CellStore
+from experiments.runs.runner import PER_REQUEST, CellConfig, ConfigError, make_executor, run_cell
 
 ROOT = Path(__file__).resolve().parents[1]
 N = 6  # requests of the tiny workloads

@@ -13,13 +13,13 @@ import pytest
 
 from cachelib import create_cache
 from experiments.__main__ import main
-from experiments.cluster_metrics import merged_timeline
 from experiments.engine import CacheClient, CostModelExecutor, FixedStepExecutor, ServingConfig, VirtualClock, serve
 from experiments.engine.cluster import ReplicaView, serve_cluster, session_ids
+from experiments.engine.routers import ROUTERS, Router, RouterError, make_router
 from experiments.engine.vllm import VllmScheduler
 from experiments.errors import InputError
-from experiments.routers import ROUTERS, Router, RouterError, make_router
-from experiments.runner import PER_REQUEST, CellConfig, run_cell
+from experiments.report.cluster_metrics import merged_timeline
+from experiments.runs.runner import PER_REQUEST, CellConfig, run_cell
 from experiments.workloads.registry import make_workload
 from experiments.workloads.spec import RequestSpec
 from tests.helpers import assert_refused_before_work

@@ -1,8 +1,8 @@
 """Sizing, timing and the latency metrics of a serving run, and the bounds beside a cluster:
-KV capacity from the device and model (experiments/sizing.py) exact on hand-made cases;
-arrivals re-timed (experiments/retiming.py) by a scale exactly and by a seeded Poisson
+KV capacity from the device and model (experiments/runs/sizing.py) exact on hand-made cases;
+arrivals re-timed (experiments/runs/retiming.py) by a scale exactly and by a seeded Poisson
 process at the right rate; TTFT / TPOT / ITL / E2E and goodput exact on a hand-made run of
-a fixed step time (experiments/metrics.py, engine/token_gaps.py); the pooled cache equal to
+a fixed step time (experiments/report/metrics.py, engine/token_gaps.py); the pooled cache equal to
 one cache replayed at the cluster's capacity; bad input refused before any work."""
 
 from __future__ import annotations
@@ -16,18 +16,18 @@ import pytest
 
 from cachelib import create_cache
 from experiments.__main__ import main
-from experiments.cluster_metrics import cluster_section
+from experiments.bounds.oracle import belady_hits
 from experiments.engine import CostModelExecutor, FixedStepExecutor, ServingConfig, replay, serve
 from experiments.engine.cluster import serve_cluster
 from experiments.engine.executors import DEVICE_PROFILES, DeviceProfile, ModelShape, llama3_8b_shape
+from experiments.engine.routers import make_router
 from experiments.engine.token_gaps import TokenGaps
 from experiments.errors import InputError
-from experiments.metrics import Slos, latency_ms, latency_section
-from experiments.oracle import belady_hits
-from experiments.retiming import on_their_own, poisson_arrivals, retime
-from experiments.routers import make_router
-from experiments.runner import PER_REQUEST, CellConfig, bounds, build_workload, run_cell
-from experiments.sizing import CapacityGiven, KvSizing, SizingError
+from experiments.report.cluster_metrics import cluster_section
+from experiments.report.metrics import Slos, latency_ms, latency_section
+from experiments.runs.retiming import on_their_own, poisson_arrivals, retime
+from experiments.runs.runner import PER_REQUEST, CellConfig, bounds, build_workload, run_cell
+from experiments.runs.sizing import CapacityGiven, KvSizing, SizingError
 from experiments.workloads.registry import make_workload
 from experiments.workloads.spec import RequestSpec
 from tests.helpers import assert_refused_before_work
@@ -391,7 +391,7 @@ def test_a_plain_cell_reads_and_is_keyed_as_before():
 def test_latency_quantiles_are_numpys_one_by_one(n):
     """`latency_ms` takes every quantile in one `np.percentile` call: each must equal the
     call of its own, to the bit (ties, even and odd counts)."""
-    from experiments.metrics import QUANTILES
+    from experiments.report.metrics import QUANTILES
 
     rng = np.random.default_rng(n)
     seconds = rng.exponential(0.03, n)

@@ -240,7 +240,7 @@ def test_a_declared_prefix_is_live_in_the_client_once_registered():
 def test_a_cell_with_declared_prefixes_registers_them_through_a_client():
     """paged shares only declared prefixes: the runner registers and computes them first
     (through a `CacheClient`, so the call order is checked), then every request hits them."""
-    from experiments.runner import CellConfig, run_cell
+    from experiments.runs.runner import CellConfig, run_cell
     from experiments.workloads.generators import Workload
 
     rng = np.random.default_rng(3)

@@ -289,7 +289,7 @@ def test_page_keys_compare_by_scheme():
 def test_a_router_index_keeps_the_device_tier_only():
     """`KvIndex` (precise, kv_cost) scores GPU reuse: a radix-hicache replica's host-tier
     events leave it as the replica's device pages, and a host-only removal never breaks it."""
-    from experiments.routers.kv_index import KvIndex
+    from experiments.engine.routers.kv_index import KvIndex
 
     cache = create_cache("radix-hicache", num_pages=24, page_size=1, host_capacity_tokens=48)
     index = KvIndex(1)

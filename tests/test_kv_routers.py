@@ -14,17 +14,17 @@ import pytest
 
 from cachelib import ExtraKeys, PageKeys, PagesRemoved, PagesStored, Sequence, create_cache
 from experiments.__main__ import main
-from experiments.backend_options import BackendVariant
-from experiments.cluster_grid import cells_over, check_shapes, cluster_shapes
 from experiments.engine import CacheClient, CostModelExecutor, FixedStepExecutor, ServingConfig, VirtualClock
 from experiments.engine.cluster import ReplicaView, serve_cluster
+from experiments.engine.routers import ROUTERS, StaticView, make_router
+from experiments.engine.routers.kv_cost import softmax_pick
+from experiments.engine.routers.kv_index import KvIndex
+from experiments.engine.routers.precise import kv_usage_scores, queue_scores
 from experiments.engine.vllm import VllmScheduler
 from experiments.errors import InputError
-from experiments.routers import ROUTERS, StaticView, make_router
-from experiments.routers.kv_cost import softmax_pick
-from experiments.routers.kv_index import KvIndex
-from experiments.routers.precise import kv_usage_scores, queue_scores
-from experiments.runner import CellConfig
+from experiments.runs.backend_options import BackendVariant
+from experiments.runs.cluster_grid import cells_over, check_shapes, cluster_shapes
+from experiments.runs.runner import CellConfig
 from experiments.workloads.registry import make_workload
 from experiments.workloads.spec import RequestSpec
 from tests.test_kv_events import published

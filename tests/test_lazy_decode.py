@@ -31,7 +31,7 @@ from experiments.engine.cache_client import CacheClient
 from experiments.engine.clock import VirtualClock
 from experiments.engine.serving import drive
 from experiments.engine.vllm import VllmScheduler
-from experiments.runner import _declare_prefixes
+from experiments.runs.runner import _declare_prefixes
 from experiments.workloads.registry import make_workload
 
 #: the paths of the policy's rules (experiments/engine/compiled.py)

@@ -22,7 +22,7 @@ from experiments.engine import ServingConfig
 from experiments.engine.executors import FixedStepExecutor
 from experiments.engine.serving import serve
 from experiments.engine.transfers import TransferClock
-from experiments.metrics import tier_section
+from experiments.report.metrics import tier_section
 from experiments.workloads.spec import RequestSpec
 
 STEP = 0.01

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from cachelib import available_backends, create_cache
 from cachelib.types import ExtraKeys
+from experiments.bounds.oracle import belady_hits, infinite_hits, page_keys
 from experiments.engine import replay, unlimited_pages
-from experiments.oracle import belady_hits, infinite_hits, page_keys
 from experiments.workloads.spec import RequestSpec
 
 ROOT = Path(__file__).resolve().parents[1]

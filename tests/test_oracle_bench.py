@@ -7,7 +7,7 @@ from pathlib import Path
 
 from experiments.bench import bounds_memory
 from experiments.bench.repeat_trace import repeated_lines, write_repeated
-from experiments.oracle import infinite_hits
+from experiments.bounds.oracle import infinite_hits
 from experiments.workloads.mooncake import load_mooncake
 
 ROOT = Path(__file__).resolve().parents[1]

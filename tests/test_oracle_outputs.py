@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cachelib import create_cache
+from experiments.bounds.oracle import belady_hits, infinite_hits, page_keys
 from experiments.engine import replay, unlimited_pages
-from experiments.oracle import belady_hits, infinite_hits, page_keys
 from experiments.workloads.registry import make_workload
 from experiments.workloads.spec import RequestSpec
 

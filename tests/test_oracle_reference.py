@@ -21,13 +21,13 @@ from hypothesis import strategies as st
 
 from cachelib.hashing import BlockHasher
 from cachelib.types import ExtraKeys
-from experiments.oracle import _token_keys, belady_hits, infinite_hits, page_keys
+from experiments.bounds.oracle import _token_keys, belady_hits, infinite_hits, page_keys
 from experiments.workloads.mooncake import ALIAS_LIMIT, MooncakePrompt
 from experiments.workloads.spec import RequestSpec
 
 NEVER = sys.maxsize
 
-# -- the reference: experiments/oracle.py at 4133cf8, names prefixed ref_ ----------------------
+# -- the reference: experiments/bounds/oracle.py at 4133cf8, names prefixed ref_ ----------------------
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 
 import experiments.cli.compare as cli_compare
-import experiments.sweep as sweep_mod
-from experiments import provenance
+import experiments.runs.sweep as sweep_mod
 from experiments.__main__ import main
-from experiments.interrupts import DeferredInterrupts
-from experiments.output_dir import StagedDir
-from experiments.results import REPORT_ENTRIES
-from experiments.runner import KILL_CELL_ENV
+from experiments.report.results import REPORT_ENTRIES
+from experiments.runs import provenance
+from experiments.runs.interrupts import DeferredInterrupts
+from experiments.runs.output_dir import StagedDir
+from experiments.runs.runner import KILL_CELL_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--workload", "shared_doc_qa", "--knob", "num_documents=4", "--knob", "num_requests=30", "--knob",
@@ -93,7 +93,7 @@ def test_a_folder_that_is_not_a_previous_output_is_never_replaced(tmp_path, monk
 
 
 def test_staged_dir_without_the_exchange_falls_back_to_two_renames(tmp_path, monkeypatch):
-    monkeypatch.setattr("experiments.output_dir._exchange", lambda a, b: False)
+    monkeypatch.setattr("experiments.runs.output_dir._exchange", lambda a, b: False)
     out = tmp_path / "out"
     out.mkdir()
     (out / "old.txt").write_text("old")
@@ -125,7 +125,7 @@ def _critical_section_defers_the_interrupt() -> None:
 def test_a_second_run_into_a_locked_output_fails_at_once(tmp_path, capsys):
     out = tmp_path / "out"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from pathlib import Path; from experiments.output_dir import "
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from experiments.runs.output_dir import "
          "OutputLock; lock = OutputLock(Path(sys.argv[1])).__enter__(); print('locked', flush=True); time.sleep(60)",
          str(out)],
         cwd=ROOT, stdout=subprocess.PIPE, text=True,

@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 
 from experiments.__main__ import main
-from experiments.backend_options import BackendVariant
-from experiments.cell_pool import PickledOnce, Task, TaskBeside, TasksFailed
-from experiments.cell_runs import cells_for, run_cells
-from experiments.cell_store import CellStore
 from experiments.engine.request import TIER_RECORD_KEYS
-from experiments.report import render
-from experiments.results import PER_REQUEST_FILE, EncodedRows, write_per_request
-from experiments.runner import PER_REQUEST, CellConfig, build_workload
+from experiments.report.render import render
+from experiments.report.results import PER_REQUEST_FILE, EncodedRows, write_per_request
+from experiments.runs.backend_options import BackendVariant
+from experiments.runs.cell_pool import PickledOnce, Task, TaskBeside, TasksFailed
+from experiments.runs.cell_runs import cells_for, run_cells
+from experiments.runs.cell_store import CellStore
+from experiments.runs.runner import PER_REQUEST, CellConfig, build_workload
 from experiments.workloads.generators import Workload
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,7 +59,7 @@ def _cell(backend: str, replicas: int = 1) -> CellConfig:
 def _reference_rows(cells: list[CellConfig], results: list[dict]) -> str:
     """per_request.jsonl as it was written before the rows were encoded in the children:
     one json.dumps per row, tier keys on every row when a cell has them."""
-    from experiments.results import TIME_KEYS
+    from experiments.report.results import TIME_KEYS
 
     tiered = any(TIER_RECORD_KEYS[0] in r for res in results for r in res.get(PER_REQUEST) or ())
     lines = []
@@ -222,7 +222,7 @@ def test_the_childrens_usage_reaches_the_callers_accounting(tmp_path):
     script = tmp_path / "burn.py"
     script.write_text(
         "import time\n"
-        "from experiments.cell_pool import CellPool, Task\n"
+        "from experiments.runs.cell_pool import CellPool, Task\n"
         "def burn(s):\n"
         "    end = time.thread_time() + s\n"
         "    while time.thread_time() < end:\n"

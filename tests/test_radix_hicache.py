@@ -15,9 +15,9 @@ import pytest
 from backends.radix_hicache_tree import on_device
 from cachelib import InvalidRequestError, Sequence, TierCopy, create_cache
 from cachelib.tiers import H200_HOST_READ_GBPS, LLAMA3_8B_KV_BYTES_PER_TOKEN, HostTier
-from experiments.backend_options import resolve_variants
 from experiments.engine import replay
 from experiments.errors import InputError
+from experiments.runs.backend_options import resolve_variants
 from experiments.workloads.spec import RequestSpec
 
 A = list(range(0, 12))
@@ -232,7 +232,7 @@ def test_bad_tier_options_are_refused(options, message):
 
 
 def test_bad_tier_options_fail_in_the_options_layer_before_any_work():
-    from experiments.backend_options import OptionGiven
+    from experiments.runs.backend_options import OptionGiven
 
     with pytest.raises(InputError, match="unknown write_policy 'bogus'"):
         resolve_variants(["radix-hicache"], [OptionGiven("write_policy", "bogus", "--backend-opt")], [1])

@@ -15,10 +15,10 @@ import pytest
 from backends.radix_hicache_tree import on_device
 from cachelib import InvalidRequestError, Sequence, StorageCopy, create_cache
 from cachelib.tiers import FILE_READ_GBPS, SHARED_WRITE_GBPS, StorageTier
-from experiments.backend_options import OptionGiven, resolve_variants
 from experiments.engine import replay
 from experiments.engine.cluster import share_storage
 from experiments.errors import InputError
+from experiments.runs.backend_options import OptionGiven, resolve_variants
 from experiments.workloads.spec import RequestSpec
 
 A = list(range(0, 12))
@@ -293,7 +293,7 @@ def test_a_served_cluster_shares_one_pool_between_its_replicas():
     the second request to the other replica, which finds the first's prefix in the pool."""
     from experiments.engine import CostModelExecutor
     from experiments.engine.cluster import serve_cluster
-    from experiments.routers import make_router
+    from experiments.engine.routers import make_router
 
     doc = list(range(1000, 1064))
     specs = [

@@ -21,12 +21,13 @@ import pytest
 
 from cachelib import create_cache
 from cachelib.types import Sequence
-from experiments import figures, provenance
 from experiments.__main__ import main
 from experiments.engine.cache_client import CacheClient
-from experiments.plot_styles import BACKEND_STYLES, base_backend, style_of
-from experiments.report import markdown, render
-from experiments.results import SCHEMA_VERSION
+from experiments.report import figures
+from experiments.report.plot_styles import BACKEND_STYLES, base_backend, style_of
+from experiments.report.render import markdown, render
+from experiments.report.results import SCHEMA_VERSION
+from experiments.runs import provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--workload", "shared_doc_qa", "--knob", "num_documents=4", "--knob", "num_requests=30", "--knob",
@@ -79,7 +80,7 @@ def test_rendering_leaves_the_callers_plotting_backend_alone(compared, tmp_path)
     script = (
         "import sys, matplotlib\n"
         "matplotlib.use('svg')\n"
-        "from experiments.report import load, render\n"
+        "from experiments.report.render import load, render\n"
         f"render(load({str(out)!r}), {str(tmp_path / 'again')!r})\n"
         "assert matplotlib.get_backend() == 'svg', matplotlib.get_backend()\n"
         "assert 'matplotlib.pyplot' not in sys.modules, 'pyplot was imported'\n"
@@ -191,7 +192,7 @@ def test_a_variants_style_follows_its_label_not_the_process():
     assert here[0].marker == BACKEND_STYLES["radix"].marker and here[1].marker == BACKEND_STYLES["apc"].marker
     assert all(s.color not in {f.color for f in BACKEND_STYLES.values()} for s in here)
     script = (
-        "from experiments.plot_styles import style_of\n"
+        "from experiments.report.plot_styles import style_of\n"
         f"print([tuple(map(str, (s.color, s.linestyle, s.marker))) for s in map(style_of, {labels!r})])"
     )
     for seed in ("1", "2"):  # Python's str hash is salted per process; the style must not be
@@ -272,7 +273,7 @@ def test_the_commit_is_the_packages_own_even_inside_another_repository(tmp_path)
     _git(other, "add", "f")
     _git(other, "commit", "-qm", "another repository")
     theirs = _git(other, "rev-parse", "--short", "HEAD").strip()
-    script = "from experiments.provenance import git_commit; print(git_commit())"
+    script = "from experiments.runs.provenance import git_commit; print(git_commit())"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-c", script], cwd=other, capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
@@ -335,7 +336,7 @@ def test_cache_time_is_the_threads_cpu_time_not_the_wall_clock():
 
 
 def test_capacity_gb_never_in_exponent_notation():
-    from experiments.figures import compact_gb
+    from experiments.report.figures import compact_gb
 
     assert [compact_gb(x) for x in (3.2768, 26.2144, 131.072, 1310.72)] == ["3.28", "26.2", "131", "1,311"]
 

@@ -11,7 +11,7 @@ import pytest
 import tomllib
 
 from experiments.cli.main import build_parser, commands, main
-from experiments.run_config import ConfigFileError, dump_toml, expand_config
+from experiments.runs.run_config import ConfigFileError, dump_toml, expand_config
 
 FAST = """\
 command = "compare"

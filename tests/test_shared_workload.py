@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from experiments.backend_options import BackendVariant
-from experiments.cell_runs import bounds_of, cells_for, run_cells
-from experiments.cell_store import CellStore
-from experiments.runner import PER_REQUEST, CellConfig, build_workload, run_cell
+from experiments.runs.backend_options import BackendVariant
+from experiments.runs.cell_runs import bounds_of, cells_for, run_cells
+from experiments.runs.cell_store import CellStore
+from experiments.runs.runner import PER_REQUEST, CellConfig, build_workload, run_cell
 from tests.test_behaviour_unchanged import differences
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -162,7 +162,7 @@ def test_instant_transfers_take_the_whole_prefetch_for_every_policy():
 
 
 def test_serving_tiers_report_storage_traffic():
-    from experiments.metrics import tier_section
+    from experiments.report.metrics import tier_section
 
     _, res, cache = _serve("wait_complete", busy=False)
     tiers = tier_section(res)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from experiments.__main__ import main
-from experiments.runner import CellConfig
+from experiments.runs.runner import CellConfig
 
 WORKLOAD = [
     "--workload",
@@ -150,7 +150,7 @@ def test_sweep_on_local_ray_matches_local_processes(tmp_path, capsys, ray_mod):
 
 
 def test_ray_cell_error_names_the_cell_and_keeps_the_others(ray_mod):
-    from experiments.ray_runner import CellFailed, run_on_ray
+    from experiments.runs.ray_runner import CellFailed, run_on_ray
 
     good = CellConfig(
         backend="apc", workload="no_sharing", capacity_tokens=20000, knobs={"num_requests": 10}, protocol="replay"

@@ -258,7 +258,7 @@ def test_cluster_replicas_time_their_transfers(backend):
     """Each replica of a cluster prices its own cache's transfers; at the end nothing stays
     in flight or held (no page pinned)."""
     from experiments.engine.cluster import serve_cluster
-    from experiments.routers.registry import make_router
+    from experiments.engine.routers.registry import make_router
     from experiments.workloads.registry import make_workload
 
     requests = make_workload(
@@ -297,7 +297,7 @@ def test_compare_writes_tier_metrics_everywhere(tmp_path):
 
     from experiments.cli.main import main
     from experiments.engine.request import TIER_RECORD_KEYS
-    from experiments.results import PER_REQUEST_FILE
+    from experiments.report.results import PER_REQUEST_FILE
     from tests.test_cli_scheduler import FIXED, PER_REQUEST_FIELDS, TINY
 
     out = tmp_path / "out"

@@ -10,8 +10,8 @@ import pytest
 
 from cachelib import create_cache
 from experiments.__main__ import main
-from experiments.oracle import belady_hits
-from experiments.runner import CellConfig, bounds, build_workload
+from experiments.bounds.oracle import belady_hits
+from experiments.runs.runner import CellConfig, bounds, build_workload
 
 KNOBS = {"num_documents": 30, "num_requests": 200, "doc_len": 400}
 

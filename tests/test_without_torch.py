@@ -93,7 +93,7 @@ def test_ids_past_the_vocabulary_name_the_knob(tmp_path, capsys):
 
 def test_a_model_too_large_for_the_device_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
     pytest.importorskip("torch")
-    import experiments.model_fit as model_fit
+    import experiments.runs.model_fit as model_fit
 
     monkeypatch.setattr(model_fit, "available_bytes", lambda device: 8 * 10**9)  # an 8 GB device
     argv = ["compare", "--workload", "no_sharing", "--knob", "num_requests=2", "--model", "llama3-8b", *MODEL,

@@ -183,7 +183,7 @@ def test_apc_replays_and_serves_alike_with_each_kernel(shipped_trace):
     request, the same evictions, every KV event (with its hashes) equal; then a serving
     cell, request by request."""
     from experiments.engine import CacheClient, replay
-    from experiments.runner import CellConfig, run_cell
+    from experiments.runs.runner import CellConfig, run_cell
 
     replays = []
     for kernel in ("numba", "python"):

@@ -15,7 +15,7 @@ import argparse
 import time
 from pathlib import Path
 
-from experiments.output_dir import write_file_atomically
+from experiments.runs.output_dir import write_file_atomically
 
 ROOT = Path(__file__).resolve().parents[2]
 #: benchmarks' default output folder (gitignored)

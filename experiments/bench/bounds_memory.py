@@ -1,4 +1,4 @@
-"""Peak memory and time of the bounds (`experiments.runner.bounds`) on a Mooncake trace.
+"""Peak memory and time of the bounds (`experiments.runs.runner.bounds`) on a Mooncake trace.
 
     python -m experiments.bench.bounds_memory [--trace FILE] [--limit N] [--page-size 16]
         [--capacity-tokens 200000 1000000 3000000 10000000] [--expect RESULTS_JSON]
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from experiments.bench import FULL_TRACE, RESULTS, HelpFormatter, write_output
-from experiments.runner import bounds
+from experiments.runs.runner import bounds
 from experiments.workloads.registry import make_workload
 
 DEFAULT_TRACE = FULL_TRACE
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
         "bounds_seconds": round(bounds_s, 2),
         "peak_rss_mb_after_load": round(rss_load, 1),
         "peak_rss_mb": round(peak_rss_mb(), 1),
-        "oracle_module": sys.modules["experiments.oracle"].__file__,  # which implementation ran
+        "oracle_module": sys.modules["experiments.bounds.oracle"].__file__,  # which implementation ran
         "bounds": result,
     }
     if args.expect:

@@ -17,9 +17,9 @@ import math
 import time
 from pathlib import Path
 
-from experiments import defaults
 from experiments.bench import RESULTS, HelpFormatter, write_output
-from experiments.runner import CellConfig, bounds, build_workload, run_cell
+from experiments.runs import defaults
+from experiments.runs.runner import CellConfig, bounds, build_workload, run_cell
 
 TRACE = "experiments/data/mooncake_conversation_2000.jsonl"
 #: (label, workload, knobs, capacity tokens): the cases of reports/worked_example/radix-aged

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     from cachelib import create_cache
     from experiments.engine import CostModelExecutor, ServingConfig
     from experiments.engine.serving import serve
-    from experiments.metrics import tier_section
+    from experiments.report.metrics import tier_section
     from experiments.workloads.mooncake import load_mooncake
 
     requests = load_mooncake(args.trace, limit=args.limit)

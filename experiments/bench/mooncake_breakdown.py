@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 from experiments.bench import FULL_TRACE, RESULTS, HelpFormatter, write_output
-from experiments.results import git_commit
-from experiments.runner import CellConfig, bounds, build_workload, run_cell
+from experiments.report.results import git_commit
+from experiments.runs.runner import CellConfig, bounds, build_workload, run_cell
 from experiments.workloads.generators import Workload
 
 BACKENDS = ("apc", "radix", "radix-aged", "paged", "none")

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from cachelib import create_cache
-from experiments import defaults
 from experiments.bench import RESULTS, SHIPPED_TRACE, HelpFormatter, write_output
+from experiments.bounds.oracle import belady_hits, infinite_hits, page_keys
 from experiments.engine import replay, unlimited_pages
-from experiments.oracle import belady_hits, infinite_hits, page_keys
+from experiments.runs import defaults
 from experiments.workloads.mooncake import load_mooncake
 
 DEFAULT_TRACE = SHIPPED_TRACE

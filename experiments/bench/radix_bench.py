@@ -29,9 +29,9 @@ from pathlib import Path
 import numpy as np
 
 from cachelib import create_cache
-from experiments import defaults
 from experiments.bench import CLOCK_HELP, CLOCKS, RESULTS, SHIPPED_TRACE, HelpFormatter, write_output
 from experiments.engine import CacheClient, replay
+from experiments.runs import defaults
 from experiments.workloads.mooncake import load_mooncake
 from experiments.workloads.spec import RequestSpec
 

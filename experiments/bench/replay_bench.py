@@ -25,11 +25,11 @@ from pathlib import Path
 import numpy as np
 
 from cachelib import create_cache
-from experiments import defaults
 from experiments.bench import CLOCK_HELP, CLOCKS, RESULTS, SHIPPED_TRACE, HelpFormatter, write_output
 from experiments.engine import replay
 from experiments.engine.cache_client import CacheClient
-from experiments.results import git_commit
+from experiments.report.results import git_commit
+from experiments.runs import defaults
 from experiments.workloads.mooncake import load_mooncake
 from experiments.workloads.spec import RequestSpec
 

@@ -69,7 +69,7 @@ from cachelib import create_cache
 from cachelib.hashing import HASH_KERNELS
 from experiments.bench import CLOCK_HELP, CLOCKS, FULL_TRACE, RESULTS, SHIPPED_TRACE, HelpFormatter, write_output
 from experiments.engine import CacheClient, replay
-from experiments.results import git_commit
+from experiments.report.results import git_commit
 from experiments.workloads.mooncake import load_mooncake
 from experiments.workloads.spec import RequestSpec
 

@@ -1,7 +1,7 @@
 """Arguments the commands share: sizes, backends and their options, workloads and knobs.
 
-Every default comes from experiments/defaults.py; every backend option goes through
-experiments/backend_options.py (`--backend-opt`, its aliases, `NAME[KEY=VALUE,...]`).
+Every default comes from experiments/runs/defaults.py; every backend option goes through
+experiments/runs/backend_options.py (`--backend-opt`, its aliases, `NAME[KEY=VALUE,...]`).
 """
 
 from __future__ import annotations
@@ -13,20 +13,20 @@ from typing import Any
 
 from attention.config import PRESETS
 from cachelib import default_backends
-from experiments import defaults
-from experiments.backend_options import (
+from experiments.engine.request import SCHEDULERS
+from experiments.engine.routers.registry import ROUTERS
+from experiments.errors import InputError, UsageError
+from experiments.runs import defaults
+from experiments.runs.backend_options import (
     BackendVariant,
     OptionGiven,
     parse_backend_opt,
     resolve_variants,
     split_backend_list,
 )
-from experiments.cluster_grid import ClusterShape, check_shapes, cluster_shapes
-from experiments.engine.request import SCHEDULERS
-from experiments.errors import InputError, UsageError
-from experiments.routers.registry import ROUTERS
-from experiments.runner import EXECUTORS, CellConfig
-from experiments.sizing import CapacityGiven
+from experiments.runs.cluster_grid import ClusterShape, check_shapes, cluster_shapes
+from experiments.runs.runner import EXECUTORS, CellConfig
+from experiments.runs.sizing import CapacityGiven
 from experiments.workloads.registry import REQUIRED, coerce_knob, knobs_of
 
 PAGE_SIZE_HELP = "tokens per KV page (vLLM's block size, SGLang's page size)"
@@ -76,7 +76,7 @@ def rate(text: str) -> float:
 
 
 def add_config_option(p: argparse.ArgumentParser) -> None:
-    """`--config FILE` (experiments/run_config.py): the options of a TOML file, flags given beside it winning."""
+    """`--config FILE` (experiments/runs/run_config.py): the options of a TOML file, flags given beside it winning."""
     p.add_argument(
         "--config",
         metavar="TOML",
@@ -88,7 +88,7 @@ def add_config_option(p: argparse.ArgumentParser) -> None:
 def resolved_settings(
     args: argparse.Namespace, workload: str, knobs: dict[str, Any], variants: list[BackendVariant]
 ) -> dict[str, Any]:
-    """Every option of the run as it ran, for `config.toml` (experiments/run_config.py): the
+    """Every option of the run as it ran, for `config.toml` (experiments/runs/run_config.py): the
     workload and all its knobs (the commands' defaults included), the backends with their
     options folded into their labels, the capacities given (the default ones written out),
     every other option at its value. `--config` with it repeats the run."""
@@ -233,7 +233,7 @@ def add_run_arguments(p: argparse.ArgumentParser, many_backends: bool) -> None:
 
 
 def add_capacity_options(p: argparse.ArgumentParser) -> None:
-    """The KV capacity per replica, given one way (experiments/sizing.py)."""
+    """The KV capacity per replica, given one way (experiments/runs/sizing.py)."""
     p.add_argument(
         "--capacity-tokens",
         type=positive_int,
@@ -268,7 +268,7 @@ def add_capacity_options(p: argparse.ArgumentParser) -> None:
 
 
 def add_timing_options(p: argparse.ArgumentParser) -> None:
-    """Serving's arrivals re-timed (experiments/retiming.py) and goodput's SLOs."""
+    """Serving's arrivals re-timed (experiments/runs/retiming.py) and goodput's SLOs."""
     p.add_argument(
         "--time-scale",
         type=positive_float,
@@ -299,7 +299,7 @@ def capacities_given(args: argparse.Namespace) -> CapacityGiven:
 
 
 def add_cluster_options(p: argparse.ArgumentParser) -> None:
-    """`--replicas`, `--router` and `--router-opt` (experiments/cluster_grid.py)."""
+    """`--replicas`, `--router` and `--router-opt` (experiments/runs/cluster_grid.py)."""
     p.add_argument(
         "--replicas",
         type=positive_int,

@@ -1,10 +1,10 @@
 """`run` (one backend) and `compare` (several, one report).
 
-Outputs are never mixed or half-written (experiments/output_dir.py): the output folder is
+Outputs are never mixed or half-written (experiments/runs/output_dir.py): the output folder is
 checked writable before any work, locked (`OUT.lock`) for the whole run, and the report is
 written into a temporary sibling that replaces OUT in one swap at the end, with
 per_request.jsonl (every request of every serving cell) beside it. `compare` saves
-each finished cell in `OUT.partial/` (experiments/cell_store.py) until the report is in
+each finished cell in `OUT.partial/` (experiments/runs/cell_store.py) until the report is in
 place, so a run that is interrupted or loses a worker keeps its finished cells and a rerun
 of the same command resumes; it never writes a report that lacks cells.
 """
@@ -20,11 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from experiments import defaults
-from experiments.backend_options import BackendVariant
-from experiments.cell_pool import Task, TasksFailed
-from experiments.cell_runs import bounds_of, run_cells
-from experiments.cell_store import CellStore
 from experiments.cli.args import (
     PAGE_SIZE_HELP,
     add_config_option,
@@ -39,13 +34,18 @@ from experiments.cli.args import (
     positive_int,
     resolved_settings,
 )
-from experiments.cluster_grid import ClusterShape, cells_over, left_out
 from experiments.errors import UsageError
-from experiments.output_dir import OutputLock, StagedDir, check_replaceable, check_writable_dir
-from experiments.provenance import provenance
-from experiments.results import REPORT_ENTRIES, document, write, write_per_request
-from experiments.run_config import CONFIG_FILE, write_config
-from experiments.runner import CellConfig, build_workload, check_capacity, check_model_run
+from experiments.report.results import REPORT_ENTRIES, document, write, write_per_request
+from experiments.runs import defaults
+from experiments.runs.backend_options import BackendVariant
+from experiments.runs.cell_pool import Task, TasksFailed
+from experiments.runs.cell_runs import bounds_of, run_cells
+from experiments.runs.cell_store import CellStore
+from experiments.runs.cluster_grid import ClusterShape, cells_over, left_out
+from experiments.runs.output_dir import OutputLock, StagedDir, check_replaceable, check_writable_dir
+from experiments.runs.provenance import provenance
+from experiments.runs.run_config import CONFIG_FILE, write_config
+from experiments.runs.runner import CellConfig, build_workload, check_capacity, check_model_run
 from experiments.workloads.generators import Workload
 
 
@@ -58,7 +58,7 @@ class Comparison:
     variants: list[BackendVariant]
     shapes: list[ClusterShape]
     capacities: list[int]
-    sizing: dict[int, dict[str, float]]  # how each capacity was given (experiments/sizing.py)
+    sizing: dict[int, dict[str, float]]  # how each capacity was given (experiments/runs/sizing.py)
     out_dir: Path
     jobs: int
     progress: bool

@@ -16,7 +16,6 @@ import signal
 import sys
 
 from cachelib.errors import CacheError
-from experiments.cell_pool import TasksFailed
 from experiments.cli import compare, replay, report, sweep, workloads
 from experiments.errors import (
     EXIT_BAD_INPUT,
@@ -26,7 +25,8 @@ from experiments.errors import (
     InputError,
     UsageError,
 )
-from experiments.run_config import ConfigFileError, expand_config
+from experiments.runs.cell_pool import TasksFailed
+from experiments.runs.run_config import ConfigFileError, expand_config
 from experiments.workloads.registry import WorkloadError
 from experiments.workloads.spec import TraceFormatError
 

@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from cachelib import create_cache
-from experiments import defaults
-from experiments.backend_options import BackendVariant, resolve_variants, split_backend_list
 from experiments.cli.args import PAGE_SIZE_HELP, add_backend_options, add_config_option, options_given, positive_int
 from experiments.engine import replay, unlimited_pages
 from experiments.errors import InputError, UsageError
-from experiments.output_dir import check_writable_file, write_file_atomically
+from experiments.runs import defaults
+from experiments.runs.backend_options import BackendVariant, resolve_variants, split_backend_list
+from experiments.runs.output_dir import check_writable_file, write_file_atomically
 from experiments.workloads.mooncake import MOONCAKE_BLOCK, load_mooncake
 from experiments.workloads.spec import RequestSpec
 

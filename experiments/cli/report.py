@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from experiments.errors import InputError
-from experiments.output_dir import OutputLock, StagedDir, check_replaceable, check_writable_dir, link_or_copy
-from experiments.report import load
-from experiments.results import PER_REQUEST_FILE, REPORT_ENTRIES, write
+from experiments.report.render import load
+from experiments.report.results import PER_REQUEST_FILE, REPORT_ENTRIES, write
+from experiments.runs.output_dir import OutputLock, StagedDir, check_replaceable, check_writable_dir, link_or_copy
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

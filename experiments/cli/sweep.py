@@ -1,5 +1,5 @@
 """`sweep`: a resumable grid over workloads x page sizes x capacities x backends
-(experiments/sweep.py runs it)."""
+(experiments/runs/sweep.py runs it)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from experiments import defaults
-from experiments.backend_options import BackendVariant
 from experiments.cli.args import (
     PAGE_SIZE_HELP,
     add_config_option,
@@ -26,7 +24,9 @@ from experiments.cli.args import (
     resolved_settings,
 )
 from experiments.errors import InputError
-from experiments.sweep import SweepPlan, run_sweep
+from experiments.runs import defaults
+from experiments.runs.backend_options import BackendVariant
+from experiments.runs.sweep import SweepPlan, run_sweep
 from experiments.workloads.registry import WORKLOADS, knobs_of
 
 
@@ -83,7 +83,7 @@ def _settings(
 
 def _knobs_per_workload(args: argparse.Namespace, names: list[str], given: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The knobs of each workload of the grid: the commands' defaults for it
-    (experiments/defaults.py `COMMAND_KNOBS`), each given knob replacing one.
+    (experiments/runs/defaults.py `COMMAND_KNOBS`), each given knob replacing one.
 
     Given knobs go to every workload of the grid that takes them, and one that none takes
     is an error."""

@@ -6,7 +6,7 @@
   one function over them (`kernels.py`, compiled by numba where installed: `compiled.py`).
 - `serving.serve`: the serving protocol, a driver stepping a policy on a `clock.VirtualClock`.
 - `cluster.serve_cluster`: the serving protocol on N replicas (one policy, cache client
-  and executor each) on one clock, a router (experiments/routers/) choosing each request's.
+  and executor each) on one clock, a router (experiments/engine/routers/) choosing each request's.
 - `replay.replay`: the replay protocol (sequential, exact; fidelity and bounds), a driver
   of its own over a cache client.
 - `cache_client.CacheClient`: times every cache call and holds each sequence to the

@@ -58,9 +58,9 @@ from experiments.engine.cache_client import CPU_CLOCK, CacheClient
 from experiments.engine.clock import VirtualClock
 from experiments.engine.executors import Executor
 from experiments.engine.request import ServingConfig, ServingResult
+from experiments.engine.routers.base import Router, RouterError
 from experiments.engine.serving import DEFAULT_CONFIG, finish_transfers, progress_bar, refuse_beams, scheduler_class
 from experiments.engine.vllm import Loads, VllmScheduler
-from experiments.routers.base import Router, RouterError
 from experiments.workloads.spec import RequestSpec
 
 
@@ -113,7 +113,7 @@ def session_ids(requests: Seq[RequestSpec]) -> dict[str, str]:
 
 
 class ReplicaView:
-    """The routers' `ClusterView` (experiments/routers/base.py) over the live replicas.
+    """The routers' `ClusterView` (experiments/engine/routers/base.py) over the live replicas.
     A replica's `Loads` are summed over its requests when first asked, and kept until the
     replica steps or gets a request (`invalidate`)."""
 

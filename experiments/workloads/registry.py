@@ -216,7 +216,7 @@ _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 def coerce_knob(name: str, knob: str, value: Any, default: Any) -> Any:
     """A command-line string converted to the type of the knob's default; other values as given.
     `name` and `knob` only name what was wrong in the error. Backend options follow the same
-    rules (experiments/backend_options.py)."""
+    rules (experiments/runs/backend_options.py)."""
     if not isinstance(value, str) or default is REQUIRED or isinstance(default, str):
         return value
     try:

@@ -35,8 +35,8 @@ import math
 
 import numpy as np
 
-from experiments.routers.base import ClusterView
-from experiments.routers.kv_index import EventIndexRouter
+from experiments.engine.routers.base import ClusterView
+from experiments.engine.routers.kv_index import EventIndexRouter
 from experiments.workloads.spec import RequestSpec
 
 

@@ -17,8 +17,8 @@ from typing import Any
 
 #: the distribution this package belongs to (pyproject.toml)
 DISTRIBUTION = "prefix-cache-lab"
-#: the package's checkout: experiments/ lives at its top level
-PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+#: the package's checkout: experiments/ lives at its top level (this file: experiments/runs/)
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 #: the packages whose code decides a cell's numbers; their uncommitted changes count too
 CODE_PATHS = ("cachelib", "backends", "attention", "experiments")
 #: workload config keys that name input files (mooncake/jsonl/text `path`, text `tokenizer`)

@@ -1,7 +1,7 @@
 """A resumable grid: workloads x page sizes x capacities x cluster shapes x backends.
 
 Each finished cell is written to `OUT/cells/<key>.json` the moment it finishes
-(experiments/cell_store.py: atomically, a temporary file renamed into place, so an
+(experiments/runs/cell_store.py: atomically, a temporary file renamed into place, so an
 interrupted write never looks finished); a rerun skips every cell whose file holds a whole
 result, so an interrupted sweep resumes where it stopped, and a torn, empty or error file is
 run again. The key hashes the cell's whole configuration and its provenance (the code
@@ -11,11 +11,11 @@ new cells rather than reusing stale ones.
 How this fits "outputs never mixed": OUT itself is not replaced as a whole, since its cells
 are the sweep's resumable cache; each cell file is atomic, and each report folder
 `OUT/<workload>-p<page>/` is written into a temporary sibling and swapped in whole
-(experiments/output_dir.py), so its `results.json`, `report.md`, `results.csv` and
+(experiments/runs/output_dir.py), so its `results.json`, `report.md`, `results.csv` and
 `per_request.jsonl` always come from one run. `OUT.lock` keeps a second sweep out of OUT while one runs.
 
 Cells run in local processes (`--jobs N`) or on Ray (`--ray local|ADDRESS`, see
-`experiments/ray_runner.py`).
+`experiments/runs/ray_runner.py`).
 """
 
 from __future__ import annotations
@@ -28,17 +28,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from experiments.backend_options import BackendVariant
-from experiments.cell_pool import Failure, TasksFailed
-from experiments.cell_runs import run_cells
-from experiments.cell_store import CellStore
-from experiments.cluster_grid import SINGLE, ClusterShape, cells_over, left_out
-from experiments.output_dir import OutputLock, StagedDir, check_writable_dir, write_file_atomically
-from experiments.provenance import provenance
-from experiments.results import REPORT_ENTRIES, document, write, write_per_request
-from experiments.run_config import CONFIG_FILE, CONFIG_HEADER, dump_toml
-from experiments.runner import CellConfig, bounds, build_workload, check_capacity, check_model_run
-from experiments.sizing import CapacityGiven
+from experiments.report.results import REPORT_ENTRIES, document, write, write_per_request
+from experiments.runs.backend_options import BackendVariant
+from experiments.runs.cell_pool import Failure, TasksFailed
+from experiments.runs.cell_runs import run_cells
+from experiments.runs.cell_store import CellStore
+from experiments.runs.cluster_grid import SINGLE, ClusterShape, cells_over, left_out
+from experiments.runs.output_dir import OutputLock, StagedDir, check_writable_dir, write_file_atomically
+from experiments.runs.provenance import provenance
+from experiments.runs.run_config import CONFIG_FILE, CONFIG_HEADER, dump_toml
+from experiments.runs.runner import CellConfig, bounds, build_workload, check_capacity, check_model_run
+from experiments.runs.sizing import CapacityGiven
 
 
 @dataclass(frozen=True)
@@ -48,9 +48,9 @@ class SweepPlan:
     template: CellConfig
     variants: list[BackendVariant]
     workloads: dict[str, dict[str, Any]]  # workload name -> its knobs
-    capacities: CapacityGiven  # per replica, in tokens, GB or vLLM's share of the device (experiments/sizing.py)
+    capacities: CapacityGiven  # per replica, in tokens, GB or vLLM's share of the device (experiments/runs/sizing.py)
     page_sizes: list[int]
-    shapes: Sequence[ClusterShape] = SINGLE  # cluster sizes x routers (experiments/cluster_grid.py)
+    shapes: Sequence[ClusterShape] = SINGLE  # cluster sizes x routers (experiments/runs/cluster_grid.py)
     jobs: int = 1
     ray: str | None = None  # `local` or a cluster address; None: local processes
     progress: bool = True
@@ -152,7 +152,7 @@ class _RaySaver:
 
 
 def _run_on_ray(todo: list[CellConfig], store: CellStore, plan: SweepPlan) -> None:
-    from experiments.ray_runner import CellFailed, run_on_ray  # ray is an optional extra
+    from experiments.runs.ray_runner import CellFailed, run_on_ray  # ray is an optional extra
 
     try:
         run_on_ray(

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from attention.config import PRESETS
+from experiments.bounds.oracle import page_keys
 from experiments.engine.executors import DEVICE_PROFILES, ModelShape, llama3_8b_shape
 from experiments.errors import InputError
-from experiments.oracle import page_keys
 from experiments.workloads.generators import Workload
 
 #: bytes in a GB, as `--capacity-gb` and the device datasheets count them

@@ -37,9 +37,9 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from cachelib.hashing import numba_installed
-from experiments.interrupts import SIGNALS, DeferredInterrupts
+from experiments.runs.interrupts import SIGNALS, DeferredInterrupts
 
-#: what the fork server imports once for every child: the cell tasks (experiments.cell_runs,
+#: what the fork server imports once for every child: the cell tasks (experiments.runs.cell_runs,
 #: under the command line) and the command line itself, which a child of `python -m
 #: experiments` imports again as its `__mp_main__`; where the `fast` extra is installed, the
 #: compiled loops every serving cell and every apc cache load (numba and the code from its

@@ -83,7 +83,7 @@ class Router(ABC):
 
     `__init__(num_replicas, **options)`: the options are the constructor's keyword
     parameters after `num_replicas` (`--router-opt KEY=VALUE`, typed from the annotations by
-    experiments/routers/registry.py); a value the router cannot work with is refused there
+    experiments/engine/routers/registry.py); a value the router cannot work with is refused there
     with `ValueError`, before any work. `route` is called once per request, in arrival
     order (ties in trace order), before the request joins the replica it returns; it must
     return an int in `range(num_replicas)`."""

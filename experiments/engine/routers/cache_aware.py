@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import math
 
-from experiments.routers.approx_tree import ApproxTree, block_keys
-from experiments.routers.base import ClusterView, Router
+from experiments.engine.routers.approx_tree import ApproxTree, block_keys
+from experiments.engine.routers.base import ClusterView, Router
 from experiments.workloads.spec import RequestSpec
 
 

@@ -2,7 +2,7 @@
 
 Everything is drawn from `results.json` alone, so `python -m experiments report DIR`
 regenerates every figure and table of a run without rerunning it. The figures are
-experiments/figures.py's (matplotlib's object API: rendering never switches the caller's
+experiments/report/figures.py's (matplotlib's object API: rendering never switches the caller's
 plotting backend). Documents written before `schema_version` 2 still render: their
 missing numbers show as "—", and their cache times are labelled wall time, as measured.
 """
@@ -14,10 +14,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from experiments.cell_pool import Task, TaskBeside
-from experiments.labels import cell_label_of
-from experiments.routers.registry import router_label
-from experiments.run_config import dump_toml
+from experiments.engine.routers.registry import router_label
+from experiments.report.labels import cell_label_of
+from experiments.runs.cell_pool import Task, TaskBeside
+from experiments.runs.run_config import dump_toml
 
 #: the main table of each capacity: (column, getter, format). `{cache}` in a name reads
 #: "cache CPU µs/req" or, in a document from before the CPU clock, "cache wall µs/req"
@@ -152,7 +152,7 @@ THROUGHPUT_COLUMNS = [
     ("duration (s)", "makespan_s", "{:,.1f}"),
 ]
 GOODPUT_COLUMN = "request goodput (req/s)"
-#: each figure's caption in report.md (experiments/figures.py draws them)
+#: each figure's caption in report.md (experiments/report/figures.py draws them)
 CAPTIONS = {
     "hit_rate_vs_capacity": "Replay hit rate of each backend against the KV capacity (log axis, a tick at each "
     "capacity run), with the infinite-capacity bound (dashed) and Belady's offline optimum (dotted, stars).",
@@ -387,7 +387,7 @@ def markdown(results: dict[str, Any], figures: list[str]) -> str:
         "protocol. TTFT is arrival to first token on the virtual clock, so it includes queueing.",
         "",
     ]
-    if results.get("run_config"):  # the options the run resolved (experiments/run_config.py), repeatable
+    if results.get("run_config"):  # the options the run resolved (experiments/runs/run_config.py), repeatable
         lines += ["## Configuration", "", "```toml", dump_toml(results["run_config"]).rstrip(), "```", ""]
     return "\n".join(lines)
 
@@ -577,11 +577,11 @@ def render(results: dict[str, Any], out_dir: str | Path, jobs: int = 1) -> list[
     """Write report.md, results.csv and the figures (PNG and PDF) into `out_dir`; returns the paths.
 
     `jobs` > 1 (the processes a run may use): the figures but the pages one are drawn in a
-    child process (experiments/cell_pool.py `TaskBeside`) while this one draws the pages
+    child process (experiments/runs/cell_pool.py `TaskBeside`) while this one draws the pages
     figure, the largest, and writes the tables: drawing is most of a report's time (4 s
     for the Mooncake trace's 20 cells, against 0.3 s for the rest), and the figures are
     independent of each other, so the bytes are the same."""
-    from experiments.figures import FORMATS, PAGES_IN_USE, STEMS, draw_all
+    from experiments.report.figures import FORMATS, PAGES_IN_USE, STEMS, draw_all
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,7 @@ Drawn with matplotlib's object API (`Figure` on its own Agg canvas): nothing her
 another program never switches its plotting backend or opens a window. Each figure is
 written twice: a PNG at print resolution (`PNG_DPI`) and a PDF (vector, for a paper), with
 deterministic PDF metadata so a re-render gives the same bytes. Every backend label has one
-style across every figure of every report (`experiments.plot_styles`).
+style across every figure of every report (`experiments.report.plot_styles`).
 
 - `hit_rate_vs_capacity`: each backend's replay hit rate against capacity, with the
   infinite-capacity and Belady bounds; percent axis, ticks at the capacities run.
@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from experiments.labels import cell_label_of
-from experiments.plot_styles import BOUND_STYLES, style_of
+from experiments.report.labels import cell_label_of
+from experiments.report.plot_styles import BOUND_STYLES, style_of
 
 #: print resolution of the PNGs (dots per inch)
 PNG_DPI = 200

@@ -9,7 +9,7 @@ both needed:
 - the main thread's mask blocks them too, so a child process started inside the block
   (spawn keeps the mask across exec; multiprocessing's fork server, started inside the
   first such block, keeps it for every child it forks) is born with them blocked and can
-  choose to ignore them before it unblocks them (experiments/cell_pool.py).
+  choose to ignore them before it unblocks them (experiments/runs/cell_pool.py).
 Outside the main thread (where handlers cannot be set) the block defers nothing.
 """
 

@@ -17,8 +17,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from experiments.output_dir import write_file_atomically
-from experiments.runner import PER_REQUEST, CellConfig
+from experiments.runs.output_dir import write_file_atomically
+from experiments.runs.runner import PER_REQUEST, CellConfig
 
 #: the result sections each protocol produces
 SECTIONS = {"replay": ("replay",), "serving": ("serving",), "both": ("replay", "serving")}

@@ -23,7 +23,7 @@ from collections import Counter
 from itertools import takewhile
 
 from cachelib.kv_events import DEVICE_MEDIUM, KvEvent, PageKeys, PagesStored
-from experiments.routers.base import Router
+from experiments.engine.routers.base import Router
 from experiments.workloads.spec import RequestSpec
 
 

@@ -25,8 +25,6 @@ from typing import Any
 from attention.config import PRESETS as MODEL_PRESETS
 from cachelib import available_backends, create_cache, get_backend
 from cachelib.interface import PrefixCache
-from experiments import defaults
-from experiments.backend_options import variant_label
 from experiments.engine import (
     CacheClient,
     CostModelExecutor,
@@ -39,13 +37,15 @@ from experiments.engine import (
 )
 from experiments.engine.executors import DEVICE_PROFILES
 from experiments.engine.request import SCHEDULERS
+from experiments.engine.routers.registry import make_router, router_label
 from experiments.errors import InputError
-from experiments.labels import cell_label_of
-from experiments.metrics import Slos, latency_section, serving_metrics
-from experiments.model_fit import check_memory, check_torch, check_vocabulary
-from experiments.retiming import retime
-from experiments.routers.registry import make_router, router_label
-from experiments.sizing import KvSizing, fraction_tokens, model_shape, working_set_pages
+from experiments.report.labels import cell_label_of
+from experiments.report.metrics import Slos, latency_section, serving_metrics
+from experiments.runs import defaults
+from experiments.runs.backend_options import variant_label
+from experiments.runs.model_fit import check_memory, check_torch, check_vocabulary
+from experiments.runs.retiming import retime
+from experiments.runs.sizing import KvSizing, fraction_tokens, model_shape, working_set_pages
 from experiments.workloads.generators import Workload
 from experiments.workloads.registry import make_workload
 from experiments.workloads.spec import RequestSpec
@@ -101,22 +101,22 @@ class CellConfig:
     async_scheduling: bool = False
     #: milliseconds per non-empty step of the fixed executor; required with it, refused otherwise
     step_ms: float | None = None
-    #: the backend's non-default constructor options (experiments/backend_options.py)
+    #: the backend's non-default constructor options (experiments/runs/backend_options.py)
     backend_options: dict[str, Any] = field(default_factory=dict)
     #: serving replicas, each with its own cache of `capacity_tokens` and its own executor,
     #: behind `router` (experiments/engine/cluster.py); 1 is single-replica serving
     replicas: int = 1
-    #: the router of a cluster (`experiments.routers.ROUTERS`); None with one replica
+    #: the router of a cluster (`experiments.engine.routers.ROUTERS`); None with one replica
     router: str | None = None
-    #: the router's non-default constructor options (experiments/routers/registry.py)
+    #: the router's non-default constructor options (experiments/engine/routers/registry.py)
     router_options: dict[str, Any] = field(default_factory=dict)
-    #: how `capacity_tokens` was given, when not in tokens (experiments/sizing.py): GB of KV
+    #: how `capacity_tokens` was given, when not in tokens (experiments/runs/sizing.py): GB of KV
     #: per replica, or vLLM's share of the device's memory (at most one of the two)
     capacity_gb: float | None = None
     gpu_memory_utilization: float | None = None
     #: or a share of the workload's working set (distinct pages), as libCacheSim sizes caches
     capacity_fraction: float | None = None
-    #: serving's arrivals re-timed (experiments/retiming.py): every time x `time_scale`, or a
+    #: serving's arrivals re-timed (experiments/runs/retiming.py): every time x `time_scale`, or a
     #: seeded Poisson process at `request_rate` requests/s (inf: all at 0); at most one
     time_scale: float | None = None
     request_rate: float | None = None
@@ -124,7 +124,7 @@ class CellConfig:
     #: good when its TTFT and TPOT are within every one given
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
-    #: what the numbers depend on beyond the settings (experiments/provenance.py): the code
+    #: what the numbers depend on beyond the settings (experiments/runs/provenance.py): the code
     #: version and input file digests; part of `key()`, so stale cells are never reused
     provenance: dict[str, str] = field(default_factory=dict)
 
@@ -370,7 +370,7 @@ def model_device(cfg: CellConfig) -> str:
 
 
 def check_model_run(cfg: CellConfig, workload: Workload, capacities: Sequence[int], models_at_once: int) -> None:
-    """`--executor model` refused before any work when it cannot run (experiments/model_fit.py):
+    """`--executor model` refused before any work when it cannot run (experiments/runs/model_fit.py):
     no torch, ids past the model's vocabulary, or `models_at_once` models (cells run at once x
     replicas) with their KV caches too large for the device."""
     if cfg.executor != "model":
@@ -425,7 +425,7 @@ def run_cell(cfg: CellConfig, workload: Workload | None = None, *, progress: boo
 
 
 def kv_capacity(cfg: CellConfig, workload: Workload | None = None) -> dict[str, Any]:
-    """The cell's KV capacity per replica in tokens, pages, bytes and GB (experiments/sizing.py);
+    """The cell's KV capacity per replica in tokens, pages, bytes and GB (experiments/runs/sizing.py);
     a `ConfigError` when `capacity_tokens` is not what `capacity_gb`,
     `gpu_memory_utilization` or `capacity_fraction` gives (a cell built by hand with both,
     before any work). A fraction is checked, and its working set recorded, given the `workload`."""
@@ -453,7 +453,7 @@ def kv_capacity(cfg: CellConfig, workload: Workload | None = None) -> dict[str, 
 
 
 def retimed(cfg: CellConfig, requests: list[RequestSpec]) -> list[RequestSpec]:
-    """Serving's requests re-timed by the cell's `time_scale` or `request_rate` (experiments/retiming.py)."""
+    """Serving's requests re-timed by the cell's `time_scale` or `request_rate` (experiments/runs/retiming.py)."""
     return retime(requests, time_scale=cfg.time_scale, request_rate=cfg.request_rate, seed=cfg.seed)
 
 
@@ -472,8 +472,8 @@ def _serve_cluster(cfg: CellConfig, workload: Workload, num_pages: int, progress
     its own executor, behind `cfg.router`: the cluster as one `serving` section, the
     `cluster` section (each replica's numbers, the router's) and every request's record
     with its `replica`. Each replica sets up the declared prefixes in its own cache."""
-    from experiments.cluster_metrics import cluster_section, merged_result, summed_stats
     from experiments.engine.cluster import serve_cluster
+    from experiments.report.cluster_metrics import cluster_section, merged_result, summed_stats
 
     n = cfg.replicas
     caches = [
@@ -504,7 +504,7 @@ def bounds(
     """Infinite-capacity and Belady hit rates (replay protocol) for each capacity; with
     cluster cells among `cells` their pooled caches (`pooled_bounds`), and with tiered
     cells among them Belady at their tiers' total capacity (`tiered_bounds`)."""
-    from experiments.oracle import belady_hits, infinite_hits, page_keys
+    from experiments.bounds.oracle import belady_hits, infinite_hits, page_keys
 
     keys = page_keys(workload.requests, page_size)
     inf = infinite_hits(workload.requests, page_size, keys=keys)
@@ -541,7 +541,7 @@ def tiered_bounds(workload: Workload, page_size: int, cells: Sequence[CellConfig
     tokens and, under the replay protocol, reuses no more than one cache of that size run
     by Belady. Keyed by the total in tokens (str), whole pages, with the cells' labels and
     their tiers' capacities."""
-    from experiments.oracle import belady_hits, infinite_hits
+    from experiments.bounds.oracle import belady_hits, infinite_hits
 
     out: dict[str, Any] = {}
     for cfg in cells:
@@ -567,7 +567,7 @@ def pooled_bounds(workload: Workload, page_size: int, clusters: Sequence[CellCon
     pages of one replica (the ideal of a KV store the replicas share, as Mooncake's): the
     replay hit rate of the cell's backend variant there, and Belady's there. Keyed by the
     pooled capacity in tokens (str), with the (replicas, tokens per replica) shapes it pools."""
-    from experiments.oracle import belady_hits
+    from experiments.bounds.oracle import belady_hits
 
     out: dict[str, Any] = {}
     for cfg in clusters:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.errors import InputError
-from experiments.runner import CellConfig
+from experiments.runs.runner import CellConfig
 
 #: the project's top-level packages, shipped to a cluster's workers
 PACKAGES = ("cachelib", "backends", "attention", "experiments")
@@ -47,7 +47,7 @@ def describe(cfg: CellConfig) -> str:
 
 def _run_cell_dict(config: dict[str, Any]) -> dict[str, Any]:
     """The remote task: rebuild the CellConfig from plain types and run it."""
-    from experiments.runner import CellConfig, run_cell
+    from experiments.runs.runner import CellConfig, run_cell
 
     return run_cell(CellConfig(**config))
 
@@ -55,7 +55,7 @@ def _run_cell_dict(config: dict[str, Any]) -> dict[str, Any]:
 def _runtime_env() -> dict[str, Any] | None:
     if os.environ.get("PCL_RAY_SHIP_CODE", "1") == "0":
         return None
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]  # the checkout: experiments/runs/ is two levels down
     return {"py_modules": [str(root / p) for p in PACKAGES], "excludes": ["__pycache__", "*.pyc", "data/*.jsonl"]}
 
 

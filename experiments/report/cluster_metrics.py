@@ -22,7 +22,7 @@ from cachelib.types import CacheStats
 from experiments.engine.cluster import ClusterResult
 from experiments.engine.request import ServingResult
 from experiments.engine.token_gaps import TokenGaps
-from experiments.metrics import NO_SLOS, Slos, latency_section
+from experiments.report.metrics import NO_SLOS, Slos, latency_section
 
 
 def merged_result(res: ClusterResult) -> ServingResult:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from experiments.routers.base import ClusterView, Router
+from experiments.engine.routers.base import ClusterView, Router
 from experiments.workloads.spec import RequestSpec
 
 

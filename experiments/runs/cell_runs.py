@@ -13,11 +13,11 @@ import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from experiments.backend_options import BackendVariant
-from experiments.cell_pool import CellPool, Failure, PickledOnce, Task, TasksFailed
-from experiments.cell_store import CellStore
-from experiments.results import EncodedRows
-from experiments.runner import PER_REQUEST, CellConfig, bounds, build_workload, run_cell
+from experiments.report.results import EncodedRows
+from experiments.runs.backend_options import BackendVariant
+from experiments.runs.cell_pool import CellPool, Failure, PickledOnce, Task, TasksFailed
+from experiments.runs.cell_store import CellStore
+from experiments.runs.runner import PER_REQUEST, CellConfig, bounds, build_workload, run_cell
 from experiments.workloads.generators import Workload
 
 
@@ -30,7 +30,7 @@ def cells_for(
 ) -> list[CellConfig]:
     """One cell per capacity x variant (capacity major), the rest as in `template`;
     `sizing`: per capacity (tokens), the CellConfig fields saying how it was given
-    (`capacity_gb` or `gpu_memory_utilization`, experiments/sizing.py; none: in tokens)."""
+    (`capacity_gb` or `gpu_memory_utilization`, experiments/runs/sizing.py; none: in tokens)."""
     return [
         dataclasses.replace(
             template,
@@ -79,7 +79,7 @@ def run_cells(
     its arguments hold it). None: each cell builds its own (a sweep's cells differ in workload).
 
     Cells already in `store` are reused; each cell that runs is saved there as it finishes.
-    `jobs` > 1 runs each cell in its own process (experiments/cell_pool.py); then a cell
+    `jobs` > 1 runs each cell in its own process (experiments/runs/cell_pool.py); then a cell
     that raises or dies does not stop the others, and `TasksFailed` names it at the end.
     Such a cell saves itself and sends back its per-request rows encoded (`run_and_save`).
     With one job cells run in this process and the first failure stops the run."""

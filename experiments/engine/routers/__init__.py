@@ -17,8 +17,8 @@ a router through this contract.
 
 from __future__ import annotations
 
-from experiments.routers.base import ClusterView, Router, RouterError, StaticView
-from experiments.routers.registry import ROUTERS, RouterVariant, make_router, resolve_routers
+from experiments.engine.routers.base import ClusterView, Router, RouterError, StaticView
+from experiments.engine.routers.registry import ROUTERS, RouterVariant, make_router, resolve_routers
 
 __all__ = [
     "ROUTERS",

@@ -16,14 +16,14 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from experiments.backend_options import OptionGiven, Variant, variant_label
+from experiments.engine.routers.affinity import ConsistentHash, Session
+from experiments.engine.routers.base import Router
+from experiments.engine.routers.cache_aware import CacheAware
+from experiments.engine.routers.kv_cost import KvCost
+from experiments.engine.routers.load import LeastLoad, PowerOfTwo, RandomRouter, RoundRobin
+from experiments.engine.routers.precise import Precise
 from experiments.errors import InputError, UsageError
-from experiments.routers.affinity import ConsistentHash, Session
-from experiments.routers.base import Router
-from experiments.routers.cache_aware import CacheAware
-from experiments.routers.kv_cost import KvCost
-from experiments.routers.load import LeastLoad, PowerOfTwo, RandomRouter, RoundRobin
-from experiments.routers.precise import Precise
+from experiments.runs.backend_options import OptionGiven, Variant, variant_label
 from experiments.workloads.registry import WorkloadError, coerce_knob
 
 #: every router, by `--router` name, in the order `--router` lists default to

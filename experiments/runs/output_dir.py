@@ -35,7 +35,7 @@ from pathlib import Path
 from types import TracebackType
 
 from experiments.errors import InputError
-from experiments.interrupts import DeferredInterrupts
+from experiments.runs.interrupts import DeferredInterrupts
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2

@@ -11,8 +11,8 @@ import math
 
 import numpy as np
 
-from experiments.routers.base import ClusterView, Router
-from experiments.routers.load import least_loaded
+from experiments.engine.routers.base import ClusterView, Router
+from experiments.engine.routers.load import least_loaded
 from experiments.workloads.spec import RequestSpec
 
 

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from experiments.engine.request import TIER_RECORD_KEYS
-from experiments.provenance import DISTRIBUTION, code_version, git_commit, package_version
-from experiments.report import render
-from experiments.runner import PER_REQUEST, CellConfig
+from experiments.report.render import render
+from experiments.runs.provenance import DISTRIBUTION, code_version, git_commit, package_version
+from experiments.runs.runner import PER_REQUEST, CellConfig
 from experiments.workloads.generators import Workload
 
 #: CellConfig fields shared by every cell of a document, shown in the report's header
@@ -157,7 +157,7 @@ def _has_tiers(records: list[dict[str, Any]]) -> bool:
 class EncodedRows:
     """One serving cell's lines of per_request.jsonl, encoded where the cell ran.
 
-    A cell run in a child process (experiments/cell_runs.py) sends these back instead of
+    A cell run in a child process (experiments/runs/cell_runs.py) sends these back instead of
     its records: the encoding (0.1 s per 12k requests) then runs beside the other cells,
     not in the parent after the last, and the records are not pickled to the parent. The
     lines are encoded as if the file had no tiered cell unless this one is (`tiered`);

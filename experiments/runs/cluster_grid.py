@@ -21,10 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cachelib import available_backends, get_backend
-from experiments.backend_options import BackendVariant
-from experiments.cell_runs import cells_for
-from experiments.errors import InputError
-from experiments.routers.registry import (
+from experiments.engine.routers.registry import (
     ROUTERS,
     RouterVariant,
     parse_router_opt,
@@ -32,7 +29,10 @@ from experiments.routers.registry import (
     router_class,
     split_router_list,
 )
-from experiments.runner import CellConfig
+from experiments.errors import InputError
+from experiments.runs.backend_options import BackendVariant
+from experiments.runs.cell_runs import cells_for
+from experiments.runs.runner import CellConfig
 
 
 @dataclass(frozen=True)
