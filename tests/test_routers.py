@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from cachelib import PageKeys
-from experiments.engine.routers import ROUTERS, StaticView, make_router, resolve_routers
+from experiments.engine.routers import ROUTERS, StaticView, make_router
 from experiments.engine.routers.approx_tree import ApproxTree, block_keys
-from experiments.engine.routers.registry import option_parameters, parse_router_opt
 from experiments.errors import InputError, UsageError
+from experiments.runs.router_options import option_parameters, parse_router_opt, resolve_routers
 from experiments.workloads.spec import RequestSpec
 
 

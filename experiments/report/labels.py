@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from experiments.engine.routers.registry import router_label
 from experiments.runs.backend_options import variant_label
+from experiments.runs.router_options import router_label
 
 
 def cell_label_of(config: dict[str, Any]) -> str:

@@ -14,9 +14,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from experiments.engine.routers.registry import router_label
 from experiments.report.labels import cell_label_of
 from experiments.runs.cell_pool import Task, TaskBeside
+from experiments.runs.router_options import router_label
 from experiments.runs.run_config import dump_toml
 
 #: the main table of each capacity: (column, getter, format). `{cache}` in a name reads

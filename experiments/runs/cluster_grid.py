@@ -21,17 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from cachelib import available_backends, get_backend
-from experiments.engine.routers.registry import (
-    ROUTERS,
-    RouterVariant,
-    parse_router_opt,
-    resolve_routers,
-    router_class,
-    split_router_list,
-)
+from experiments.engine.routers.registry import ROUTERS, router_class
 from experiments.errors import InputError
 from experiments.runs.backend_options import BackendVariant
 from experiments.runs.cell_runs import cells_for
+from experiments.runs.router_options import RouterVariant, parse_router_opt, resolve_routers, split_router_list
 from experiments.runs.runner import CellConfig
 
 

@@ -37,7 +37,7 @@ from experiments.engine import (
 )
 from experiments.engine.executors import DEVICE_PROFILES
 from experiments.engine.request import SCHEDULERS
-from experiments.engine.routers.registry import make_router, router_label
+from experiments.engine.routers.registry import make_router
 from experiments.errors import InputError
 from experiments.report.labels import cell_label_of
 from experiments.report.metrics import Slos, latency_section, serving_metrics
@@ -45,6 +45,7 @@ from experiments.runs import defaults
 from experiments.runs.backend_options import variant_label
 from experiments.runs.model_fit import check_memory, check_torch, check_vocabulary
 from experiments.runs.retiming import retime
+from experiments.runs.router_options import router_label
 from experiments.runs.sizing import KvSizing, fraction_tokens, model_shape, working_set_pages
 from experiments.workloads.generators import Workload
 from experiments.workloads.registry import make_workload

@@ -18,15 +18,13 @@ a router through this contract.
 from __future__ import annotations
 
 from experiments.engine.routers.base import ClusterView, Router, RouterError, StaticView
-from experiments.engine.routers.registry import ROUTERS, RouterVariant, make_router, resolve_routers
+from experiments.engine.routers.registry import ROUTERS, make_router
 
 __all__ = [
     "ROUTERS",
     "ClusterView",
     "Router",
     "RouterError",
-    "RouterVariant",
     "StaticView",
     "make_router",
-    "resolve_routers",
 ]
