@@ -327,7 +327,7 @@ def test_by_default_a_grid_leaves_out_event_routers_over_silent_backends():
     variants = [BackendVariant("apc"), BackendVariant("none")]
     shapes = cluster_shapes([1, 2], [], [])
     check_shapes(template, shapes, variants)
-    cells = cells_over(template, variants, [4000], 16, shapes)
+    cells = cells_over(template, variants, [4000], shapes)
     pairs = [(c.backend, c.router) for c in cells]
     assert pairs[:2] == [("apc", None), ("none", None)]
     assert {r for b, r in pairs if b == "apc"} == {None, *ROUTERS}

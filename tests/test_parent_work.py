@@ -117,7 +117,7 @@ def _cells() -> list[CellConfig]:
     template = CellConfig(
         backend="apc", workload="mooncake", capacity_tokens=0, knobs={"path": str(TRACE), "limit": 60}
     )
-    return cells_for(template, [BackendVariant("apc"), BackendVariant("radix")], [130_000, 600_000], page_size=16)
+    return cells_for(template, [BackendVariant("apc"), BackendVariant("radix")], [130_000, 600_000])
 
 
 def _workload_seen(tag: str, workload: Workload) -> tuple[str, int, bytes]:

@@ -25,7 +25,7 @@ def _cells() -> list[CellConfig]:
         backend="apc", workload="mooncake", capacity_tokens=0, knobs={"path": str(TRACE), "limit": 120}
     )
     variants = [BackendVariant("apc"), BackendVariant("radix"), BackendVariant("none")]
-    return cells_for(template, variants, [130_000, 600_000], page_size=16)
+    return cells_for(template, variants, [130_000, 600_000])
 
 
 def _run(tmp_path: Path, name: str, jobs: int, shared: bool) -> tuple[list[dict], dict]:
@@ -33,7 +33,7 @@ def _run(tmp_path: Path, name: str, jobs: int, shared: bool) -> tuple[list[dict]
     workload = build_workload(cells[0]) if shared else None
     store = CellStore(tmp_path / name)
     results, _ = run_cells(cells, jobs, store, progress=False, workload=workload)
-    return results, bounds_of(cells[0], 16, [130_000, 600_000], cells, workload)
+    return results, bounds_of(cells[0], [130_000, 600_000], cells, workload)
 
 
 @pytest.mark.parametrize("jobs", [1, 2])

@@ -395,54 +395,166 @@ def belady_hits(
     keys: PageKeys | None = None,
 ) -> dict[str, Any]:
     """Belady (farthest-next-use leaf eviction) at `capacity_pages` pages (None: unlimited),
-    under the replay protocol with `concurrency` requests in flight. See the module doc."""
+    under the replay protocol with `concurrency` requests in flight. See the module doc;
+    `keys` reuses a `page_keys` result for the same requests and page size."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     pk = keys if keys is not None else page_keys(requests, page_size)
     _check_keys(pk, requests, page_size)
-    n = len(pk)
-    P = pk.per_node
-    last_page = P - 1
-    need = [-(-p // page_size) for p in pk.prompt_lens]
-    total = [-(-(p + max(o - 1, 0)) // page_size) for p, o in zip(pk.prompt_lens, pk.output_lens, strict=True)]
-    if capacity_pages is None:
-        capacity = max(sum(total), 1)
-    elif isinstance(capacity_pages, bool) or not isinstance(capacity_pages, int) or capacity_pages < 1:
-        raise ValueError(f"capacity_pages must be a positive int or None, got {capacity_pages!r}")
-    else:
-        capacity = capacity_pages
-    # Admission needs only the page count, so who is unschedulable is policy-free; those
-    # requests never use a page and must not keep one alive.
-    scheduled = [need[i] <= capacity for i in range(n)]
-    use_req, use_count, use_top, use_start = _uses(pk, scheduled)
-    parent = array("i", pk.parent.tobytes())
-    m = pk.num_nodes
-    cached = [0] * m  # cached pages of each node (a prefix)
-    kids = [0] * m  # cached child nodes (children of its last page)
-    pinned = [0] * m  # pinned pages of each node (a prefix: the most any in-flight request holds)
-    holders = [0] * m  # in-flight requests holding pages of each node
-    shared: dict[int, list[int]] = {}  # node -> pages of it each holder holds, when two or more
-    stamp = [0] * m  # only a node's latest queue entry is valid
-    # Unpinned leaves queued for eviction: those nobody uses again first, in the order they
-    # became leaves (all tied at NEVER), then farthest next use first. An entry (…, node,
-    # low) stands for the node's top cached page and says pages low.. of the node share its
-    # next use. It is valid while its stamp is the node's and that page an unpinned leaf: a
-    # node's cached pages change only by its own entry's evictions, or pinned (inserted) and
-    # then queued anew when unpinned.
-    never: deque[tuple[int, int, int]] = deque()  # (stamp, node, low)
-    heap: list[tuple[int, int, int, int]] = []  # (-next use, stamp, node, low)
-    push = heapq.heappush
-    pop = heapq.heappop
-    counter = 0
-    tree_size = pinned_pages = private = 0
-    last_admitted = -1
-    evicted = truncated = 0
-    inflight: deque[tuple[list[int], int, int]] = deque()  # (nodes, pages held, private pages)
-    hits: list[int] = []
+    return Belady(pk, capacity_pages, concurrency).run()
 
-    def hold(ns: list[int], old: int, new: int) -> None:
+
+class Belady:
+    """The Belady bound's replay (module docstring): requests in trace order, each served
+    (`serve`: room made by finishing the oldest, its prompt admitted, its output decoded),
+    over a trie of cached pages whose unpinned leaves wait in two eviction queues.
+
+    State per node (a run of a chain's pages, `PageKeys`): `cached` pages (a prefix),
+    `kids` (cached child nodes), `pinned` pages (the most any in-flight request holds) and
+    `holders`, with the pages each holder holds in `shared` when two or more do. Unpinned
+    leaves are queued for eviction: those nobody uses again first, in the order they became
+    leaves (`never`, all tied at NEVER), then farthest next use first (`heap`). An entry
+    (…, node, low) stands for the node's top cached page and says pages low.. of the node
+    share its next use; it is valid while its stamp is the node's (`stamp`) and that page
+    an unpinned leaf: a node's cached pages change only by its own entry's evictions, or
+    pinned (inserted) and then queued anew when unpinned."""
+
+    def __init__(self, pk: PageKeys, capacity_pages: int | None, concurrency: int) -> None:
+        self.pk = pk
+        self.concurrency = concurrency
+        ps = pk.page_size
+        self.P = pk.per_node
+        self.need = [-(-p // ps) for p in pk.prompt_lens]
+        self.total = [-(-(p + max(o - 1, 0)) // ps) for p, o in zip(pk.prompt_lens, pk.output_lens, strict=True)]
+        if capacity_pages is None:
+            self.capacity = max(sum(self.total), 1)
+        elif isinstance(capacity_pages, bool) or not isinstance(capacity_pages, int) or capacity_pages < 1:
+            raise ValueError(f"capacity_pages must be a positive int or None, got {capacity_pages!r}")
+        else:
+            self.capacity = capacity_pages
+        self.unlimited = capacity_pages is None
+        # Admission needs only the page count, so who is unschedulable is policy-free; those
+        # requests never use a page and must not keep one alive.
+        self.scheduled = [self.need[i] <= self.capacity for i in range(len(pk))]
+        self.use_req, self.use_count, self.use_top, self.use_start = _uses(pk, self.scheduled)
+        self.parent = array("i", pk.parent.tobytes())
+        m = pk.num_nodes
+        self.cached, self.kids, self.pinned, self.holders, self.stamp = ([0] * m for _ in range(5))
+        self.shared: dict[int, list[int]] = {}
+        self.never: deque[tuple[int, int, int]] = deque()  # (stamp, node, low)
+        self.heap: list[tuple[int, int, int, int]] = []  # (-next use, stamp, node, low)
+        self.counter = self.tree_size = self.pinned_pages = self.private = 0
+        self.last_admitted = -1
+        self.evicted = self.truncated = 0
+        self.inflight: deque[tuple[list[int], int, int]] = deque()  # (nodes, pages held, private pages)
+        self.hits: list[int] = []
+
+    def run(self) -> dict[str, Any]:
+        for i in range(len(self.pk)):
+            self.serve(i)
+        while self.inflight:
+            self.finish_oldest()
+        assert self.pinned_pages == 0 and self.private == 0 and self.tree_size <= self.capacity, (
+            "belady: book-keeping broke"
+        )
+        result = _result("belady", self.pk, self.capacity, self.concurrency, self.hits, self.evicted, self.truncated)
+        result["capacity_unlimited"] = self.unlimited
+        return result
+
+    # -- a request -------------------------------------------------------------------------
+
+    def serve(self, i: int) -> None:
+        """Request i: room in flight, its prompt admitted (finishing the oldest for room), its
+        output decoded; unschedulable (hit -1) when its prompt exceeds the capacity."""
+        while len(self.inflight) >= self.concurrency:
+            self.finish_oldest()
+        if not self.scheduled[i]:
+            while self.inflight:  # the engine finishes everyone before giving up on a request
+                self.finish_oldest()
+            self.hits.append(-1)
+            return
+        ns = self.pk.nodes(i)
+        held, own = self.admit_prompt(i, ns)
+        held, own = self.decode(i, ns, held, own)
+        self.inflight.append((ns, held, own))
+
+    def admit_prompt(self, i: int, ns: list[int]) -> tuple[int, int]:
+        """Request i's prompt: its hit (the cached prefix of its hittable pages), room made
+        for the rest, its full pages inserted; returns (pages it holds, private pages)."""
+        pk, P, cached = self.pk, self.P, self.cached
+        prompt_full = pk.prompt_lens[i] // pk.page_size  # pages beyond it: generated (forced outputs)
+        h = _prefix(ns, P, cached, pk.hittable(i))
+        new = self.need[i] - h
+        if self.inflight:
+            while self.pinned_pages + self.private + new + h - _prefix(ns, P, self.pinned, h) > self.capacity:
+                self.finish_oldest()  # never with nothing in flight: then it fits (scheduled)
+        self.last_admitted = i
+        # The full last page beyond the cap may be cached already: the request recomputes it
+        # and then holds one copy. Keeping that copy costs nothing, so it is pinned as the
+        # request's own page; only when another request pins it does the recompute need a
+        # page of its own during prefill (then merged, as radix does at commit).
+        dup = transient = 0
+        if h < prompt_full:
+            k, j = ns[h // P], h % P
+            dup = int(cached[k] > j)
+            transient = int(dup and self.pinned[k] > j)
+        # Pinning the pages it computes before they exist changes nothing: making room
+        # looks only at cached pages, and these are not (one page at a time would pin them
+        # as they join the tree).
+        self.hold(ns, 0, prompt_full)
+        self.make_room(new - dup + transient)
+        own = self.need[i] - prompt_full  # the partial last page
+        self.insert(ns, h + dup, prompt_full)
+        self.private += own
+        self.hits.append(h * pk.page_size)
+        return prompt_full, own
+
+    def decode(self, i: int, ns: list[int], held: int, own: int) -> tuple[int, int]:
+        """Request i's output, all or nothing (truncated when it does not fit even alone):
+        generated pages a later prompt re-sends (forced outputs) join the tree as decoding
+        fills them, the rest stays private; returns (pages it holds, private pages)."""
+        full, prompt_full = self.pk.full_pages[i], held
+        grow = self.total[i] - self.need[i]
+        if grow <= 0 and full <= prompt_full:
+            return held, own
+        while self.pinned_pages + self.private + grow > self.capacity and self.inflight:
+            self.finish_oldest()
+        if self.pinned_pages + self.private + grow > self.capacity:
+            self.truncated += 1
+        elif full > prompt_full:
+            # (the prompt's partial page becomes the first generated one). Pages already
+            # cached are pinned first, so making room cannot evict them.
+            self.private -= own
+            have = _prefix(ns, self.P, self.cached, full)
+            self.hold(ns, prompt_full, full)
+            self.make_room(full - have + self.total[i] - full)
+            self.insert(ns, have, full)
+            held = full
+            own = self.total[i] - full
+            self.private += own
+        else:
+            self.make_room(grow)
+            self.private += grow
+            own += grow
+        return held, own
+
+    def finish_oldest(self) -> None:
+        """The oldest request in flight finishes: its pages unpinned, its last one queued."""
+        ns, held, own = self.inflight.popleft()
+        self.private -= own
+        self.hold(ns, held, 0)
+        if held:
+            P = self.P
+            k, j = ns[(held - 1) // P], (held - 1) % P
+            if self.pinned[k] <= j and self.cached[k] == j + 1 and (j < P - 1 or not self.kids[k]):
+                self.candidate(k, j)
+
+    # -- the trie ----------------------------------------------------------------------------
+
+    def hold(self, ns: list[int], old: int, new: int) -> None:
         """A request's held pages (a prefix of its chain) go from `old` to `new`."""
-        nonlocal pinned_pages
+        P, pinned, holders = self.P, self.pinned, self.holders
+        delta = 0
         lo, hi = (old, new) if old < new else (new, old)
         for b in range(lo // P, -(-hi // P)):
             k = ns[b]
@@ -455,136 +567,41 @@ def belady_hits(
             if not a_old and not holders[k]:  # the first holder: the common case
                 holders[k] = 1
                 pinned[k] = a_new
-                pinned_pages += a_new
+                delta += a_new
                 continue
             if holders[k] == 1 and a_old:  # the only holder
                 if not a_new:
                     holders[k] = 0
                 pinned[k] = a_new
-                pinned_pages += a_new - was
+                delta += a_new - was
                 continue
-            held = shared.get(k)
-            if held is None:
-                held = shared[k] = [was]
-            if a_old:
-                held.remove(a_old)
-            if a_new:
-                held.append(a_new)
-            holders[k] = len(held)
-            top = max(held) if held else 0
-            if len(held) < 2:
-                del shared[k]
-            pinned[k] = top
-            pinned_pages += top - was
+            delta += self._share(k, was, a_old, a_new)
+        self.pinned_pages += delta
 
-    def candidate(k: int, j: int) -> None:
-        """Page j of node k just became an unpinned leaf: queue it by its next use after the
-        latest admission (with the lowest page of the node sharing that next use)."""
-        nonlocal counter
-        counter += 1
-        stamp[k] = counter
-        lo, hi = use_start[k], use_start[k + 1]
-        pos = bisect_right(use_req, last_admitted, lo, hi)
-        if pos == hi or use_top[pos] <= j:
-            never.append((counter, k, use_top[pos] if pos < hi else 0))
-            return
-        low = 0
-        while use_count[pos] <= j:
-            if use_count[pos] > low:
-                low = use_count[pos]
-            pos += 1
-        push(heap, (-use_req[pos], counter, k, low))
+    def _share(self, k: int, was: int, a_old: int, a_new: int) -> int:
+        """Node k, held by several requests: one's hold goes from `a_old` to `a_new` pages;
+        returns how its pinned pages moved."""
+        held = self.shared.get(k)
+        if held is None:
+            held = self.shared[k] = [was]
+        if a_old:
+            held.remove(a_old)
+        if a_new:
+            held.append(a_new)
+        self.holders[k] = len(held)
+        top = max(held) if held else 0
+        if len(held) < 2:
+            del self.shared[k]
+        self.pinned[k] = top
+        return top - was
 
-    def evict(k: int, num: int) -> None:
-        """Node k's top `num` cached pages (unpinned leaves in turn) were evicted: queue the
-        new leaf. The caller counts them in `tree_size` and `evicted`."""
-        left = cached[k] = cached[k] - num
-        if left:
-            if pinned[k] < left:
-                candidate(k, left - 1)
-            return
-        p = parent[k]
-        if p >= 0:
-            kids[p] -= 1
-            if not kids[p] and pinned[p] < P:
-                candidate(p, last_page)
-
-    def make_room(num: int) -> None:
-        """Evict farthest-next-use leaves until `num` pages are free (the caller checked
-        that unpinned pages suffice), exactly as one page at a time would."""
-        nonlocal never, tree_size, evicted
-        short = num - (capacity - tree_size - private)
-        if short <= 0:
-            return
-        tree_size -= short  # all of them are evicted below
-        evicted += short
-        while short and never:
-            if short >= 2 * len(never):
-                # Whole rounds: each leaf in the queue gives one page and its parent page,
-                # tied at NEVER too, rejoins the back, so the queue's order is unchanged.
-                live = [
-                    e
-                    for e in never
-                    if stamp[e[1]] == e[0] and pinned[e[1]] < cached[e[1]] and (cached[e[1]] < P or not kids[e[1]])
-                ]
-                never = deque(live)
-                if not live:
-                    break
-                rounds = short // len(live)
-                for _, k, low in live:
-                    r = cached[k] - 1 - (low if low > pinned[k] else pinned[k])
-                    if r < rounds:
-                        rounds = r
-                if rounds > 0:
-                    for _, k, _ in live:
-                        cached[k] -= rounds
-                    short -= rounds * len(live)
-                    continue
-            # One page at a time, at most one round, then try whole rounds again.
-            steps = len(never)
-            popleft, append = never.popleft, never.append
-            while steps and short:
-                steps -= 1
-                e = popleft()
-                k = e[1]
-                c = cached[k]
-                if stamp[k] != e[0] or pinned[k] >= c or (c == P and kids[k]):
-                    continue  # stale: pinned, grew a child or re-queued since
-                short -= 1
-                if c - 1 > e[2] and pinned[k] < c - 1:  # the page below is NEVER too: no lookup
-                    cached[k] = c - 1
-                    append(e)
-                else:
-                    evict(k, 1)
-        while short:
-            _, s, k, low = pop(heap)
-            c = cached[k]
-            if stamp[k] != s or pinned[k] >= c or (c == P and kids[k]):
-                continue
-            # Its pages from `low` up share this next use, the farthest: evicting one exposes
-            # the next.
-            run = c - (low if low > pinned[k] else pinned[k])
-            run = short if short < run else run
-            short -= run
-            evict(k, run)
-
-    def finish_oldest() -> None:
-        nonlocal private
-        ns, held, own = inflight.popleft()
-        private -= own
-        hold(ns, held, 0)
-        if held:
-            k, j = ns[(held - 1) // P], (held - 1) % P
-            if pinned[k] <= j and cached[k] == j + 1 and (j < last_page or not kids[k]):
-                candidate(k, j)
-
-    def insert(ns: list[int], old: int, new: int) -> None:
+    def insert(self, ns: list[int], old: int, new: int) -> None:
         """Cache pages old..new-1 of a chain (uncached; the pages before them are cached).
         Nothing when old == new: the node may hold more cached pages than this chain has."""
-        nonlocal tree_size
         if new <= old:
             return
-        tree_size += new - old
+        P, cached, parent, kids = self.P, self.cached, self.parent, self.kids
+        self.tree_size += new - old
         b = old // P
         while b * P < new:
             k = ns[b]
@@ -593,68 +610,117 @@ def belady_hits(
             cached[k] = min(P, new - b * P)
             b += 1
 
-    for i in range(n):
-        while len(inflight) >= concurrency:
-            finish_oldest()
-        if not scheduled[i]:
-            while inflight:  # the engine finishes everyone before giving up on a request
-                finish_oldest()
-            hits.append(-1)
-            continue
-        ns = pk.nodes(i)
-        full = pk.full_pages[i]
-        prompt_full = pk.prompt_lens[i] // page_size  # pages beyond it: generated (forced outputs)
-        h = _prefix(ns, P, cached, pk.hittable(i))
-        new = need[i] - h
-        if inflight:
-            while pinned_pages + private + new + h - _prefix(ns, P, pinned, h) > capacity:
-                finish_oldest()  # never with nothing in flight: then it fits (scheduled)
-        last_admitted = i
-        # The full last page beyond the cap may be cached already: the request recomputes it
-        # and then holds one copy. Keeping that copy costs nothing, so it is pinned as the
-        # request's own page; only when another request pins it does the recompute need a
-        # page of its own during prefill (then merged, as radix does at commit).
-        dup = transient = 0
-        if h < prompt_full:
-            k, j = ns[h // P], h % P
-            dup = int(cached[k] > j)
-            transient = int(dup and pinned[k] > j)
-        # Pinning the pages it computes before they exist changes nothing: making room
-        # looks only at cached pages, and these are not (one page at a time would pin them
-        # as they join the tree).
-        hold(ns, 0, prompt_full)
-        make_room(new - dup + transient)
-        own = need[i] - prompt_full  # the partial last page
-        insert(ns, h + dup, prompt_full)
-        held = prompt_full
-        private += own
-        hits.append(h * page_size)
-        grow = total[i] - need[i]
-        if grow > 0 or full > prompt_full:
-            while pinned_pages + private + grow > capacity and inflight:
-                finish_oldest()
-            if pinned_pages + private + grow > capacity:
-                truncated += 1
-            elif full > prompt_full:
-                # Generated pages a later prompt re-sends join the tree as decoding fills them
-                # (the prompt's partial page becomes the first); the rest stays private. Pages
-                # already cached are pinned first, so making room cannot evict them.
-                private -= own
-                have = _prefix(ns, P, cached, full)
-                hold(ns, prompt_full, full)
-                make_room(full - have + total[i] - full)
-                insert(ns, have, full)
-                held = full
-                own = total[i] - full
-                private += own
+    def candidate(self, k: int, j: int) -> None:
+        """Page j of node k just became an unpinned leaf: queue it by its next use after the
+        latest admission (with the lowest page of the node sharing that next use)."""
+        self.counter += 1
+        counter = self.stamp[k] = self.counter
+        use_req, use_count, use_top = self.use_req, self.use_count, self.use_top
+        lo, hi = self.use_start[k], self.use_start[k + 1]
+        pos = bisect_right(use_req, self.last_admitted, lo, hi)
+        if pos == hi or use_top[pos] <= j:
+            self.never.append((counter, k, use_top[pos] if pos < hi else 0))
+            return
+        low = 0
+        while use_count[pos] <= j:
+            if use_count[pos] > low:
+                low = use_count[pos]
+            pos += 1
+        heapq.heappush(self.heap, (-use_req[pos], counter, k, low))
+
+    def evict(self, k: int, num: int) -> None:
+        """Node k's top `num` cached pages (unpinned leaves in turn) were evicted: queue the
+        new leaf. The caller counts them in `tree_size` and `evicted`."""
+        left = self.cached[k] = self.cached[k] - num
+        if left:
+            if self.pinned[k] < left:
+                self.candidate(k, left - 1)
+            return
+        p = self.parent[k]
+        if p >= 0:
+            self.kids[p] -= 1
+            if not self.kids[p] and self.pinned[p] < self.P:
+                self.candidate(p, self.P - 1)
+
+    # -- making room ------------------------------------------------------------------------
+
+    def make_room(self, num: int) -> None:
+        """Evict farthest-next-use leaves until `num` pages are free (the caller checked
+        that unpinned pages suffice), exactly as one page at a time would: the leaves
+        nobody uses again first (`evict_unused`), then by next use (`evict_farthest`)."""
+        short = num - (self.capacity - self.tree_size - self.private)
+        if short <= 0:
+            return
+        self.tree_size -= short  # all of them are evicted below
+        self.evicted += short
+        while short and self.never:
+            rounds = self.unused_rounds(short)
+            if rounds:
+                short -= rounds
+                continue
+            short = self.evict_unused(short)
+        self.evict_farthest(short)
+
+    def unused_rounds(self, short: int) -> int:
+        """When `short` covers two rounds of the never-used leaves: whole rounds at once
+        (each leaf gives one page and its parent page, tied at NEVER too, rejoins the back,
+        so the queue's order is unchanged); returns the pages so evicted (0: none)."""
+        never = self.never
+        if short < 2 * len(never):
+            return 0
+        cached, pinned, kids, stamp, P = self.cached, self.pinned, self.kids, self.stamp, self.P
+        live = [
+            e
+            for e in never
+            if stamp[e[1]] == e[0] and pinned[e[1]] < cached[e[1]] and (cached[e[1]] < P or not kids[e[1]])
+        ]
+        self.never = deque(live)
+        if not live:
+            return 0
+        rounds = short // len(live)
+        for _, k, low in live:
+            r = cached[k] - 1 - (low if low > pinned[k] else pinned[k])
+            if r < rounds:
+                rounds = r
+        if rounds <= 0:
+            return 0
+        for _, k, _ in live:
+            cached[k] -= rounds
+        return rounds * len(live)
+
+    def evict_unused(self, short: int) -> int:
+        """One page at a time from the never-used leaves, at most one round; returns the
+        pages still short."""
+        never = self.never
+        cached, pinned, kids, stamp, P = self.cached, self.pinned, self.kids, self.stamp, self.P
+        steps = len(never)
+        popleft, append = never.popleft, never.append
+        while steps and short:
+            steps -= 1
+            e = popleft()
+            k = e[1]
+            c = cached[k]
+            if stamp[k] != e[0] or pinned[k] >= c or (c == P and kids[k]):
+                continue  # stale: pinned, grew a child or re-queued since
+            short -= 1
+            if c - 1 > e[2] and pinned[k] < c - 1:  # the page below is NEVER too: no lookup
+                cached[k] = c - 1
+                append(e)
             else:
-                make_room(grow)
-                private += grow
-                own += grow
-        inflight.append((ns, held, own))
-    while inflight:
-        finish_oldest()
-    assert pinned_pages == 0 and private == 0 and tree_size <= capacity, "belady: book-keeping broke"
-    result = _result("belady", pk, capacity, concurrency, hits, evicted, truncated)
-    result["capacity_unlimited"] = capacity_pages is None
-    return result
+                self.evict(k, 1)
+        return short
+
+    def evict_farthest(self, short: int) -> None:
+        """`short` pages from the leaves by farthest next use; a run of a node's pages that
+        share it goes at once (evicting one exposes the next)."""
+        heap, pop = self.heap, heapq.heappop
+        cached, pinned, kids, stamp, P = self.cached, self.pinned, self.kids, self.stamp, self.P
+        while short:
+            _, s, k, low = pop(heap)
+            c = cached[k]
+            if stamp[k] != s or pinned[k] >= c or (c == P and kids[k]):
+                continue
+            run = c - (low if low > pinned[k] else pinned[k])
+            run = short if short < run else run
+            short -= run
+            self.evict(k, run)

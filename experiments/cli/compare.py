@@ -137,7 +137,7 @@ def _compare_locked(plan: Comparison) -> int:
         check_capacity(workload, cap, page_size)
     started = time.perf_counter()
     template = dataclasses.replace(plan.template, provenance=provenance(workload.config))
-    cells = cells_over(template, plan.variants, plan.capacities, page_size, plan.shapes, plan.sizing)
+    cells = cells_over(template, plan.variants, plan.capacities, plan.shapes, plan.sizing)
     skipped = left_out(plan.shapes, plan.variants)
     if skipped:  # nothing left out silently: say which default pairs cannot run
         print(
@@ -150,7 +150,7 @@ def _compare_locked(plan: Comparison) -> int:
         print(f"compare: {reused} of {len(cells)} cells reused from {store.directory}", file=sys.stderr)
     # the workload built once travels with each task: no cell re-reads the trace
     side = (
-        Task("bounds", bounds_of, (cells[0], page_size, plan.capacities, cells, workload)) if plan.with_bounds else None
+        Task("bounds", bounds_of, (cells[0], plan.capacities, cells, workload)) if plan.with_bounds else None
     )
     try:
         results, bound = run_cells(cells, plan.jobs, store, plan.progress, side, workload)

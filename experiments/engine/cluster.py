@@ -151,7 +151,7 @@ class ReplicaView:
     def loads(self, i: int) -> Loads:
         cached = self._loads[i]
         if cached is None:
-            cached = self._loads[i] = self.replicas[i].loads(self.page_size)
+            cached = self._loads[i] = self.replicas[i].loads()
         return cached
 
     def kv_usage(self, i: int) -> float:

@@ -210,7 +210,7 @@ class VllmScheduler:
             seq = r.seq = new_sequence(r.spec)
         return seq
 
-    def loads(self, page_size: int) -> Loads:
+    def loads(self) -> Loads:
         """Over the waiting and running requests: prompt tokens whose KV is not computed (a
         preempted request's prompt counts again) plus output tokens not generated; the prompt
         tokens alone; the full pages of their prompts."""
@@ -218,14 +218,14 @@ class VllmScheduler:
         for r in self.waiting:  # a waiting request has computed nothing
             prefill += r.spec.prompt_len
             outstanding += r.spec.prompt_len + r.target - r.generated
-            pages += r.spec.prompt_len // page_size
+            pages += r.spec.prompt_len // self.page
         rows = self.rows
         if len(rows):
             prompts = rows.total - rows.target
             left = prompts - np.minimum(rows.computed, prompts)
             prefill += int(left.sum())
             outstanding += int((left + rows.target - rows.generated).sum())
-            pages += int((prompts // page_size).sum())
+            pages += int((prompts // self.page).sum())
         return Loads(outstanding, prefill, pages)
 
     # -- the synchronous loop's step --------------------------------------------------------

@@ -25,10 +25,9 @@ def cells_for(
     template: CellConfig,
     variants: Sequence[BackendVariant],
     capacities: Sequence[int],
-    page_size: int,
     sizing: Mapping[int, Mapping[str, Any]] | None = None,
 ) -> list[CellConfig]:
-    """One cell per capacity x variant (capacity major), the rest as in `template`;
+    """One cell per capacity x variant (capacity major), the rest (the page size too) as in `template`;
     `sizing`: per capacity (tokens), the CellConfig fields saying how it was given
     (`capacity_gb` or `gpu_memory_utilization`, experiments/runs/sizing.py; none: in tokens)."""
     return [
@@ -37,7 +36,6 @@ def cells_for(
             backend=v.name,
             backend_options=v.options_dict(),
             capacity_tokens=cap,
-            page_size=page_size,
             **(sizing or {}).get(cap, {}),
         )
         for cap in capacities
@@ -52,15 +50,14 @@ def cell_label(cfg: CellConfig) -> str:
 
 def bounds_of(
     cfg: CellConfig,
-    page_size: int,
     capacities: list[int],
     cells: Sequence[CellConfig] = (),
     workload: Workload | None = None,
 ) -> dict[str, Any]:
-    """The bounds of `cfg`'s workload (`workload` when the caller built it already), with
-    the pooled caches of the cluster cells and the tiered bound of the tiered cells among
-    `cells` (a picklable task for `run_cells`'s `side`)."""
-    return bounds(workload or build_workload(cfg), page_size, capacities, cells)
+    """The bounds of `cfg`'s workload (`workload` when the caller built it already) at its
+    page size, with the pooled caches of the cluster cells and the tiered bound of the
+    tiered cells among `cells` (a picklable task for `run_cells`'s `side`)."""
+    return bounds(workload or build_workload(cfg), cfg.page_size, capacities, cells)
 
 
 def run_cells(

@@ -107,17 +107,16 @@ def cells_over(
     template: CellConfig,
     variants: Sequence[BackendVariant],
     capacities: Sequence[int],
-    page_size: int,
     shapes: Sequence[ClusterShape] = SINGLE,
     sizing: Mapping[int, Mapping[str, Any]] | None = None,
 ) -> list[CellConfig]:
-    """Capacity x shape x backend variant, the rest as in `template` (`sizing`: how each
-    capacity was given, see `cell_runs.cells_for`)."""
+    """Capacity x shape x backend variant, the rest (the page size too) as in `template`
+    (`sizing`: how each capacity was given, see `cell_runs.cells_for`)."""
     return [
         cell
         for cap in capacities
         for shape in shapes
         for cell in cells_for(
-            shape.apply(template), [v for v in variants if shape.pairs_with(v.name)], [cap], page_size, sizing
+            shape.apply(template), [v for v in variants if shape.pairs_with(v.name)], [cap], sizing
         )
     ]

@@ -20,7 +20,7 @@ import signal
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from attention.config import PRESETS as MODEL_PRESETS
 from cachelib import available_backends, create_cache, get_backend
@@ -50,6 +50,9 @@ from experiments.runs.sizing import KvSizing, fraction_tokens, model_shape, work
 from experiments.workloads.generators import Workload
 from experiments.workloads.registry import make_workload
 from experiments.workloads.spec import RequestSpec
+
+if TYPE_CHECKING:  # the bounds module is imported where bounds are computed (the functions below)
+    from experiments.bounds.oracle import PageKeys
 
 PROTOCOLS = ("replay", "serving", "both")
 #: cost: the roofline cost model; model: the real model; fixed: a constant `step_ms` per non-empty step
@@ -519,8 +522,8 @@ def bounds(
         out["belady"][str(cap)] = {"hit_rate": b["hit_rate"], "hit_tokens": b["hit_tokens"]}
     clusters = [c for c in cells if c.replicas > 1]
     if clusters:
-        out["pooled"] = pooled_bounds(workload, page_size, clusters, keys)
-    tiered = tiered_bounds(workload, page_size, cells, keys)
+        out["pooled"] = pooled_bounds(workload, clusters, keys)
+    tiered = tiered_bounds(workload, cells, keys)
     if tiered:
         out["tiered"] = tiered
     return out
@@ -536,14 +539,15 @@ def tier_capacities(cfg: CellConfig) -> dict[str, int]:
     return cache.tier_capacities()
 
 
-def tiered_bounds(workload: Workload, page_size: int, cells: Sequence[CellConfig], keys: Any) -> dict[str, Any]:
+def tiered_bounds(workload: Workload, cells: Sequence[CellConfig], keys: PageKeys) -> dict[str, Any]:
     """Belady at the total capacity of all tiers of each tiered cell (per replica) among
     `cells`: a policy that moves KV between GPU, host and storage keeps at most that many
     tokens and, under the replay protocol, reuses no more than one cache of that size run
     by Belady. Keyed by the total in tokens (str), whole pages, with the cells' labels and
-    their tiers' capacities."""
+    their tiers' capacities (at the keys' page size)."""
     from experiments.bounds.oracle import belady_hits, infinite_hits
 
+    page_size = keys.page_size
     out: dict[str, Any] = {}
     for cfg in cells:
         caps = tier_capacities(cfg)
@@ -563,13 +567,15 @@ def tiered_bounds(workload: Workload, page_size: int, cells: Sequence[CellConfig
     return out
 
 
-def pooled_bounds(workload: Workload, page_size: int, clusters: Sequence[CellConfig], keys: Any) -> dict[str, Any]:
+def pooled_bounds(workload: Workload, clusters: Sequence[CellConfig], keys: PageKeys) -> dict[str, Any]:
     """Each cluster's pooled cache, under the replay protocol: one cache of replicas x the
     pages of one replica (the ideal of a KV store the replicas share, as Mooncake's): the
     replay hit rate of the cell's backend variant there, and Belady's there. Keyed by the
-    pooled capacity in tokens (str), with the (replicas, tokens per replica) shapes it pools."""
+    pooled capacity in tokens (str), with the (replicas, tokens per replica) shapes it pools
+    (at the keys' page size)."""
     from experiments.bounds.oracle import belady_hits
 
+    page_size = keys.page_size
     out: dict[str, Any] = {}
     for cfg in clusters:
         total = cfg.replicas * (cfg.capacity_tokens // page_size) * page_size

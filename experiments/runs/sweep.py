@@ -81,13 +81,14 @@ def _grid(plan: SweepPlan) -> list[tuple[str, int, list[int], list[CellConfig]]]
         wl = build_workload(base)
         base = dataclasses.replace(base, provenance=provenance(wl.config))
         for page in plan.page_sizes:
+            at_page = dataclasses.replace(base, page_size=page)
             sized = fixed[page] if fixed else caps_given.cells(page, t.model, t.device, wl)
             caps = [tokens for tokens, _ in sized]
             at_once = min(plan.jobs, len(plan.variants) * len(caps) * len(plan.shapes))
-            check_model_run(base, wl, caps, at_once * max(shape.replicas for shape in plan.shapes))
+            check_model_run(at_page, wl, caps, at_once * max(shape.replicas for shape in plan.shapes))
             for cap in caps:
                 check_capacity(wl, cap, page)
-            cells = cells_over(base, plan.variants, caps, page, plan.shapes, dict(sized))
+            cells = cells_over(at_page, plan.variants, caps, plan.shapes, dict(sized))
             grid.append((wname, page, caps, cells))
     return grid
 
