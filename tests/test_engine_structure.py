@@ -1,5 +1,6 @@
 """The engine's shape, checked: no import cycles anywhere in the project, and on the engine
-path no `hasattr` capability probe and no function longer than a screen."""
+path no `hasattr` capability probe, no function longer than a screen and none with more than
+8 parameters (the policy's array rules, `kernels.py`, take the rows' fields one by one)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("cachelib", "backends", "attention", "experiments")
 #: the engine path: what a serving or replay run executes
-ENGINE = sorted((ROOT / "experiments" / "engine").glob("*.py")) + [ROOT / "tests" / "cached_runner.py"]
+ENGINE = sorted((ROOT / "experiments" / "engine").rglob("*.py")) + [ROOT / "tests" / "cached_runner.py"]
 MAX_FUNCTION_LINES = 60
+MAX_PARAMETERS = 8
+#: functions over arrays whose parameters are the rows' fields (compiled by numba: no objects)
+MANY_PARAMETERS = {ROOT / "experiments" / "engine" / "kernels.py"}
 
 
 def _modules() -> dict[str, Path]:
@@ -88,3 +92,10 @@ def test_engine_path_has_no_hasattr_and_short_functions():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 length = node.end_lineno - node.lineno + 1
                 assert length <= MAX_FUNCTION_LINES, f"{path.name}:{node.lineno} {node.name} is {length} lines"
+                a = node.args
+                names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)] + [
+                    x.arg for x in (a.vararg, a.kwarg) if x is not None
+                ]
+                params = len([n for n in names if n not in ("self", "cls")])
+                if path not in MANY_PARAMETERS:
+                    assert params <= MAX_PARAMETERS, f"{path.name}:{node.lineno} {node.name} takes {params} parameters"

@@ -163,6 +163,27 @@ def add_run_arguments(p: argparse.ArgumentParser, many_backends: bool) -> None:
     )
     p.add_argument("--seed", type=int, default=defaults.SEED, help="seeds the workload generator and every random draw")
     add_capacity_options(p)
+    add_execution_options(p)
+    add_backend_options(p)
+    add_cluster_options(p)
+    add_timing_options(p)
+    p.add_argument("--jobs", type=positive_int, default=defaults.JOBS, help="cells run in this many local processes")
+    p.add_argument(
+        "--output-dir",
+        default=str(defaults.OUTPUT_DIR),
+        help="the report's folder, replaced whole when the run ends (results.json, report.md, config.toml, ...)",
+    )
+    p.add_argument("--no-bounds", action="store_true", help="skip the infinite and Belady bounds")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress output (the bars are already quiet when stderr is not a terminal)",
+    )
+
+
+def add_execution_options(p: argparse.ArgumentParser) -> None:
+    """How a cell runs: the protocol, the executor and its device and model, the serving
+    policy and its budget."""
     p.add_argument(
         "--protocol",
         default=defaults.PROTOCOL,
@@ -213,22 +234,7 @@ def add_run_arguments(p: argparse.ArgumentParser, many_backends: bool) -> None:
     p.add_argument(
         "--async-scheduling",
         action="store_true",
-        help="vLLM's async scheduling: two batches in flight, admissions slip a step (--scheduler vllm only)",
-    )
-    add_backend_options(p)
-    add_cluster_options(p)
-    add_timing_options(p)
-    p.add_argument("--jobs", type=positive_int, default=defaults.JOBS, help="cells run in this many local processes")
-    p.add_argument(
-        "--output-dir",
-        default=str(defaults.OUTPUT_DIR),
-        help="the report's folder, replaced whole when the run ends (results.json, report.md, config.toml, ...)",
-    )
-    p.add_argument("--no-bounds", action="store_true", help="skip the infinite and Belady bounds")
-    p.add_argument(
-        "--no-progress",
-        action="store_true",
-        help="no progress output (the bars are already quiet when stderr is not a terminal)",
+        help="vLLM's async scheduling: two batches in flight, admissions slip a step",
     )
 
 
