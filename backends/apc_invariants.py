@@ -28,7 +28,7 @@ def check_apc(cache: APCCache) -> None:
     used = queue.num_used  # ids 0 .. used-1 were handed out; the others never were
     ref, hashed = cache._ref, index.cached
     hashes = index.digests(np.arange(hashed.size))
-    if not ref.size == hashed.size or not used <= ref.size <= cache.num_pages:
+    if ref.size != hashed.size or not used <= ref.size <= cache.num_pages:
         fail(f"per-block arrays of sizes {ref.size}/{hashed.size} for {used} blocks handed out")
     if ref[used:].any() or hashed[used:].any():
         fail("a block never handed out is referenced or hashed")

@@ -31,7 +31,7 @@ SLOW = {name for name in GOLDENS if name.startswith("mooncake")}
 
 
 def load(name: str) -> tuple[dict, list[RequestSpec]]:
-    golden = json.loads(gzip.open(FIXTURES / f"{name}.offload.golden.json.gz").read())
+    golden = json.loads(gzip.decompress((FIXTURES / f"{name}.offload.golden.json.gz").read_bytes()))
     trace = golden["trace"]
     path = ROOT / trace["path"]
     if path.name.startswith("mooncake"):
@@ -95,6 +95,8 @@ def test_per_request_hits_by_tier_equal_vllm(name):
 
 def test_the_goldens_load_from_the_host_and_evict_on_it():
     """The goldens exercise what they are for: loads, host evictions, refused stores."""
-    totals = [json.loads(gzip.open(FIXTURES / f"{n}.offload.golden.json.gz").read())["totals"] for n in GOLDENS]
+    totals = [
+        json.loads(gzip.decompress((FIXTURES / f"{n}.offload.golden.json.gz").read_bytes()))["totals"] for n in GOLDENS
+    ]
     assert all(t["host_loaded_tokens"] > 0 and t["evicted_chunks"] > 0 for t in totals)
     assert any(t["failed_stores"] > 0 for t in totals)

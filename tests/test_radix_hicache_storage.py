@@ -21,7 +21,7 @@ from experiments.errors import InputError
 from experiments.runs.backend_options import OptionGiven, resolve_variants
 from experiments.workloads.spec import RequestSpec
 
-A = list(range(0, 12))
+A = list(range(12))
 B = list(range(100, 112))
 C = list(range(200, 212))
 D = list(range(300, 312))

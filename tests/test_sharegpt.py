@@ -71,7 +71,7 @@ def test_sharegpt_with_a_tokenizer_json():
     vocab = json.loads(TOKENIZER.read_text())["model"]["vocab"]
     first = wl.requests[0] if wl.requests[0].request_id == "sharegpt0-turn0" else None
     assert first is not None
-    words = "You are a helpful assistant who answers briefly .".split()
+    words = ["You", "are", "a", "helpful", "assistant", "who", "answers", "briefly", "."]
     assert first.prompt.tolist()[: len(words)] == [vocab[w] for w in words]
     with pytest.raises(ValueError, match="vocab_size applies to the built-in tokenizer only"):
         load_sharegpt(FIXTURE, str(TOKENIZER), vocab_size=100)

@@ -31,7 +31,7 @@ DECISIONS = ("hit_tokens_first", "preemptions", "first_token_step", "finish_step
 
 
 def load(name: str) -> tuple[dict, list[RequestSpec]]:
-    golden = json.loads(gzip.open(FIXTURES / f"{name}.golden.json.gz").read())
+    golden = json.loads(gzip.decompress((FIXTURES / f"{name}.golden.json.gz").read_bytes()))
     trace = golden["trace"]
     path = ROOT / trace["path"]
     if trace["kind"] == "mooncake":
@@ -106,7 +106,10 @@ def test_decode_windows_and_batched_commits_change_nothing(name):
 
 def test_the_goldens_cover_what_the_issue_names():
     """Memory pressure (preemptions), async, and the issue's reference figures."""
-    totals = {name: json.loads(gzip.open(FIXTURES / f"{name}.golden.json.gz").read())["totals"] for name in GOLDENS}
+    totals = {
+        name: json.loads(gzip.decompress((FIXTURES / f"{name}.golden.json.gz").read_bytes()))["totals"]
+        for name in GOLDENS
+    }
     mc = "mooncake_conversation_2000.first1000.cap{}.{}"
     assert {k: totals[mc.format(200000, "sync")][k] for k in ("hit_tokens_first", "preemptions", "steps")} == {
         "hit_tokens_first": 511_488,

@@ -149,9 +149,7 @@ def _compare_locked(plan: Comparison) -> int:
     if reused:
         print(f"compare: {reused} of {len(cells)} cells reused from {store.directory}", file=sys.stderr)
     # the workload built once travels with each task: no cell re-reads the trace
-    side = (
-        Task("bounds", bounds_of, (cells[0], plan.capacities, cells, workload)) if plan.with_bounds else None
-    )
+    side = Task("bounds", bounds_of, (cells[0], plan.capacities, cells, workload)) if plan.with_bounds else None
     try:
         results, bound = run_cells(cells, plan.jobs, store, plan.progress, side, workload)
     except TasksFailed as exc:

@@ -116,7 +116,5 @@ def cells_over(
         cell
         for cap in capacities
         for shape in shapes
-        for cell in cells_for(
-            shape.apply(template), [v for v in variants if shape.pairs_with(v.name)], [cap], sizing
-        )
+        for cell in cells_for(shape.apply(template), [v for v in variants if shape.pairs_with(v.name)], [cap], sizing)
     ]

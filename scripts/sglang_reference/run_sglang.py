@@ -1147,7 +1147,11 @@ def main(argv: list[str] | None = None) -> int:
         "kind": kind,
         "path": rel,
         "sha256": sha256_of(path),
-        **({"sha256_uncompressed": hashlib.sha256(gzip.open(path).read()).hexdigest()} if path.suffix == ".gz" else {}),
+        **(
+            {"sha256_uncompressed": hashlib.sha256(gzip.decompress(path.read_bytes())).hexdigest()}
+            if path.suffix == ".gz"
+            else {}
+        ),
         "requests": len(requests),
         "prompt_tokens": sum(len(p) for p, _ in requests),
         "output_tokens": sum(o for _, o in requests),
