@@ -7,7 +7,8 @@
 # compiles apc's hash chains). torch is only the `model` extra: `make check-no-torch`
 # installs the project without it (and without numba) into a fresh venv and runs it.
 # `make compare` is the main job (every backend on the default workload, report in
-# reports/latest/); `make test` runs the suite (what CI runs).
+# reports/latest/); `make test` runs lint and the suite (what CI runs), `make test-all` the
+# slow cases too.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -19,7 +20,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 TRACE ?= traces/conversation_trace.jsonl
 NOTORCH := .venv-notorch
 
-.PHONY: setup test compare replay mooncake tiers bench lint clean check-no-torch
+.PHONY: setup test test-all compare replay mooncake tiers bench lint clean check-no-torch
 
 setup: $(STAMP)
 
@@ -30,8 +31,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev,ray,model,tokenizers,pandas,fast]'
 	touch $(STAMP)
 
+# the suite in parallel (pytest-xdist), lint first; slow cases (marked `slow`) wait for test-all
 test: setup
-	$(BIN)/python -m pytest
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -n auto
+
+# everything, slow cases included (the GPU cases skip without CUDA)
+test-all: setup
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -n auto -m "not gpu"
 
 compare: setup
 	$(BIN)/python -m experiments compare --output-dir reports/latest

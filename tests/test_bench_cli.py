@@ -191,6 +191,7 @@ def _callgrind_or_skip():
         pytest.skip("needs valgrind and gcc")
 
 
+@pytest.mark.slow  # valgrind: a minute on a 2-core machine
 def test_instruction_counts_of_a_speed_row(tmp_path):
     """`instructions` counts what `speed_targets` times: the instructions inside the timed
     regions (a prefill, a decode's grow and commit, a release per request), the clock's

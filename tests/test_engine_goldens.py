@@ -13,13 +13,18 @@ from tests.engine_goldens import GOLDENS, cases, digest, run_case, summary
 
 EXPECTED = json.loads(GOLDENS.read_text())
 CASES = list(cases())
+#: the suite's default run takes every other serving case (both loops, every backend and
+#: workload still among them); `make test-all` runs them all
+SERVING = [c for c in CASES if c.kind == "serve"]
+SLOW = {c.name for c in SERVING[1::2]}
+PARAMS = [pytest.param(c, id=c.name, marks=[pytest.mark.slow] if c.name in SLOW else []) for c in CASES]
 
 
 def test_every_case_has_a_golden():
     assert sorted(c.name for c in CASES) == sorted(EXPECTED)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize("case", PARAMS)
 def test_the_engine_gives_the_golden_outcome(case):
     outcome = run_case(case)
     want = EXPECTED[case.name]

@@ -99,3 +99,56 @@ def test_engine_path_has_no_hasattr_and_short_functions():
                 params = len([n for n in names if n not in ("self", "cls")])
                 if path not in MANY_PARAMETERS:
                     assert params <= MAX_PARAMETERS, f"{path.name}:{node.lineno} {node.name} takes {params} parameters"
+
+
+# -- the import facts docs/architecture.md states ------------------------------------------------
+
+
+def _imports_of(prefix: str) -> dict[str, set[str]]:
+    """Module -> the project modules it imports at run time (under `prefix`)."""
+    graph = _graph()
+    return {m: t for m, t in graph.items() if m == prefix or m.startswith(prefix + ".")}
+
+
+def _roots(targets: set[str]) -> set[str]:
+    return {t.split(".")[0] for t in targets}
+
+
+def test_the_contract_and_the_backends_import_no_experiment_and_no_attention():
+    for prefix in ("cachelib", "backends"):
+        for m, targets in _imports_of(prefix).items():
+            assert not _roots(targets) & {"experiments", "attention"}, (m, targets)
+
+
+def test_the_engine_imports_the_contract_itself_the_spec_and_the_errors_only():
+    allowed = ("cachelib", "experiments.engine", "experiments.workloads.spec", "experiments.errors")
+    for m, targets in _imports_of("experiments.engine").items():
+        for t in targets:
+            if t == "experiments" or t == "experiments.workloads":  # packages a dotted import passes through
+                continue
+            if t.startswith("attention"):
+                assert m == "experiments.engine.executors" and t in ("attention", "attention.model"), (m, t)
+                continue
+            assert any(t == a or t.startswith(a + ".") for a in allowed), (m, t)
+
+
+def test_attention_model_is_imported_only_inside_functions_outside_attention():
+    for name, path in _modules().items():
+        if name.startswith(("attention", "experiments.bench")):
+            continue
+        tree = ast.parse(path.read_text())
+        for node in tree.body:  # module level: only the config (shapes, no torch)
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("attention"):
+                assert node.module == "attention.config", (name, node.module)
+            if isinstance(node, ast.Import):
+                assert not any(a.name.startswith("attention") for a in node.names), name
+
+
+def test_workloads_import_no_engine_run_report_or_cli():
+    for m, targets in _imports_of("experiments.workloads").items():
+        bad = {
+            t
+            for t in targets
+            if t.startswith(("experiments.engine", "experiments.runs", "experiments.report", "experiments.cli"))
+        }
+        assert not bad, (m, bad)

@@ -1,9 +1,10 @@
 """The serving protocol's driver (docs/design.md §6): continuous batching on a virtual clock.
 
-Arrivals come off the `VirtualClock` into one `Scheduler`; each scheduler step advances the
-clock by what the executor says the step took (cost model) or took (model); with nothing to
-run, the clock jumps to the next arrival. What a step decides is the scheduler's (see
-`experiments/engine/scheduler.py`); this module only drives it.
+Arrivals come off the `VirtualClock` into one replica's policy (`--scheduler`: `vllm.VllmScheduler`);
+each step advances the clock by what the executor says the step took (cost model) or took
+(model); with nothing to run, the clock jumps to the next arrival. What a step decides is the
+policy's; this module only drives it, synchronously (`drive`) or with vLLM's two batches in
+flight (`drive_async`).
 """
 
 from __future__ import annotations

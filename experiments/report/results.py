@@ -101,8 +101,39 @@ def write(doc: dict[str, Any], out_dir: str | Path, jobs: int = 1) -> list[Path]
     > 1 draws some figures in a child process (`report.render`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (out / "results.json").write_text(document_text(doc))
     return [out / "results.json", *render(doc, out, jobs)]
+
+
+def document_text(doc: Any) -> str:
+    """`doc` as `results.json` holds it: objects one key a line (indent 1), and every array
+    of numbers, strings or such arrays on one line (a timeline, per-request hits): the same
+    JSON as `json.dumps(doc, indent=1)`, without a line per number."""
+    return _text(doc, 0) + "\n"
+
+
+def _text(x: Any, depth: int) -> str:
+    if isinstance(x, dict):
+        if not x:
+            return "{}"
+        pad = " " * (depth + 1)
+        items = [f"{pad}{json.dumps(str(k))}: {_text(v, depth + 1)}" for k, v in x.items()]
+        return "{\n" + ",\n".join(items) + "\n" + " " * depth + "}"
+    if isinstance(x, list | tuple) and not _flat(x):
+        if not x:
+            return "[]"
+        pad = " " * (depth + 1)
+        return "[\n" + ",\n".join(pad + _text(v, depth + 1) for v in x) + "\n" + " " * depth + "]"
+    return json.dumps(x)
+
+
+def _flat(x: list | tuple) -> bool:
+    """Scalars, or arrays of scalars: written on one line."""
+    return all(not isinstance(v, dict | list | tuple) or (isinstance(v, list | tuple) and _scalars(v)) for v in x)
+
+
+def _scalars(x: list | tuple) -> bool:
+    return all(not isinstance(v, dict | list | tuple) for v in x)
 
 
 #: encodes each row as `json.dumps(row, separators=(",", ":"), allow_nan=False)` does, one
