@@ -95,5 +95,5 @@ def test_every_prompt_is_built_once_over_a_run(drive_loop, config):
 def test_loads_count_a_waiting_requests_whole_prompt_without_building_it():
     specs, sources = requests(5)
     s = added(scheduler(specs, 64), specs)
-    assert s.loads(PAGE) == (5 * (PROMPT + OUTPUT), 5 * PROMPT, 5 * (PROMPT // PAGE))  # outstanding, prefill, pages
+    assert s.loads() == (5 * (PROMPT + OUTPUT), 5 * PROMPT, 5 * (PROMPT // PAGE))  # outstanding, prefill, pages
     assert sum(src.built for src in sources) == 0
