@@ -69,15 +69,15 @@ class RunningRows:
         """Point every field at its block's live prefix."""
         n = self._n
         views = (*self._ints[:, :n], self._last[:n], *self._flags[:, :n])
-        for name, view in zip(self.FIELDS, views, strict=True):
-            setattr(self, name, view)
+        self.__dict__.update(zip(self.FIELDS, views, strict=True))  # (one update: rows join and leave every few steps)
         self._views = views
 
     def _settle(self) -> None:
         """Copy a field rebound since the last `_bind` back into its block (its length must
         still be the row count: anything else is an engine bug, and raises)."""
+        fields = self.__dict__
         for name, view in zip(self.FIELDS, self._views, strict=True):
-            arr = getattr(self, name)
+            arr = fields[name]
             if arr is not view:
                 if arr.shape != view.shape:
                     raise ValueError(f"row field {name!r} has {arr.shape} rows, the running list {view.shape}")

@@ -100,6 +100,9 @@ class StepPlan:
     requests: list[Request] | None = None
     preempted: bool = False
     admitted: bool = False
+    #: the rows admitted this step, `n` and `start` each, until `close_admissions`
+    joined_n: list[int] = field(default_factory=list)
+    joined_start: list[int] = field(default_factory=list)
     index: int | None = None
     end: float = 0.0
 
@@ -107,6 +110,20 @@ class StepPlan:
     def empty(self) -> bool:
         """Nothing scheduled: the step takes no time."""
         return not np.count_nonzero(self.n)
+
+    def join(self, n: int, start: int) -> None:
+        """A row admitted with `n` tokens from `start` (a list append: the arrays grow once,
+        in `close_admissions`)."""
+        self.joined_n.append(n)
+        self.joined_start.append(start)
+        self.admitted = True
+
+    def close_admissions(self) -> None:
+        """The rows admitted this step join `n` and `start`."""
+        if self.joined_n:
+            self.n = np.concatenate((self.n, np.array(self.joined_n, dtype=np.int64)))
+            self.start = np.concatenate((self.start, np.array(self.joined_start, dtype=np.int64)))
+            self.joined_n, self.joined_start = [], []
 
 
 class VllmScheduler:
@@ -280,6 +297,7 @@ class VllmScheduler:
             budget -= int(plan.n.sum())
         if not plan.preempted and (self.waiting or self.loading):
             self.admit_waiting(plan, budget)
+            plan.close_admissions()
         rows = self.rows
         plan.sampled = self.kernels.after_schedule(
             rows.computed, rows.known, rows.placeholders, rows.in_flight, plan.n, self.async_scheduling
@@ -299,13 +317,15 @@ class VllmScheduler:
             budget, self.page, self.lazy, self.quiet_fills,
         )  # fmt: skip
         plan.n, plan.start = n, rows.computed.copy()
-        unproven = self.unproven(rows.computed + n, (kind >= K.EXCUSED) & (kind < K.CALLS))
+        unproven = None
+        if self.promise != K.PROMISE_ALWAYS:  # (the arguments cost more than the rest of a plain step)
+            unproven = self.unproven(rows.computed + n, (kind >= K.EXCUSED) & (kind < K.CALLS))
         if unproven is not None:
             self.call_rows_checked(plan, kind, unproven)
         else:
             todo = np.flatnonzero(kind > K.EXCUSED)
             if todo.size:
-                self.call_rows(plan, todo.tolist(), kind[todo].tolist())
+                self.call_rows(plan, todo, kind[todo].tolist())
         m = len(self.running)
         if m != len(plan.n):  # preempted: the rows it removed leave the plan
             plan.n, plan.start = plan.n[:m], plan.start[:m]
@@ -322,50 +342,54 @@ class VllmScheduler:
         )
         return unproven if np.count_nonzero(unproven) else None
 
-    def call_rows(self, plan: StepPlan, todo: list[int], kinds: list[int]) -> None:
-        """The cache calls of rows `todo` (their `kinds`), in row order, in one timed region
+    def call_rows(self, plan: StepPlan, rows: np.ndarray, kinds: list[int]) -> None:
+        """The cache calls of `rows` (their `kinds`), in row order, in one timed region
         (`CacheClient.advance_all`) up to a grow that does not fit: its preemptions run
         outside it (`preempt_for`), then the calls of the rows still running resume. Every
         row is brought up to date first (a call reads only its own row's sequence)."""
-        steps = self.advance_steps(plan, todo, kinds)
+        steps = self.advance_steps(plan, rows, kinds)
         pos = 0
-        while pos < len(todo):
+        while pos < len(rows):
             done = self.client.advance_all(steps[pos:])
             made = done if done[-1] is not None else done[:-1]
-            self.rows_called(todo[pos : pos + len(made)], made)
+            self.rows_called(rows[pos : pos + len(made)].tolist(), made)
             pos += len(done)
             if done[-1] is not None:
                 continue  # every call made
-            i = todo[pos - 1]  # its grow did not fit: its flush is made
+            i = int(rows[pos - 1])  # its grow did not fit: its flush is made
             seq, _, end, published = steps[pos - 1]
             ops = self.preempt_for(self.running[i], end, published, plan)
             if ops is None:
                 return  # it preempted itself: the running pass stops there
             self.rows_called([i], [ops])
-            left = len(self.running)  # the rows preempted for it are gone
-            keep = [j for j in range(pos, len(todo)) if todo[j] < left]
-            todo, steps, pos = [todo[j] for j in keep], [steps[j] for j in keep], 0
+            keep = pos + np.flatnonzero(rows[pos:] < len(self.running))  # the rows preempted for it are gone
+            rows, steps, pos = rows[keep], [steps[j] for j in keep.tolist()], 0
 
-    def advance_steps(self, plan: StepPlan, todo: list[int], kinds: list[int]) -> list[tuple]:
-        """Each row of `todo` brought up to date, and its `CacheClient.advance_all` step: a
+    def advance_steps(self, plan: StepPlan, todo: np.ndarray, kinds: list[int]) -> list[tuple]:
+        """Each of the rows `todo` brought up to date, and its `CacheClient.advance_all` step: a
         FILLS row only publishes to its end; a NEW_PAGE row flushes and grows; any other
         flushes, grows and publishes its known tokens (`min(end, known)`). The flush is the
         commit the lazy rule deferred (to the row's computed count); without the rule there
         is none (async: computed tokens past the known ones are not published)."""
-        rows, running = self.rows, self.running
-        starts, ns = plan.start, plan.n
+        rows, running, lazy = self.rows, self.running, self.lazy
+        # one gather per field, then plain ints: a numpy scalar read per row costs more than the row's rule
+        known, starts = rows.known[todo], plan.start[todo]
+        holds = (known + rows.placeholders[todo]).tolist()
+        ends = (starts + plan.n[todo]).tolist()
         steps = []
-        for i, kind in zip(todo, kinds, strict=True):
-            seq = self.materialize(running[i], rows.known[i] + rows.placeholders[i])
-            start = int(starts[i])
-            end = start + int(ns[i])
-            flush = start if self.lazy else seq.num_computed
+        fields = zip(todo.tolist(), kinds, holds, starts.tolist(), ends, known.tolist(), strict=True)
+        for i, kind, have, start, end, kn in fields:
+            r = running[i]
+            seq = r.seq
+            if have > len(seq):  # (`materialize`, inline: this loop is the step's hot path)
+                self.append_outputs(r, self.executor.fresh_token_run(have - len(seq)))
+            flush = start if lazy else seq.num_computed
             if kind == K.FILLS:
                 steps.append((seq, 0, None, end))
             elif kind == K.NEW_PAGE:
                 steps.append((seq, flush, end, 0))
             else:
-                steps.append((seq, flush, end, min(end, int(rows.known[i]))))
+                steps.append((seq, flush, end, min(end, kn)))
         return steps
 
     def call_rows_checked(self, plan: StepPlan, kind: np.ndarray, unproven: np.ndarray) -> None:
@@ -380,7 +404,7 @@ class VllmScheduler:
                 k = K.CALLS  # the condition fails now: every call, as without the promise
             elif k == K.EXCUSED:
                 continue
-            seq, flush, end, published = self.advance_steps(plan, [i], [k])[0]
+            seq, flush, end, published = self.advance_steps(plan, np.array([i]), [k])[0]
             if end is None:
                 self.publish(seq, published)
                 ops: list[CopyOp] | None = []
@@ -408,10 +432,12 @@ class VllmScheduler:
             if o:
                 self.executor.apply_copies(o)
         rows, running, page = self.rows, self.running, self.page
+        # a scalar write per row: for the ~15 rows a step calls, cheaper than building arrays to scatter
+        capacity, committed = rows.capacity, rows.committed
         for i in called:
             seq = running[i].seq
-            rows.capacity[i] = len(seq.page_table) * page
-            rows.committed[i] = seq.num_computed
+            capacity[i] = len(seq.page_table) * page
+            committed[i] = seq.num_computed
         if self.lazy_when == DECODE_NOOPS_IF_PRIVATE:  # a call may have shared or copied its blocks
             private = self.cache.decode_steps_private
             for i in called:
@@ -545,9 +571,7 @@ class VllmScheduler:
         self.rows.append(r, computed, len(r.seq.page_table) * self.page, self.admissions, private)
         self.admissions += 1
         self.running.append(r)
-        plan.n = np.append(plan.n, n)
-        plan.start = np.append(plan.start, computed)
-        plan.admitted = True
+        plan.join(n, computed)
 
     def publish(self, seq: Sequence, num_tokens: int) -> None:
         """`cache_blocks`: publish `seq`'s pages up to `num_tokens` (never backwards)."""
