@@ -38,25 +38,22 @@ def plan_rows(computed, known, placeholders, total, capacity, prompt, budget, pa
     page (only the publish), NEW_PAGE when it needs a page (only the grow), else CALLS;
     `quiet`: fills publish nothing either (radix, none). A one-token prefill chunk CALLS:
     the promise is for generated tokens. A row computing nothing is IDLE."""
-    need = known + placeholders - computed
-    last_in_flight = (placeholders > 0) & (computed + 2 - placeholders >= total)
-    need = np.where(last_in_flight, 0, need)
+    # (each statement one elementwise expression: numba fuses it into one loop, no temporaries)
+    need = (known + placeholders - computed) * ((placeholders <= 0) | (computed + 2 - placeholders < total))
     if need.sum() <= budget:
-        n = need.copy()
-    else:
-        before = need.cumsum() - need  # what the rows ahead take
-        n = np.minimum(np.maximum(budget - before, 0), need)
+        n = need
+    else:  # what the rows ahead take comes first
+        n = np.minimum(np.maximum(budget - (need.cumsum() - need), 0), need)
     end = computed + n
-    kind = np.full(n.size, CALLS, dtype=np.int64)
-    if lazy:
-        decode = (n == 1) & (end > prompt)
-        inside = end <= capacity
-        fills = (end % page == 0) & (not quiet)
-        kind[decode & inside & ~fills] = EXCUSED
-        kind[decode & inside & fills] = FILLS
-        kind[decode & ~inside & ~fills] = NEW_PAGE
-    kind[n == 0] = IDLE
-    return n, kind
+    if not lazy:
+        return n, (n > 0) * (CALLS - IDLE) + IDLE
+    decode = (n == 1) & (end > prompt)
+    inside = end <= capacity
+    fills = (end % page == 0) & (not quiet)
+    # a decode row's kind, counted down from CALLS: inside its table EXCUSED (3 less) or,
+    # filling a page, FILLS (2 less); past it NEW_PAGE (1 less) unless it fills one
+    below_calls = decode * (inside * (3 - fills) + ~inside * ~fills)
+    return n, (n > 0) * (CALLS - IDLE - below_calls) + IDLE
 
 
 def unproven_rows(end, capacity, page, promise, free, private, excused):
@@ -98,15 +95,11 @@ def deliver(known, generated, target, has_first, timed, last, tokens, at, last_a
     known += tokens
     generated += tokens
     firsts = np.flatnonzero(got & ~has_first)
-    has_first[firsts] = True
-    clocked = got & timed
+    has_first |= got
+    clocked = np.flatnonzero(got & timed)
     came = last[clocked]
-    if has_prev:
-        regular = came == prev
-    else:
-        regular = np.zeros(came.size, dtype=np.bool_)
-    odd = came[~regular]
-    gaps = at - odd[~np.isnan(odd)]
+    regular = (came == prev) & has_prev
+    gaps = at - came[~regular & (came == came)]  # (came != came: NaN, no token before it)
     last[clocked] = last_at
     done = np.flatnonzero(got & (generated >= target))
     return firsts, done, gaps, np.count_nonzero(regular)
@@ -117,13 +110,11 @@ def price_rows(new, starts, per_token, params_flops):
     rows computing something: the FLOPs (2 x parameters per token, then each row's
     attention `per_token * new * (start + (new + 1) / 2)`, added in row order), the step's
     tokens and the KV tokens it reads (each row's context and its new tokens)."""
-    on = new > 0
-    k = new[on]
-    s = starts[on]
-    tokens = k.sum()
-    per_item = per_token * k * (s + (k + 1) / 2)
+    tokens = new.sum()
+    # a row computing nothing adds +0.0 (the same float: no mask, no gathered copies)
+    per_item = per_token * new * (starts + (new + 1) / 2)
     flops = np.concatenate((np.full(1, params_flops * tokens), per_item)).cumsum()[-1]
-    return flops, tokens, s.sum() + tokens
+    return flops, tokens, (starts * (new > 0)).sum() + tokens
 
 
 def window_bound(n, computed, known, generated, target, most):

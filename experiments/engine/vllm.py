@@ -170,6 +170,8 @@ class VllmScheduler:
         self.quiet_fills = self.lazy and not cache.commit_publishes_decode
         #: the executor samples its own tokens (the model): appended as it returns them
         self.eager_tokens = not executor.samples_fresh_tokens
+        #: `Request.output` is read: the outputs are kept, or the model samples them
+        self.record_outputs = keep_outputs or self.eager_tokens
 
     def _lazy_rule(self) -> tuple[bool, str | None, int]:
         """Whether decode steps inside a held page skip their cache calls, under which
@@ -323,7 +325,7 @@ class VllmScheduler:
         if unproven is not None:
             self.call_rows_checked(plan, kind, unproven)
         else:
-            todo = np.flatnonzero(kind > K.EXCUSED)
+            todo = (kind > K.EXCUSED).nonzero()[0]  # (flatnonzero: the same, through two more calls)
             if todo.size:
                 self.call_rows(plan, todo, kind[todo].tolist())
         m = len(self.running)
@@ -593,16 +595,16 @@ class VllmScheduler:
 
     def append_outputs(self, r: Request, tokens: range | list[int]) -> None:
         """Append outputs `tokens` to `r`'s sequence; a forced output overrides what was sampled."""
-        seq = r.seq
-        if r.forced is not None:
+        seq, forced = r.seq, r.forced
+        if forced is not None:
             lo = len(seq) - r.spec.prompt_len  # its outputs so far (a preempted sequence's prompt holds them)
             tokens = list(tokens)
-            tokens[: max(0, min(len(tokens), len(r.forced) - lo))] = r.forced[lo : lo + len(tokens)]
+            tokens[: max(0, min(len(tokens), len(forced) - lo))] = forced[lo : lo + len(tokens)]
         if tokens.__class__ is range:
             seq.extend_ids(tokens)
         else:
             seq.append(np.asarray(tokens, dtype=np.int32))
-        if self.keep_outputs or r.forced is not None or self.eager_tokens:  # `Request.output`'s readers
+        if self.record_outputs or forced is not None:  # `Request.output`'s readers
             r.output.extend(tokens)
 
     def leave_row(self, i: int, r: Request) -> None:
