@@ -29,6 +29,7 @@ import numpy as np
 
 from cachelib.types import CopyOp, Sequence
 from experiments.engine.compiled import engine_kernels
+from experiments.timing.zoo import GPUS, MODELS, Deployment, GpuSpec, ModelSpec, ZooError, resolve_gpu
 from experiments.workloads.spec import GENERATED_TOKEN_BASE
 
 #: a batch item: the sequence, tokens to compute, the first of them
@@ -114,6 +115,11 @@ class DeviceProfile:
     #: the device's memory in bytes (what `--gpu-memory-utilization` takes a share of);
     #: None for a profile that is no real device (`cpu`): capacity is then given outright
     memory_bytes: int | None = None
+    #: GPU-to-GPU bandwidth one way (bytes/s; 0: none), the share of it an all-reduce
+    #: reaches, and each all-reduce's fixed latency (tensor parallelism only)
+    link_bandwidth: float = 0.0
+    link_efficiency: float = 0.7
+    link_latency_s: float = 10e-6
 
     def calibrated(self, bench_json: str | Path) -> DeviceProfile:
         """This profile with the efficiencies `experiments/bench/gpu_attention_bench.py` measured.
@@ -137,22 +143,39 @@ class DeviceProfile:
         return replace(out, name=f"{self.name} (calibrated from {path.name})")
 
 
-#: published peaks: H200 SXM 989 TFLOP/s dense bf16, 4.8 TB/s and 141 GB of HBM3e (NVIDIA
-#: H200 datasheet); H100 SXM 80 GB of HBM3 (NVIDIA H100 datasheet); GB are 10**9 bytes, as the
-#: datasheets count them (vLLM takes its share of the total CUDA reports, which can differ
-#: from the datasheet's figure); a 2-core CPU for tests, with no memory size
+def _gpu_profile(gpu: GpuSpec) -> DeviceProfile:
+    return DeviceProfile(
+        gpu.name, gpu.peak_flops, gpu.mem_bandwidth, memory_bytes=gpu.memory_bytes, link_bandwidth=gpu.link_bandwidth
+    )
+
+
+#: the zoo's GPUs (experiments/timing/zoo.py: their datasheet figures; GB are 10**9 bytes,
+#: as the datasheets count them, and vLLM takes its share of the total CUDA reports, which
+#: can differ from the datasheet's figure), and a 2-core CPU for tests, with no memory size
 DEVICE_PROFILES: dict[str, DeviceProfile] = {
-    "h200": DeviceProfile("h200", 989e12, 4.8e12, memory_bytes=141 * 10**9),
-    "h100": DeviceProfile("h100", 989e12, 3.35e12, memory_bytes=80 * 10**9),
+    **{name: _gpu_profile(gpu) for name, gpu in GPUS.items()},
     "cpu": DeviceProfile("cpu", 100e9, 20e9, 0.5, 0.5, 1e-4),
 }
 
 
+def device_profile(name: str) -> DeviceProfile:
+    """The profile of device `name` in any spelling the zoo accepts (`a100-80gb`, `H100`)."""
+    if name in DEVICE_PROFILES:
+        return DEVICE_PROFILES[name]
+    try:
+        return DEVICE_PROFILES[resolve_gpu(name).name]
+    except ZooError:
+        raise ZooError(
+            f"unknown device {name!r}; choose one of {', '.join(DEVICE_PROFILES)} (or an alias: {', '.join(a for g in GPUS.values() for a in g.aliases)})"
+        ) from None
+
+
 @dataclass(frozen=True, slots=True)
 class ModelShape:
-    """What the roofline needs of a model, and what its weights take in memory."""
+    """What the roofline needs of a model, and what its weights take in memory, on each GPU
+    of its tensor-parallel group (`tp` GPUs; 1: one GPU holds it all)."""
 
-    num_params: int  # without embeddings' lookups: the matmul weights
+    num_params: int  # the matmul weights a token runs through (without the embedding's lookup)
     num_layers: int
     num_heads: int
     head_dim: int
@@ -160,11 +183,32 @@ class ModelShape:
     bytes_per_param: int = 2
     #: the input embedding's parameters: a lookup, no matmul, but in memory all the same
     embedding_params: int = 0
+    #: tensor parallelism: the GPUs the fields above are shares of, and the hidden width
+    #: whose per-token activations each layer all-reduces twice
+    tp: int = 1
+    hidden: int = 0
+    #: a mixture of experts: experts per layer, how many a token runs through, and one
+    #: expert's parameters over all layers (0: dense)
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_params: int = 0
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes every parameter takes (the matmul weights and the embedding table)."""
-        return (self.num_params + self.embedding_params) * self.bytes_per_param
+        """Bytes every parameter takes (the matmul weights and the embedding table; every
+        expert of a mixture)."""
+        idle = (self.experts - self.experts_per_token) * self.expert_params
+        return (self.num_params + idle + self.embedding_params) * self.bytes_per_param
+
+    def weights_read(self, tokens: int) -> float | int:
+        """Bytes of weights a step of `tokens` tokens reads: all of a dense model's (an
+        int, as before mixtures); of a mixture, the experts its tokens touch, expected as
+        `E x (1 - (1 - k/E)^tokens)` when each token's k experts are drawn uniformly."""
+        if not self.experts:
+            return self.num_params * self.bytes_per_param
+        e, k = self.experts, self.experts_per_token
+        touched = e * (1.0 - (1.0 - k / e) ** tokens)
+        return (self.num_params + (touched - k) * self.expert_params) * self.bytes_per_param
 
     @classmethod
     def from_config(cls, cfg: Any) -> ModelShape:
@@ -174,12 +218,27 @@ class ModelShape:
         matmul = cfg.num_params() - embedding  # the embedding is a lookup
         return cls(matmul, cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.kv_bytes_per_token(), width, embedding)
 
+    @classmethod
+    def from_spec(cls, spec: ModelSpec, tp: int = 1) -> ModelShape:
+        """A zoo model on each of `tp` GPUs (`Deployment` checks the degree): every weight
+        matrix and the embedding split `tp` ways, the heads too, KV heads as vLLM splits
+        (or replicates) them. The matmul count keeps the norms, as Llama-3-8B's always has."""
+        d = Deployment(spec, resolve_gpu("h100"), tp)  # (the GPU does not enter the shape)
+        embedding = spec.vocab * spec.hidden
+        active = (
+            spec.num_params() - embedding - (spec.experts - spec.experts_per_token) * spec.mlp_params() * spec.layers
+        )
+        expert = spec.mlp_params() * spec.layers if spec.is_moe else 0
+        return cls(
+            active // tp, spec.layers, spec.heads // tp, spec.head_dim, d.kv_bytes_per_token(), spec.dtype_bytes,
+            embedding // tp, tp, spec.hidden, spec.experts, spec.experts_per_token, expert // tp,
+        )  # fmt: skip
+
 
 def llama3_8b_shape() -> ModelShape:
     # Meta-Llama-3-8B: 8,030,261,248 parameters (untied 128256 x 4096 embedding and LM head),
-    # 32 layers, 32 query heads, 8 KV heads, head dim 128, bf16
-    embedding = 128256 * 4096
-    return ModelShape(8_030_261_248 - embedding, 32, 32, 128, 2 * 32 * 8 * 128 * 2, embedding_params=embedding)
+    # 32 layers, 32 query heads, 8 KV heads, head dim 128, bf16 (experiments/timing/zoo.py)
+    return ModelShape.from_spec(MODELS["llama3-8b"])
 
 
 class CostModelExecutor:
@@ -193,7 +252,9 @@ class CostModelExecutor:
         self, shape: ModelShape | None = None, device: DeviceProfile | str = "h200", kernel: str = "auto"
     ) -> None:
         self.shape = shape or llama3_8b_shape()
-        self.device = DEVICE_PROFILES[device] if isinstance(device, str) else device
+        self.device = device_profile(device) if isinstance(device, str) else device
+        if self.shape.tp > 1 and not self.device.link_bandwidth:
+            raise ZooError(f"--tp {self.shape.tp} on {self.device.name}: the device has no GPU-to-GPU link to time")
         self.tokens = FreshTokens()
         self.num_layers = self.shape.num_layers
         #: `batch_seconds`' sums by a compiled loop, or None: numpy (experiments/engine/compiled.py)
@@ -212,10 +273,22 @@ class CostModelExecutor:
             # QK^T and PV over the context plus the causal half of the new tokens
             flops += 4.0 * s.num_layers * s.num_heads * s.head_dim * n * (ctx + (n + 1) / 2)
             kv_read += ctx + n
-        nbytes = s.num_params * s.bytes_per_param + (kv_read + tokens) * s.kv_bytes_per_token
+        nbytes = s.weights_read(tokens) + (kv_read + tokens) * s.kv_bytes_per_token
         compute = flops / (d.peak_flops * d.flops_efficiency)
         memory = nbytes / (d.mem_bandwidth * d.bandwidth_efficiency)
-        return max(compute, memory) + d.step_overhead_s
+        return max(compute, memory) + d.step_overhead_s + self.all_reduce_seconds(tokens)
+
+    def all_reduce_seconds(self, tokens: int) -> float:
+        """Tensor parallelism's communication in a step of `tokens` tokens: two all-reduces
+        per layer of their hidden states (bf16), each a ring's `2 (tp - 1) / tp` of the
+        bytes over the link plus a fixed latency; 0.0 on one GPU (so one GPU's step time is
+        what it was before parallelism was modelled, to the last bit)."""
+        s, d = self.shape, self.device
+        if s.tp == 1:
+            return 0.0
+        nbytes = tokens * s.hidden * 2
+        one = 2 * (s.tp - 1) / s.tp * nbytes / (d.link_bandwidth * d.link_efficiency) + d.link_latency_s
+        return 2 * s.num_layers * one
 
     def decode_step_seconds(self, contexts: np.ndarray, k: int) -> np.ndarray:
         """Seconds of each of `k` decode steps of a batch whose sequences have `contexts`
@@ -226,10 +299,10 @@ class CostModelExecutor:
         j = np.arange(k, dtype=np.float64)
         ctx_sum = float(contexts.sum()) + b * j
         flops = 2.0 * s.num_params * b + 4.0 * s.num_layers * s.num_heads * s.head_dim * (ctx_sum + b)
-        nbytes = s.num_params * s.bytes_per_param + (ctx_sum + 2 * b) * s.kv_bytes_per_token
+        nbytes = s.weights_read(b) + (ctx_sum + 2 * b) * s.kv_bytes_per_token
         compute = flops / (d.peak_flops * d.flops_efficiency)
         memory = nbytes / (d.mem_bandwidth * d.bandwidth_efficiency)
-        return np.maximum(compute, memory) + d.step_overhead_s
+        return np.maximum(compute, memory) + d.step_overhead_s + self.all_reduce_seconds(b)
 
     def batch_seconds(self, new: np.ndarray, starts: np.ndarray) -> float:
         """`step_seconds` over arrays (`kernels.price_rows`: each item's term is the same
@@ -241,10 +314,10 @@ class CostModelExecutor:
         # integers are converted, not refused)
         new, starts = np.ascontiguousarray(new, dtype=np.int64), np.ascontiguousarray(starts, dtype=np.int64)
         flops, tokens, kv_read = self.kernels.price_rows(new, starts, per_token, 2.0 * s.num_params)
-        nbytes = s.num_params * s.bytes_per_param + (int(kv_read) + int(tokens)) * s.kv_bytes_per_token
+        nbytes = s.weights_read(int(tokens)) + (int(kv_read) + int(tokens)) * s.kv_bytes_per_token
         compute = float(flops) / (d.peak_flops * d.flops_efficiency)
         memory = nbytes / (d.mem_bandwidth * d.bandwidth_efficiency)
-        return max(compute, memory) + d.step_overhead_s
+        return max(compute, memory) + d.step_overhead_s + self.all_reduce_seconds(int(tokens))
 
     def fresh_tokens(self, k: int) -> list[int]:
         return self.tokens.take(k)
