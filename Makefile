@@ -20,7 +20,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 TRACE ?= traces/conversation_trace.jsonl
 NOTORCH := .venv-notorch
 
-.PHONY: setup test test-all compare replay mooncake tiers bench lint clean check-no-torch
+.PHONY: setup test test-all compare replay mooncake tiers zoo calibration bench lint clean check-no-torch
 
 setup: $(STAMP)
 
@@ -50,7 +50,7 @@ replay: setup
 # the full Mooncake conversation trace (TRACE=path; see above), all backends
 mooncake: setup
 	@test -f '$(TRACE)' || { echo "no trace at $(TRACE): download conversation_trace.jsonl from the Mooncake repository (FAST25-release/traces/) and give TRACE=path"; exit 1; }
-	$(BIN)/python -m experiments compare --trace $(TRACE) --capacity-tokens 200000 1000000 3000000 10000000 --jobs 2 --output-dir reports/mooncake
+	$(BIN)/python -m experiments compare --trace $(TRACE) --capacity-tokens 200000 1000000 3000000 10000000 --force-capacity --jobs 2 --output-dir reports/mooncake
 
 # memory tiers on the full trace (reports/tiers, reports/tiers-cluster): GPU 1M tokens with no
 # host tier, a 4M and a 16M host tier under every tiered design, storage below the host, and a
@@ -70,8 +70,19 @@ TIER_BACKENDS := $(TIERS_NONE),$(TIERS_OFFLOAD),$(TIERS_HICACHE),$(TIERS_SELECTI
 TIER_CLUSTER_BACKENDS := radix,radix-hicache[$(H4)],radix-hicache[$(H4),storage_backend=file,$(L3)],radix-hicache[$(H4),storage_backend=shared,$(L3)]
 tiers: setup
 	@test -f '$(TRACE)' || { echo "no trace at $(TRACE): download conversation_trace.jsonl from the Mooncake repository (FAST25-release/traces/) and give TRACE=path"; exit 1; }
-	$(BIN)/python -m experiments compare --trace $(TRACE) --capacity-tokens 1000000 --backend '$(TIER_BACKENDS)' --jobs 2 --no-progress --output-dir reports/tiers
-	$(BIN)/python -m experiments compare --trace $(TRACE) --capacity-tokens 1000000 --replicas 2 --router cache_aware --backend '$(TIER_CLUSTER_BACKENDS)' --jobs 2 --no-progress --output-dir reports/tiers-cluster
+	$(BIN)/python -m experiments compare --trace $(TRACE) --capacity-tokens 1000000 --force-capacity --backend '$(TIER_BACKENDS)' --jobs 2 --no-progress --output-dir reports/tiers
+	$(BIN)/python -m experiments compare --trace $(TRACE) --capacity-tokens 1000000 --force-capacity --replicas 2 --router cache_aware --backend '$(TIER_CLUSTER_BACKENDS)' --jobs 2 --no-progress --output-dir reports/tiers-cluster
+
+# the timing models against every measured source available offline (docs/timing.md)
+calibration: setup
+	$(BIN)/python -m experiments.timing.calibration --output-dir reports/calibration
+
+# the zoo on the full trace: Llama-3-70B on 4 A100s timed by vidur's measured profile, and the
+# mixture of experts Mixtral-8x7B on 2 H200s by the roofline, each at vLLM's 0.9 of memory
+zoo: setup
+	@test -f '$(TRACE)' || { echo "no trace at $(TRACE): download conversation_trace.jsonl from the Mooncake repository (FAST25-release/traces/) and give TRACE=path"; exit 1; }
+	$(BIN)/python -m experiments compare --trace $(TRACE) --model llama3-70b --tp 4 --device a100 --executor profile --gpu-memory-utilization 0.9 --backend apc,radix --protocol serving --jobs 2 --no-progress --output-dir reports/zoo/llama3-70b-tp4-a100
+	$(BIN)/python -m experiments compare --trace $(TRACE) --model mixtral-8x7b --tp 2 --device h200 --gpu-memory-utilization 0.9 --backend apc,radix --protocol serving --jobs 2 --no-progress --output-dir reports/zoo/mixtral-8x7b-tp2-h200
 
 bench: setup
 	$(BIN)/python -m experiments.bench.replay_bench --backend apc radix --output bench-results/replay_bench.json

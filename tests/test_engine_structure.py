@@ -9,8 +9,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("cachelib", "backends", "attention", "experiments")
-#: the engine path: what a serving or replay run executes
-ENGINE = sorted((ROOT / "experiments" / "engine").rglob("*.py")) + [ROOT / "tests" / "cached_runner.py"]
+#: the engine path: what a serving or replay run executes (its timing models included)
+ENGINE = (
+    sorted((ROOT / "experiments" / "engine").rglob("*.py"))
+    + sorted((ROOT / "experiments" / "timing").rglob("*.py"))
+    + [ROOT / "tests" / "cached_runner.py"]
+)
 MAX_FUNCTION_LINES = 60
 MAX_PARAMETERS = 8
 #: functions over arrays whose parameters are the rows' fields (compiled by numba: no objects)
@@ -121,10 +125,20 @@ def test_the_contract_and_the_backends_import_no_experiment_and_no_attention():
 
 
 def test_the_engine_imports_the_contract_itself_the_spec_and_the_errors_only():
-    allowed = ("cachelib", "experiments.engine", "experiments.workloads.spec", "experiments.errors")
+    allowed = (
+        "cachelib",
+        "experiments.engine",
+        "experiments.workloads.spec",
+        "experiments.errors",
+        "experiments.timing.zoo",
+    )
     for m, targets in _imports_of("experiments.engine").items():
         for t in targets:
-            if t == "experiments" or t == "experiments.workloads":  # packages a dotted import passes through
+            if t in (
+                "experiments",
+                "experiments.workloads",
+                "experiments.timing",
+            ):  # packages a dotted import passes through
                 continue
             if t.startswith("attention"):
                 assert m == "experiments.engine.executors" and t in ("attention", "attention.model"), (m, t)

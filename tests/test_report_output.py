@@ -25,7 +25,7 @@ from experiments.__main__ import main
 from experiments.engine.cache_client import CacheClient
 from experiments.report import figures
 from experiments.report.plot_styles import BACKEND_STYLES, base_backend, style_of
-from experiments.report.render import markdown, render
+from experiments.report.render import markdown, render, sig3
 from experiments.report.results import SCHEMA_VERSION
 from experiments.runs import provenance
 
@@ -213,7 +213,7 @@ def test_the_report_has_latency_in_ms_throughput_goodput_and_readable_capacities
     cell = doc["cells"][1]  # apc at 1,200
     lat = cell["serving"]["latency"]
     rows = {
-        name: f"| {name} | " + " | ".join(f"{lat[key][s]:,.1f}" for s in ("mean", "p50", "p90", "p99")) + " |"
+        name: f"| {name} | " + " | ".join(sig3(lat[key][s]) for s in ("mean", "p50", "p90", "p99")) + " |"
         for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms"))
     }
     assert f"| apc {rows['TTFT']}" in md

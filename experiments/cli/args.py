@@ -13,6 +13,7 @@ from typing import Any
 
 from attention.config import PRESETS
 from cachelib import default_backends
+from experiments.engine.executors import DEVICE_PROFILES, device_profile
 from experiments.engine.request import SCHEDULERS
 from experiments.engine.routers.registry import ROUTERS
 from experiments.errors import InputError, UsageError
@@ -27,6 +28,7 @@ from experiments.runs.backend_options import (
 from experiments.runs.cluster_grid import ClusterShape, check_shapes, cluster_shapes
 from experiments.runs.runner import EXECUTORS, CellConfig
 from experiments.runs.sizing import CapacityGiven
+from experiments.timing.zoo import MODELS, ZooError, resolve_model
 from experiments.workloads.registry import REQUIRED, coerce_knob, knobs_of
 
 PAGE_SIZE_HELP = "tokens per KV page (vLLM's block size, SGLang's page size)"
@@ -58,6 +60,27 @@ def positive_float(text: str) -> float:
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"must be positive and finite, got {text}")
     return value
+
+
+def device_name(text: str) -> str:
+    """A device as the zoo names it, from any spelling it accepts (`A100-80GB`: `a100`); an
+    unknown name is bad input (exit 3), listing the known ones."""
+    try:
+        return device_profile(text).name
+    except ZooError as exc:
+        raise InputError(str(exc)) from None
+
+
+def model_name(text: str) -> str:
+    """A model as the zoo names it (a Hugging Face id is an alias), or a preset (`tiny`)."""
+    if text in PRESETS:
+        return text
+    try:
+        return resolve_model(text).name
+    except ZooError:
+        raise InputError(
+            f"unknown model {text!r}; choose one of: {', '.join(sorted({*MODELS, *PRESETS}))} (or a zoo model's Hugging Face id)"
+        ) from None
 
 
 def fraction(text: str) -> float:
@@ -195,8 +218,26 @@ def add_execution_options(p: argparse.ArgumentParser) -> None:
         "--executor",
         default=defaults.EXECUTOR,
         choices=EXECUTORS,
-        help="serving's step times: cost = roofline cost model, model = the real model (measured), "
+        help="serving's step times: cost = roofline cost model, profile = measured operator times "
+        "(--profile FILE, or the table shipped for --model and --device), model = the real model (measured), "
         "fixed = a constant --step-ms per non-empty step",
+    )
+    p.add_argument(
+        "--profile",
+        metavar="CSV",
+        help="--executor profile: a measured step profile (the format: docs/timing.md); default: the shipped one",
+    )
+    p.add_argument(
+        "--tp",
+        type=positive_int,
+        default=1,
+        help="GPUs per replica in one tensor-parallel group (cost and profile executors): the work and the KV "
+        "split over them, two all-reduces per layer added; its heads must divide",
+    )
+    p.add_argument(
+        "--force-capacity",
+        action="store_true",
+        help="run a KV capacity that does not fit the device's memory beside the model's weights (refused otherwise)",
     )
     p.add_argument(
         "--step-ms",
@@ -204,8 +245,16 @@ def add_execution_options(p: argparse.ArgumentParser) -> None:
         metavar="MS",
         help="--executor fixed: milliseconds per non-empty step (required with it, refused with another executor)",
     )
-    p.add_argument("--device", default=defaults.DEVICE, help="cost-model device profile: h200 | h100 | cpu")
-    p.add_argument("--model", default=defaults.MODEL, help="model shape: llama3-8b | tiny (model executor: tiny)")
+    p.add_argument(
+        "--device",
+        default=defaults.DEVICE,
+        help=f"the GPU the steps are timed on: {', '.join(DEVICE_PROFILES)} (aliases such as a100-80gb, nvidia-h100)",
+    )
+    p.add_argument(
+        "--model",
+        default=defaults.MODEL,
+        help=f"the model: {', '.join(MODELS)} (or its Hugging Face id), or tiny (the model executor's CPU model)",
+    )
     p.add_argument(
         "--attention",
         default=defaults.ATTENTION,
@@ -367,10 +416,11 @@ def knobs(args: argparse.Namespace) -> dict[str, Any]:
     return {**command_knobs(workload), **knobs_given(args)}
 
 
-def check_model(name: str) -> None:
-    """An unknown --model fails before any work, not as a bare KeyError inside a cell."""
-    if name not in PRESETS:
-        raise InputError(f"unknown model {name!r}; choose one of: {', '.join(PRESETS)}")
+def check_model(args: argparse.Namespace) -> None:
+    """An unknown --model or --device fails before any work, not as a bare KeyError inside a
+    cell; an alias (a Hugging Face id, `a100-80gb`) becomes the zoo's name."""
+    args.model = model_name(args.model)
+    args.device = device_name(args.device)
 
 
 def check_calibration(path: str | None) -> None:
@@ -402,4 +452,6 @@ def cell_template(args: argparse.Namespace, workload: str, knobs: dict[str, Any]
         request_rate=args.request_rate,
         slo_ttft_ms=args.slo_ttft_ms,
         slo_tpot_ms=args.slo_tpot_ms,
+        tp=None if args.tp == 1 else args.tp,
+        profile=args.profile,
     )

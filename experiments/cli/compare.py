@@ -45,7 +45,7 @@ from experiments.runs.cluster_grid import ClusterShape, cells_over, left_out
 from experiments.runs.output_dir import OutputLock, StagedDir, check_replaceable, check_writable_dir
 from experiments.runs.provenance import provenance
 from experiments.runs.run_config import CONFIG_FILE, write_config
-from experiments.runs.runner import CellConfig, build_workload, check_capacity, check_model_run
+from experiments.runs.runner import CellConfig, build_workload, check_capacity, check_model_run, check_timing
 from experiments.workloads.generators import Workload
 
 
@@ -94,22 +94,23 @@ def _compare(args: argparse.Namespace, single: bool) -> int:
     variants = backend_variants(args, [args.page_size], default_all=not single)
     if single and len(variants) != 1:
         raise UsageError("run takes one --backend; use compare for several")
-    check_model(args.model)
+    check_model(args)
     check_calibration(args.device_calibration)
     workload_name = "mooncake" if args.trace else args.workload
     workload_knobs = knobs(args)
     template = cell_template(args, workload_name, workload_knobs, args.page_size)
     capacities = capacities_given(args)
     # sized before any work, unless a fraction needs the workload's working set
-    sized = None if capacities.needs_workload else capacities.cells(args.page_size, args.model, args.device)
+    sized = None if capacities.needs_workload else capacities.cells(args.page_size, args.model, args.device, tp=args.tp)
     shapes = cluster_shapes_of(args, template, variants)
     out_dir = Path(os.path.abspath(args.output_dir))  # "." has no name to put OUT.partial beside
     check_writable_dir(out_dir)  # before any work: an unwritable output fails in a second
     check_replaceable(out_dir, "results.json")
     workload = build_workload(template)  # built once: the cells, bounds and a fraction's working set share it
     if sized is None:
-        sized = capacities.cells(args.page_size, args.model, args.device, workload)
+        sized = capacities.cells(args.page_size, args.model, args.device, workload, tp=args.tp)
     caps = [tokens for tokens, _ in sized]
+    check_timing(template, caps, force_capacity=args.force_capacity)
     at_once = min(args.jobs, len(variants) * len(caps) * len(shapes)) * max(s.replicas for s in shapes)
     check_model_run(template, workload, caps, at_once)
     plan = Comparison(

@@ -1,4 +1,4 @@
-"""Command line: `python -m experiments replay|run|compare|sweep|report|workloads ...`.
+"""Command line: `python -m experiments replay|run|compare|sweep|report|workloads|predict-step ...`.
 
 Exit codes: 0 success; 1 a cell failed (its process was killed, e.g. out of memory, or it
 raised an unexpected error; finished cells are kept for a rerun); 2 bad usage (a missing or
@@ -14,9 +14,10 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import textwrap
 
 from cachelib.errors import CacheError
-from experiments.cli import compare, replay, report, sweep, workloads
+from experiments.cli import compare, predict, replay, report, sweep, workloads
 from experiments.errors import (
     EXIT_BAD_INPUT,
     EXIT_CELL_FAILED,
@@ -46,6 +47,7 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.Argument
     report.add_parser(sub)
     workloads.add_parser(sub)
     replay.add_parser(sub)
+    predict.add_parser(sub)
     for command in (parser, *commands(parser).values()):
         command.formatter_class = ShowDefaults
     return parser
@@ -53,7 +55,11 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.Argument
 
 class ShowDefaults(argparse.HelpFormatter):
     """Help that ends each option with its default, unless the text already says it or the
-    option is unset by default (None, off, an empty list: the text says what unset means)."""
+    option is unset by default (None, off, an empty list: the text says what unset means);
+    lines never break inside an option's name (`--step-ms`)."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""

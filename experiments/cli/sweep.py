@@ -49,7 +49,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_sweep(args: argparse.Namespace) -> int:
     page_sizes = list(dict.fromkeys(args.page_size))
     variants = backend_variants(args, page_sizes, default_all=True)
-    check_model(args.model)
+    check_model(args)
     check_calibration(args.device_calibration)
     given = knobs_given(args)
     names = list(dict.fromkeys(args.workloads or (["mooncake"] if args.trace else [args.workload])))
@@ -67,6 +67,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         with_bounds=not args.no_bounds,
         argv=args.argv,
         settings=_settings(args, names, given, variants),
+        force_capacity=args.force_capacity,
     )
     return run_sweep(plan, Path(os.path.abspath(args.output_dir)))
 

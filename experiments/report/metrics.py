@@ -101,6 +101,27 @@ def _downsample(timeline: list[tuple[float, int]], points: int) -> list[tuple[fl
     return [(float(timeline[i][0]), int(timeline[i][1])) for i in idx]
 
 
+#: a run is saturated when the requests arriving last wait this many times longer for their
+#: first token than those arriving first, and at least `SATURATED_TTFT_S` (the queue grew
+#: over the run instead of draining: what is compared is queues, not caches)
+SATURATED_GROWTH = 4.0
+SATURATED_TTFT_S = 1.0
+
+
+def saturation(done: list[dict[str, Any]]) -> dict[str, Any]:
+    """Whether the offered load exceeded what was served: the median TTFT of the last
+    tenth of the requests by arrival against the first tenth's (a stable system keeps them
+    alike; an overloaded one's queue, and so its TTFT, grows with time)."""
+    timed = sorted((r["arrival"], r["ttft"]) for r in done if r["ttft"] is not None)
+    tenth = len(timed) // 10
+    if tenth < 5:
+        return {"saturated": False, "first_tenth_ttft_s": None, "last_tenth_ttft_s": None, "requests": len(timed)}
+    first = float(np.median([t for _, t in timed[:tenth]]))
+    last = float(np.median([t for _, t in timed[-tenth:]]))
+    grew = last >= SATURATED_GROWTH * max(first, 1e-9) and last >= SATURATED_TTFT_S
+    return {"saturated": bool(grew), "first_tenth_ttft_s": first, "last_tenth_ttft_s": last, "requests": len(timed)}
+
+
 def serving_metrics(res: ServingResult, stats: CacheStats, *, setup_seconds: float = 0.0) -> dict[str, Any]:
     """Summary of a serving run plus the series the plots need (downsampled)."""
     # samples forked from a request (parallel sampling) share its prompt: count it once
@@ -139,6 +160,7 @@ def serving_metrics(res: ServingResult, stats: CacheStats, *, setup_seconds: flo
         "output_throughput": generated / span if res.makespan > 0 else None,
         "total_token_throughput": (prompt + generated) / span if res.makespan > 0 else None,
         "makespan_s": res.makespan,
+        "saturation": saturation(done),
         "prefix_setup_s": setup_seconds,
         "preemptions": res.preemptions,
         "steps": res.steps,

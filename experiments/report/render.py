@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,10 @@ from experiments.report.labels import cell_label_of
 from experiments.runs.cell_pool import Task, TaskBeside
 from experiments.runs.router_options import router_label
 from experiments.runs.run_config import dump_toml
+
+#: a column's format: three significant figures (`sig3`), the precision the timing models'
+#: calibration error supports, for latencies
+SIG3 = "sig3"
 
 #: the main table of each capacity: (column, getter, format). `{cache}` in a name reads
 #: "cache CPU µs/req" or, in a document from before the CPU clock, "cache wall µs/req"
@@ -30,8 +35,8 @@ COLUMNS = [
     ("metadata bytes", lambda c: _get(c, "serving", "metadata_bytes_end"), "{:,}"),
     ("{cache} (replay)", lambda c: _get(c, "replay", "us_per_request"), "{:.0f}"),
     ("{cache} (serving)", lambda c: _get(c, "serving", "cache_us_per_request"), "{:.0f}"),
-    ("TTFT p50 (ms)", lambda c: _ms(_get(c, "serving", "ttft_p50")), "{:,.1f}"),
-    ("TTFT p99 (ms)", lambda c: _ms(_get(c, "serving", "ttft_p99")), "{:,.1f}"),
+    ("TTFT p50 (ms)", lambda c: _ms(_get(c, "serving", "ttft_p50")), SIG3),
+    ("TTFT p99 (ms)", lambda c: _ms(_get(c, "serving", "ttft_p99")), SIG3),
     ("output token throughput (tok/s)", lambda c: _output_throughput(c), "{:,.0f}"),
     ("preemptions", lambda c: _get(c, "serving", "preemptions"), "{:,}"),
 ]
@@ -55,12 +60,12 @@ _SINGLE_REPLICA = {"replicas": 1, "router": None, "router_options": {}}
 #: a cluster cell's table (`cluster_markdown`): its cluster section's numbers
 CLUSTER_COLUMNS = [
     ("hit rate", lambda c: c["hit_rate"], "{:.2%}"),
-    ("TTFT mean (ms)", lambda c: c["ttft_ms"]["mean"], "{:,.0f}"),
-    ("TTFT p50 (ms)", lambda c: c["ttft_ms"]["p50"], "{:,.0f}"),
-    ("TTFT p90 (ms)", lambda c: c["ttft_ms"]["p90"], "{:,.0f}"),
-    ("TTFT p99 (ms)", lambda c: c["ttft_ms"]["p99"], "{:,.0f}"),
-    ("TPOT p50 (ms)", lambda c: c["tpot_ms"]["p50"], "{:.1f}"),
-    ("TPOT p99 (ms)", lambda c: c["tpot_ms"]["p99"], "{:.1f}"),
+    ("TTFT mean (ms)", lambda c: c["ttft_ms"]["mean"], SIG3),
+    ("TTFT p50 (ms)", lambda c: c["ttft_ms"]["p50"], SIG3),
+    ("TTFT p90 (ms)", lambda c: c["ttft_ms"]["p90"], SIG3),
+    ("TTFT p99 (ms)", lambda c: c["ttft_ms"]["p99"], SIG3),
+    ("TPOT p50 (ms)", lambda c: c["tpot_ms"]["p50"], SIG3),
+    ("TPOT p99 (ms)", lambda c: c["tpot_ms"]["p99"], SIG3),
     ("load imbalance", lambda c: c["load_imbalance"], "{:.2f}"),
     ("preemptions", lambda c: c["preemptions"], "{:,}"),
     ("router µs/decision", lambda c: c["router_us_per_decision"], "{:.1f}"),
@@ -197,9 +202,21 @@ def _path(tree: Any, dotted: str | tuple[str, ...]) -> Any:
     return tree
 
 
+def sig3(value: float) -> str:
+    """Three significant figures, without an exponent: 501851.4 -> 502,000; 118.23 -> 118;
+    0.12345 -> 0.123 (the precision a timing model's calibration error supports)."""
+    x = float(f"{value:.3g}")
+    if x == 0 or not math.isfinite(x):
+        return f"{x:g}"
+    decimals = max(0, 2 - math.floor(math.log10(abs(x))))
+    return f"{x:,.{decimals}f}"
+
+
 def _fmt(value: Any, spec: str) -> str:
     if value is None:
         return "—"
+    if spec == SIG3:
+        return sig3(value)
     try:
         return spec.format(value)
     except (ValueError, TypeError):
@@ -320,7 +337,50 @@ def _bound(bounds: dict[str, Any], cell: dict[str, Any], column: str) -> float |
 def _executor(cfg: dict[str, Any]) -> str:
     if cfg["executor"] == "fixed":
         return f"executor fixed ({cfg['step_ms']:g} ms per step)"
-    return f"executor {cfg['executor']} ({cfg['model']} on {cfg['device']})"
+    tp = cfg.get("tp") or 1
+    gpus = f"{tp} x {cfg['device']}" if tp > 1 else cfg["device"]
+    return f"executor {cfg['executor']} ({cfg['model']} on {gpus})"
+
+
+def uncertainty_lines(results: dict[str, Any]) -> list[str]:
+    """The timing model and how far it is from measurements (experiments/timing/
+    calibration.py), and a warning for each serving cell whose offered load exceeded what
+    it served (`metrics.saturation`)."""
+    cfg = results["settings"]
+    if "executor" not in cfg or cfg.get("protocol") == "replay":
+        return []
+    lines = ["Timing: " + timing_statement(cfg["executor"]) + " Latencies are given to three significant figures.", ""]
+    if (results.get("run_config") or {}).get("force_capacity"):
+        lines += [
+            f"Capacities beyond what one replica's GPUs hold beside the weights were run anyway (`--force-capacity`): "
+            f"they model a KV cache larger than {cfg.get('device', 'the device')} memory (a host tier, or a thought experiment).",
+            "",
+        ]
+    saturated = [c for c in results["cells"] if _path(c, ("serving", "saturation", "saturated"))]
+    if saturated:
+        worst = max(saturated, key=lambda c: c["serving"]["saturation"]["last_tenth_ttft_s"])
+        sat = worst["serving"]["saturation"]
+        names = ", ".join(f"{label(c)} at {c['config']['capacity_tokens']:,}" for c in saturated)
+        lines += [
+            f"**Saturated**: the offered load exceeds what the replicas serve in {len(saturated)} of "
+            f"{len(results['cells'])} cells ({names}): the median TTFT of the last tenth of arrivals is "
+            f"{sig3(sat['last_tenth_ttft_s'])} s against {sig3(sat['first_tenth_ttft_s'])} s for the first tenth "
+            f"({label(worst)}). Queueing dominates there: the comparison is of queues, not caches "
+            "(`--time-scale`, `--request-rate` or more `--replicas` lower the load).",
+            "",
+        ]
+    return lines
+
+
+def timing_statement(executor: str) -> str:
+    """What the executor's step times rest on, with its calibration error where one is known."""
+    if executor == "fixed":
+        return "a constant step time (no model of the batch: no calibration applies)."
+    if executor == "model":
+        return "the real model's forward pass, measured on this machine."
+    from experiments.timing.calibration import headline  # (reads the shipped profiles: only when asked)
+
+    return headline(executor)
 
 
 def _scheduler(cfg: dict[str, Any]) -> str:
@@ -347,11 +407,12 @@ def markdown(results: dict[str, Any], figures: list[str]) -> str:
         "",
     ]
     lines += _timing_lines(results["settings"])
+    lines += uncertainty_lines(results)
     bounds = results.get("bounds")
     names = [name.format(cache=_cache_clock(results)) for name, _, _ in COLUMNS]
     for cap in results["capacities"]:
         cells = [c for c in results["cells"] if c["config"]["capacity_tokens"] == cap]
-        lines += [f"## Capacity {_capacity(cells, cap, cfg.get('model'))}", ""]
+        lines += [f"## Capacity {_capacity(cells, cap, cfg.get('model'), cfg.get('tp') or 1)}", ""]
         lines.append("| backend | " + " | ".join(names) + " |")
         lines.append("|---" * (len(COLUMNS) + 1) + "|")
         for c in cells:
@@ -400,9 +461,10 @@ def _package(results: dict[str, Any]) -> str:
     return f" ({package['name']} {package['version']}, results schema {results.get('schema_version', 1)})"
 
 
-def _capacity(cells: list[dict[str, Any]], cap: int, model: str | None = None) -> str:
+def _capacity(cells: list[dict[str, Any]], cap: int, model: str | None = None, tp: int = 1) -> str:
     """A capacity as a heading names it: tokens, and where the cells say (`kv_capacity`) its
-    GB for `model` and how it was given."""
+    GB for `model` and how it was given (on each of `tp` GPUs: every GPU holds its heads'
+    share of every token)."""
     kv = next((c["kv_capacity"] for c in cells if "kv_capacity" in c), None)
     if kv is None:
         return f"{cap:,} tokens"
@@ -415,7 +477,8 @@ def _capacity(cells: list[dict[str, Any]], cap: int, model: str | None = None) -
         f"{kv.get('working_set_pages', 0):,} pages",
     }[kv["given"]]
     model_text = f" for {model}" if model else ""
-    return f"{cap:,} tokens ({kv['gb']:.2f} GB of KV{model_text}{how})"
+    per_gpu = f" on each of {tp} GPUs" if tp > 1 else ""
+    return f"{cap:,} tokens ({kv['gb']:.2f} GB of KV{model_text}{per_gpu}{how})"
 
 
 def _timing_lines(settings: dict[str, Any]) -> list[str]:
@@ -547,7 +610,7 @@ def latency_markdown(results: dict[str, Any]) -> list[str]:
         lines.append("|---" * (len(STATS) + 2) + "|")
         for c in cells:
             for i, (name, key) in enumerate(LATENCY_ROWS):
-                stats = " | ".join(_fmt(_path(c["serving"]["latency"], (key, s)), "{:,.1f}") for s in STATS)
+                stats = " | ".join(_fmt(_path(c["serving"]["latency"], (key, s)), SIG3) for s in STATS)
                 lines.append(f"| {label(c) if i == 0 else ''} | {name} | {stats} |")
         lines.append("")
         goodput = any("goodput" in c["serving"]["latency"] for c in cells)

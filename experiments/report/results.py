@@ -35,8 +35,9 @@ CLOCKS = {
     "router": "CPU time of the running thread inside route and KV-event handling (time.thread_time)",
     "wall_seconds": "wall time of the whole cell (time.perf_counter)",
 }
-#: settings added with clusters, shared by every cell of a document: in `settings` when given
-ADDED_SETTINGS = ("time_scale", "request_rate", "slo_ttft_ms", "slo_tpot_ms")
+#: settings added with clusters (and tensor parallelism, profiles), shared by every cell of a
+#: document: in `settings` when given
+ADDED_SETTINGS = ("time_scale", "request_rate", "slo_ttft_ms", "slo_tpot_ms", "tp", "profile")
 #: the engine's per-request times (seconds, on the run's clock), as per_request.jsonl names them
 TIME_KEYS = {"arrival": "arrival_s", "first_token_at": "first_token_at_s", "finished_at": "finished_at_s",
              "ttft": "ttft_s", "tpot": "tpot_s"}  # fmt: skip

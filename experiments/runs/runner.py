@@ -46,7 +46,16 @@ from experiments.runs.backend_options import variant_label
 from experiments.runs.model_fit import check_memory, check_torch, check_vocabulary
 from experiments.runs.retiming import retime
 from experiments.runs.router_options import router_label
-from experiments.runs.sizing import KvSizing, fraction_tokens, model_shape, working_set_pages
+from experiments.runs.sizing import (
+    KvSizing,
+    check_fits_device,
+    check_weights_fit,
+    fraction_tokens,
+    model_shape,
+    working_set_pages,
+)
+from experiments.timing.profile import StepProfile, load_profile, shipped_profile
+from experiments.timing.profile_executor import ProfileExecutor
 from experiments.workloads.generators import Workload
 from experiments.workloads.registry import make_workload
 from experiments.workloads.spec import RequestSpec
@@ -55,8 +64,9 @@ if TYPE_CHECKING:  # the bounds module is imported where bounds are computed (th
     from experiments.bounds.oracle import PageKeys
 
 PROTOCOLS = ("replay", "serving", "both")
-#: cost: the roofline cost model; model: the real model; fixed: a constant `step_ms` per non-empty step
-EXECUTORS = ("cost", "model", "fixed")
+#: cost: the roofline cost model; model: the real model; fixed: a constant `step_ms` per non-empty
+#: step; profile: measured operator times (experiments/timing/profile_executor.py)
+EXECUTORS = ("cost", "model", "fixed", "profile")
 #: where a cell's per-request serving records travel, beside its summary (`run_cell`); the
 #: results document leaves them out, `results.write_per_request` writes them as JSON lines
 PER_REQUEST = "per_request"
@@ -128,6 +138,10 @@ class CellConfig:
     #: good when its TTFT and TPOT are within every one given
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
+    #: GPUs of one replica's tensor-parallel group (None: one); and the profile executor's
+    #: table (None: the one shipped for the model and device)
+    tp: int | None = None
+    profile: str | None = None
     #: what the numbers depend on beyond the settings (experiments/runs/provenance.py): the code
     #: version and input file digests; part of `key()`, so stale cells are never reused
     provenance: dict[str, str] = field(default_factory=dict)
@@ -142,6 +156,27 @@ class CellConfig:
         self._check_serving()
         self._check_cluster()
         self._check_sizing_and_timing()
+        self._check_parallel_and_profile()
+
+    def _check_parallel_and_profile(self) -> None:
+        """A tensor-parallel degree the model's heads allow, on a timed executor; a profile
+        only for the profile executor (its table is read when the executor is made)."""
+        tp = self.tp
+        if tp is not None:
+            if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+                raise ConfigError(f"tp (--tp) must be an integer >= 1, got {tp!r}")
+            if tp > 1 and self.executor not in ("cost", "profile"):
+                raise ConfigError(
+                    f"--tp {tp} is for the timed executors (cost, profile); executor {self.executor!r} runs one device"
+                )
+            try:
+                model_shape(self.model, tp)
+            except InputError as exc:  # (an unknown model, or heads the degree does not divide)
+                raise ConfigError(str(exc)) from None
+        if self.profile is not None and self.executor != "profile":
+            raise ConfigError(
+                f"a profile table (--profile {self.profile}) is for --executor profile, not {self.executor!r}"
+            )
 
     def _check_serving(self) -> None:
         """The scheduler and step settings agree with each other (before any work: a cell's
@@ -275,6 +310,8 @@ ADDED = (
     "request_rate",
     "slo_ttft_ms",
     "slo_tpot_ms",
+    "tp",
+    "profile",
 )
 #: (field, inf allowed, at most 1) of each added number
 _ADDED_RANGES = (
@@ -357,13 +394,32 @@ def make_executor(cfg: CellConfig, num_pages: int):
         device = DEVICE_PROFILES[cfg.device]
         if cfg.device_calibration:
             device = device.calibrated(cfg.device_calibration)
-        return CostModelExecutor(model_shape(cfg.model), device)
+        return CostModelExecutor(model_shape(cfg.model, cfg.tp or 1), device)
+    if cfg.executor == "profile":
+        return ProfileExecutor(step_profile(cfg), DEVICE_PROFILES[cfg.device], cfg.tp or 1, model=cfg.model)
     from attention.model import PRESETS, LlamaModel
 
     if cfg.model not in PRESETS:
         raise ConfigError(f"unknown model {cfg.model!r}; choose one of {', '.join(PRESETS)}")
     model = LlamaModel(PRESETS[cfg.model], seed=cfg.seed, device=model_device(cfg), attention=cfg.attention)
     return ModelExecutor(model, num_pages, cfg.page_size)
+
+
+def check_timing(cfg: CellConfig, capacities: Sequence[int], force_capacity: bool = False) -> None:
+    """Before any work: the profile executor's table loads and can time the run (model,
+    device, degree), and on a GPU the largest capacity fits beside the weights unless forced."""
+    if cfg.executor == "profile":
+        ProfileExecutor(step_profile(cfg), DEVICE_PROFILES[cfg.device], cfg.tp or 1, model=cfg.model)
+    if cfg.executor == "model":
+        return  # (the model executor checks the memory of the device it runs on: check_model_run)
+    check_weights_fit(cfg.model, cfg.device, cfg.tp or 1)
+    if not force_capacity and capacities:
+        check_fits_device(cfg.model, cfg.device, cfg.tp or 1, max(capacities), cfg.page_size)
+
+
+def step_profile(cfg: CellConfig) -> StepProfile:
+    """The profile executor's table: the cell's `profile`, or the one shipped for its model and device."""
+    return load_profile(cfg.profile) if cfg.profile is not None else shipped_profile(cfg.model, cfg.device)
 
 
 def model_device(cfg: CellConfig) -> str:
@@ -433,7 +489,7 @@ def kv_capacity(cfg: CellConfig, workload: Workload | None = None) -> dict[str, 
     a `ConfigError` when `capacity_tokens` is not what `capacity_gb`,
     `gpu_memory_utilization` or `capacity_fraction` gives (a cell built by hand with both,
     before any work). A fraction is checked, and its working set recorded, given the `workload`."""
-    sizing = KvSizing(model_shape(cfg.model), cfg.page_size)
+    sizing = KvSizing(model_shape(cfg.model, cfg.tp or 1), cfg.page_size)
     named = ("capacity_gb", "gpu_memory_utilization", "capacity_fraction")
     given: dict[str, Any] = {n: v for n in named if (v := getattr(cfg, n)) is not None}
     if cfg.capacity_fraction is not None and workload is not None:

@@ -33,8 +33,9 @@ from typing import Any
 
 from attention.config import PRESETS
 from experiments.bounds.oracle import page_keys
-from experiments.engine.executors import DEVICE_PROFILES, ModelShape, llama3_8b_shape
+from experiments.engine.executors import DEVICE_PROFILES, ModelShape
 from experiments.errors import InputError
+from experiments.timing.zoo import MODELS, ZooError, resolve_model
 from experiments.workloads.generators import Workload
 
 #: bytes in a GB, as `--capacity-gb` and the device datasheets count them
@@ -55,12 +56,20 @@ class SizingError(InputError, ValueError):
     fit, two ways at once, or two values that give the same capacity."""
 
 
-def model_shape(name: str) -> ModelShape:
-    """The shape of model `name` (`llama3-8b`'s own; others from `attention.config.PRESETS`, no torch)."""
-    if name == "llama3-8b":
-        return llama3_8b_shape()
+def model_shape(name: str, tp: int = 1) -> ModelShape:
+    """The shape of model `name` on each of `tp` GPUs: a zoo model (experiments/timing/zoo.py,
+    or its Hugging Face id), or a preset of `attention.config.PRESETS` (`tiny`: one device), no torch."""
+    try:
+        return ModelShape.from_spec(resolve_model(name), tp)
+    except ZooError as exc:
+        if not str(exc).startswith("unknown model"):
+            raise SizingError(str(exc)) from None  # (a degree the heads do not allow)
     if name not in PRESETS:
-        raise SizingError(f"unknown model {name!r}; choose one of: {', '.join(PRESETS)}")
+        raise SizingError(f"unknown model {name!r}; choose one of: {', '.join(sorted({*MODELS, *PRESETS}))}")
+    if tp != 1:
+        raise SizingError(
+            f"--tp {tp}: model {name!r} runs on one device (tensor parallelism is for the zoo's models: {', '.join(MODELS)})"
+        )
     return ModelShape.from_config(PRESETS[name])
 
 
@@ -150,7 +159,7 @@ class CapacityGiven:
         return self.way == "capacity_fraction"
 
     def cells(
-        self, page_size: int, model: str, device: str, workload: Workload | None = None
+        self, page_size: int, model: str, device: str, workload: Workload | None = None, tp: int = 1
     ) -> list[tuple[int, dict[str, float]]]:
         """Each capacity in tokens with the CellConfig fields saying how it was given (none
         for tokens); two values that give the same tokens are a `SizingError`. A fraction
@@ -159,7 +168,7 @@ class CapacityGiven:
             return [(int(v), {}) for v in self.values]
         if self.needs_workload and workload is None:
             raise ValueError("a capacity given as a fraction of the working set needs the workload")
-        sizing = KvSizing(model_shape(model), page_size)
+        sizing = KvSizing(model_shape(model, tp), page_size)
         pages = working_set_pages(workload, page_size) if workload is not None and self.needs_workload else 0
         out: dict[int, float] = {}
         for v in self.values:
@@ -192,3 +201,37 @@ def fraction_tokens(fraction: float, working_set: int, page_size: int) -> int:
             "set to take a fraction of; give --capacity-tokens"
         )
     return max(1, math.floor(fraction * working_set)) * page_size
+
+
+def check_weights_fit(model: str, device: str, tp: int) -> None:
+    """Each of the replica's `tp` GPUs holds its share of the weights; a `SizingError`
+    otherwise (not even `--force-capacity` runs a model no such GPU can load)."""
+    memory = DEVICE_PROFILES[device].memory_bytes
+    shape = model_shape(model, tp)
+    if memory is not None and shape.weight_bytes > memory:
+        more = -(-shape.weight_bytes * tp // memory)
+        raise SizingError(
+            f"{model}'s weights take {shape.weight_bytes / GB:.1f} GB on each of {tp} x {device}, which has "
+            f"{memory / GB:g} GB: they do not fit (--tp {more} or more, or a larger device)"
+        )
+
+
+def check_fits_device(model: str, device: str, tp: int, capacity_tokens: int, page_size: int) -> None:
+    """A KV capacity of `capacity_tokens` per replica fits each of its `tp` GPUs beside its
+    share of the weights; a `SizingError` saying by how much it does not (the run would
+    model a cache no such GPU holds). A device without a memory size (`cpu`) is not checked."""
+    memory = DEVICE_PROFILES[device].memory_bytes
+    if memory is None:
+        return
+    shape = model_shape(model, tp)
+    kv = capacity_tokens // page_size * page_size * shape.kv_bytes_per_token
+    need = kv + shape.weight_bytes
+    if need <= memory:
+        return
+    per = f"each of {tp} x {device}" if tp > 1 else device
+    raise SizingError(
+        f"a KV capacity of {capacity_tokens:,} tokens takes {kv / GB:.1f} GB beside {shape.weight_bytes / GB:.1f} GB of "
+        f"{model} weights on {per}, which has {memory / GB:g} GB: at most "
+        f"{max(memory - shape.weight_bytes, 0) // shape.kv_bytes_per_token:,} tokens fit (a smaller capacity, "
+        "--gpu-memory-utilization to size it as vLLM does, more --tp, or --force-capacity to run it anyway)"
+    )

@@ -37,7 +37,7 @@ from experiments.runs.cluster_grid import SINGLE, ClusterShape, cells_over, left
 from experiments.runs.output_dir import OutputLock, StagedDir, check_writable_dir, write_file_atomically
 from experiments.runs.provenance import provenance
 from experiments.runs.run_config import CONFIG_FILE, CONFIG_HEADER, dump_toml
-from experiments.runs.runner import CellConfig, bounds, build_workload, check_capacity, check_model_run
+from experiments.runs.runner import CellConfig, bounds, build_workload, check_capacity, check_model_run, check_timing
 from experiments.runs.sizing import CapacityGiven
 
 
@@ -58,6 +58,8 @@ class SweepPlan:
     argv: list[str] | None = None  # the command line, for the reports (None: sys.argv)
     #: every option as given, for OUT/config.toml and each report's run_config (None: not written)
     settings: dict[str, Any] | None = None
+    #: run capacities that do not fit the device beside the weights (`--force-capacity`)
+    force_capacity: bool = False
 
 
 def run_sweep(plan: SweepPlan, out_dir: Path) -> int:
@@ -75,15 +77,20 @@ def _grid(plan: SweepPlan) -> list[tuple[str, int, list[int], list[CellConfig]]]
     t = plan.template
     caps_given = plan.capacities
     # sized before any workload is built, unless a fraction needs each workload's working set
-    fixed = {} if caps_given.needs_workload else {p: caps_given.cells(p, t.model, t.device) for p in plan.page_sizes}
+    fixed = (
+        {}
+        if caps_given.needs_workload
+        else {p: caps_given.cells(p, t.model, t.device, tp=t.tp or 1) for p in plan.page_sizes}
+    )
     for wname, knobs in plan.workloads.items():
         base = dataclasses.replace(t, workload=wname, knobs=knobs)
         wl = build_workload(base)
         base = dataclasses.replace(base, provenance=provenance(wl.config))
         for page in plan.page_sizes:
             at_page = dataclasses.replace(base, page_size=page)
-            sized = fixed[page] if fixed else caps_given.cells(page, t.model, t.device, wl)
+            sized = fixed[page] if fixed else caps_given.cells(page, t.model, t.device, wl, tp=t.tp or 1)
             caps = [tokens for tokens, _ in sized]
+            check_timing(at_page, caps, force_capacity=plan.force_capacity)
             at_once = min(plan.jobs, len(plan.variants) * len(caps) * len(plan.shapes))
             check_model_run(at_page, wl, caps, at_once * max(shape.replicas for shape in plan.shapes))
             for cap in caps:
