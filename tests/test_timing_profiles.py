@@ -8,7 +8,7 @@ import pytest
 from experiments.engine.executors import CostModelExecutor, ModelShape, device_profile, llama3_8b_shape
 from experiments.timing.profile import ProfileError, load_profile, parse_profile, shipped_profile, shipped_profiles
 from experiments.timing.profile_executor import ProfileExecutor
-from experiments.timing.zoo import MODELS, Deployment, ZooError, resolve_gpu, resolve_model
+from experiments.timing.zoo import MODELS, ZooError, resolve_gpu, resolve_model
 
 HEADER = "# model: llama3-8b\n# device: a100\n# source: test\n# engine: none\n# license: CC0\n"
 
@@ -55,16 +55,19 @@ def test_hugging_face_ids_and_gpu_spellings_are_aliases():
 
 def test_tensor_parallel_shards_as_vllm_does():
     m = MODELS["llama3-70b"]
-    d = Deployment(m, resolve_gpu("h100"), 4)
-    assert d.kv_heads_per_gpu == 2
-    assert d.kv_bytes_per_token() == m.kv_bytes_per_token() // 4
-    assert abs(d.weight_bytes_per_gpu() - m.num_params() * 2 / 4) < 1e7
+    assert m.kv_heads_per_gpu(4) == 2
+    assert m.kv_bytes_per_token(4) == m.kv_bytes_per_token() // 4
+    shape = ModelShape.from_spec(m, 4)
+    assert shape.kv_bytes_per_token == m.kv_bytes_per_token(4)
+    assert abs(shape.weight_bytes - m.num_params() * 2 / 4) < 1e7  # all but the norms split
     # more GPUs than KV heads: each GPU keeps one (replicated), so KV per GPU stops shrinking
-    assert Deployment(m, resolve_gpu("h100"), 16).kv_heads_per_gpu == 1
+    assert m.kv_heads_per_gpu(16) == 1
     with pytest.raises(ZooError, match="does not divide llama3-70b's 64 attention heads"):
-        Deployment(m, resolve_gpu("h100"), 3)
+        m.check_tp(3)
     with pytest.raises(ZooError, match="positive integer"):
-        Deployment(m, resolve_gpu("h100"), 0)
+        m.check_tp(0)
+    with pytest.raises(ZooError, match="neither divides"):
+        MODELS["qwen2.5-7b"].check_tp(14)  # 28 heads, 4 KV heads: 14 divides the one, not the other
 
 
 def test_llama3_8b_on_one_gpu_is_the_shape_the_cost_model_always_had():

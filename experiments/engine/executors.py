@@ -29,7 +29,7 @@ import numpy as np
 
 from cachelib.types import CopyOp, Sequence
 from experiments.engine.compiled import engine_kernels
-from experiments.timing.zoo import GPUS, MODELS, Deployment, GpuSpec, ModelSpec, ZooError, resolve_gpu
+from experiments.timing.zoo import GPUS, MODELS, GpuSpec, ModelSpec, ZooError, resolve_gpu
 from experiments.workloads.spec import GENERATED_TOKEN_BASE
 
 #: a batch item: the sequence, tokens to compute, the first of them
@@ -220,17 +220,18 @@ class ModelShape:
 
     @classmethod
     def from_spec(cls, spec: ModelSpec, tp: int = 1) -> ModelShape:
-        """A zoo model on each of `tp` GPUs (`Deployment` checks the degree): every weight
-        matrix and the embedding split `tp` ways, the heads too, KV heads as vLLM splits
-        (or replicates) them. The matmul count keeps the norms, as Llama-3-8B's always has."""
-        d = Deployment(spec, resolve_gpu("h100"), tp)  # (the GPU does not enter the shape)
+        """A zoo model on each of `tp` GPUs (a degree vLLM accepts: `ModelSpec.check_tp`):
+        every weight matrix and the embedding split `tp` ways, the heads too, KV heads as
+        vLLM splits (or replicates) them. The matmul count keeps the norms, as Llama-3-8B's
+        always has."""
+        spec.check_tp(tp)
         embedding = spec.vocab * spec.hidden
         active = (
             spec.num_params() - embedding - (spec.experts - spec.experts_per_token) * spec.mlp_params() * spec.layers
         )
         expert = spec.mlp_params() * spec.layers if spec.is_moe else 0
         return cls(
-            active // tp, spec.layers, spec.heads // tp, spec.head_dim, d.kv_bytes_per_token(), spec.dtype_bytes,
+            active // tp, spec.layers, spec.heads // tp, spec.head_dim, spec.kv_bytes_per_token(tp), spec.dtype_bytes,
             embedding // tp, tp, spec.hidden, spec.experts, spec.experts_per_token, expert // tp,
         )  # fmt: skip
 

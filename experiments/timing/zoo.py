@@ -3,10 +3,11 @@
 A `ModelSpec` holds a decoder's architecture as its Hugging Face `config.json` states it
 (layers, widths, heads, vocabulary, experts); every count the timing models and the KV
 sizing use is derived from it, so a parameter count is checked, not typed twice. A
-`GpuSpec` holds a GPU's datasheet figures. `Deployment` is a model on `tp` GPUs of one
-kind, as vLLM shards it (tensor parallelism: attention heads and MLP columns split over
-the GPUs, the vocabulary too; KV heads split, or replicated when there are fewer than
-GPUs, as vLLM's `get_num_kv_heads` replicates them).
+`GpuSpec` holds a GPU's datasheet figures. A model on `tp` GPUs is sharded as vLLM shards
+it (tensor parallelism: attention heads and MLP columns split over the GPUs, the vocabulary
+too; KV heads split, or replicated when there are fewer than GPUs, as vLLM's
+`get_num_kv_heads` replicates them): `ModelSpec.check_tp`, `kv_bytes_per_token(tp)`, and
+the roofline's per-GPU shape (`experiments.engine.executors.ModelShape.from_spec`).
 
 Names are the zoo's (`llama3-70b`, `h100`); Hugging Face ids and common GPU spellings are
 aliases (`meta-llama/Meta-Llama-3-70B`, `a100-80gb`, `nvidia-h100`). An unknown name is
@@ -78,9 +79,28 @@ class ModelSpec:
         head; the embedding is a lookup, and norms are not matmuls."""
         return self.layers * (self.layer_params(active) - 2 * self.hidden) + self.vocab * self.hidden
 
-    def kv_bytes_per_token(self) -> int:
-        """K and V of one token over all layers, on one GPU."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+    def check_tp(self, tp: int) -> None:
+        """A tensor-parallel degree vLLM accepts for this model; a `ZooError` otherwise."""
+        if tp.__class__ is not int or tp < 1:
+            raise ZooError(f"--tp must be a positive integer, got {tp!r}")
+        if self.heads % tp:
+            raise ZooError(
+                f"--tp {tp} does not divide {self.name}'s {self.heads} attention heads (vLLM refuses it too)"
+            )
+        if self.kv_heads % tp and tp % self.kv_heads:
+            raise ZooError(
+                f"--tp {tp} neither divides {self.name}'s {self.kv_heads} KV heads nor is a multiple of them "
+                "(vLLM can neither split nor replicate them)"
+            )
+
+    def kv_heads_per_gpu(self, tp: int = 1) -> int:
+        """vLLM's `get_num_kv_heads`: split over the GPUs, at least one each (replicated)."""
+        return max(1, self.kv_heads // tp)
+
+    def kv_bytes_per_token(self, tp: int = 1) -> int:
+        """K and V of one token over all layers, on each of `tp` GPUs (every GPU holds its
+        heads of every token)."""
+        return 2 * self.layers * self.kv_heads_per_gpu(tp) * self.head_dim * self.dtype_bytes
 
 
 @dataclass(frozen=True)
@@ -158,53 +178,3 @@ def resolve_gpu(name: str) -> GpuSpec:
     raise ZooError(
         f"unknown GPU {name!r}; known: {', '.join(GPUS)} (also {', '.join(a for g in GPUS.values() for a in g.aliases)})"
     )
-
-
-@dataclass(frozen=True)
-class Deployment:
-    """`model` on `tp` GPUs of kind `gpu`, sharded as vLLM shards it."""
-
-    model: ModelSpec
-    gpu: GpuSpec
-    tp: int = 1
-
-    def __post_init__(self) -> None:
-        m, tp = self.model, self.tp
-        if tp.__class__ is not int or tp < 1:
-            raise ZooError(f"--tp must be a positive integer, got {tp!r}")
-        if m.heads % tp:
-            raise ZooError(f"--tp {tp} does not divide {m.name}'s {m.heads} attention heads (vLLM refuses it too)")
-        if m.kv_heads % tp and tp % m.kv_heads:
-            raise ZooError(
-                f"--tp {tp} neither divides {m.name}'s {m.kv_heads} KV heads nor is a multiple of them "
-                "(vLLM can neither split nor replicate them)"
-            )
-
-    @property
-    def kv_heads_per_gpu(self) -> int:
-        """vLLM's `get_num_kv_heads`: split over the GPUs, at least one each (replicated)."""
-        return max(1, self.model.kv_heads // self.tp)
-
-    def kv_bytes_per_token(self) -> int:
-        """One token's KV on each GPU (every GPU holds its heads of every token)."""
-        m = self.model
-        return 2 * m.layers * self.kv_heads_per_gpu * m.head_dim * m.dtype_bytes
-
-    def weight_bytes_per_gpu(self) -> int:
-        """Each GPU's share of the weights: everything but the norms is split `tp` ways
-        (vocabulary-parallel embedding and LM head, column/row-parallel projections)."""
-        m = self.model
-        norms = (2 * m.layers + 1) * m.hidden
-        return ((m.num_params() - norms) // self.tp + norms) * m.dtype_bytes
-
-    def kv_bytes_free(self, utilization: float) -> int:
-        """Bytes left for KV on each GPU at vLLM's `--gpu-memory-utilization` (weights only
-        subtracted: experiments/runs/sizing.py says what that leaves out)."""
-        return int(utilization * self.gpu.memory_bytes) - self.weight_bytes_per_gpu()
-
-    def describe(self) -> str:
-        return (
-            f"{self.model.name} on {self.tp} x {self.gpu.name}"
-            if self.tp > 1
-            else f"{self.model.name} on {self.gpu.name}"
-        )
