@@ -214,3 +214,29 @@ def test_the_profile_executor_refuses_what_its_table_cannot_time():
         ProfileExecutor(no_comm, device_profile("a100"), 2)
     with pytest.raises(ZooError, match="does not divide"):
         ProfileExecutor(p, device_profile("a100"), 3)
+
+
+# -- FP8 weights and the Dynamo source ----------------------------------------------------------
+
+
+def test_fp8_weights_take_a_byte_and_run_at_the_fp8_rate_where_the_gpu_has_one():
+    fp8, bf16 = (ModelShape.from_spec(MODELS[n]) for n in ("llama3.1-8b-fp8", "llama3-8b"))
+    assert fp8.kv_bytes_per_token == bf16.kv_bytes_per_token  # the KV stays bf16
+    assert fp8.weight_bytes * 2 == bf16.weight_bytes
+    on_h200, on_a100 = CostModelExecutor(fp8, "h200"), CostModelExecutor(fp8, "a100")
+    assert on_h200.matmul_scale == pytest.approx(0.5, rel=1e-3) and on_a100.matmul_scale == 1.0  # A100: no FP8 cores
+    assert CostModelExecutor(bf16, "h200").matmul_scale == 1.0
+    prefill = (np.array([8192]), np.array([0]))
+    assert on_h200.batch_seconds(*prefill) < CostModelExecutor(bf16, "h200").batch_seconds(*prefill) * 0.6
+
+
+def test_calibration_reports_every_source_with_its_errors():
+    from experiments.timing.calibration import calibrate
+
+    result = calibrate()
+    names = {(s["source"], s["timing_model"]) for s in result["sources"]}
+    assert {("vidur-linear", "roofline"), ("vidur-linear", "profile"), ("dynamo-h200-decode", "roofline")} <= names
+    for s in result["sources"]:
+        assert s["points"] > 0 and 0 <= s["median_abs_pct_error"] <= s["p90_abs_pct_error"]
+    dynamo = next(s for s in result["sources"] if s["source"] == "dynamo-h200-prefill")
+    assert len(dynamo["measured_ms"]) == len(dynamo["predicted_ms"]) == 17

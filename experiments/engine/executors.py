@@ -120,6 +120,8 @@ class DeviceProfile:
     link_bandwidth: float = 0.0
     link_efficiency: float = 0.7
     link_latency_s: float = 10e-6
+    #: dense FP8 FLOP/s (0: no FP8 tensor cores): an FP8 model's matmuls run at this rate
+    fp8_flops: float = 0.0
 
     def calibrated(self, bench_json: str | Path) -> DeviceProfile:
         """This profile with the efficiencies `experiments/bench/gpu_attention_bench.py` measured.
@@ -145,7 +147,12 @@ class DeviceProfile:
 
 def _gpu_profile(gpu: GpuSpec) -> DeviceProfile:
     return DeviceProfile(
-        gpu.name, gpu.peak_flops, gpu.mem_bandwidth, memory_bytes=gpu.memory_bytes, link_bandwidth=gpu.link_bandwidth
+        gpu.name,
+        gpu.peak_flops,
+        gpu.mem_bandwidth,
+        memory_bytes=gpu.memory_bytes,
+        link_bandwidth=gpu.link_bandwidth,
+        fp8_flops=gpu.fp8_flops,
     )
 
 
@@ -192,6 +199,8 @@ class ModelShape:
     experts: int = 0
     experts_per_token: int = 0
     expert_params: int = 0
+    #: FP8 weights (`bytes_per_param` 1): matmuls at the device's FP8 rate where it has one
+    fp8: bool = False
 
     @property
     def weight_bytes(self) -> int:
@@ -231,8 +240,8 @@ class ModelShape:
         )
         expert = spec.mlp_params() * spec.layers if spec.is_moe else 0
         return cls(
-            active // tp, spec.layers, spec.heads // tp, spec.head_dim, spec.kv_bytes_per_token(tp), spec.dtype_bytes,
-            embedding // tp, tp, spec.hidden, spec.experts, spec.experts_per_token, expert // tp,
+            active // tp, spec.layers, spec.heads // tp, spec.head_dim, spec.kv_bytes_per_token(tp), spec.param_bytes,
+            embedding // tp, tp, spec.hidden, spec.experts, spec.experts_per_token, expert // tp, spec.fp8_weights,
         )  # fmt: skip
 
 
@@ -256,6 +265,10 @@ class CostModelExecutor:
         self.device = device_profile(device) if isinstance(device, str) else device
         if self.shape.tp > 1 and not self.device.link_bandwidth:
             raise ZooError(f"--tp {self.shape.tp} on {self.device.name}: the device has no GPU-to-GPU link to time")
+        #: the matmuls' FLOPs at the bf16 rate: halved (as counted) for FP8 weights on a
+        #: device with FP8 tensor cores at twice the rate; 1.0 otherwise (exact: x * 1.0 == x)
+        d = self.device
+        self.matmul_scale = d.peak_flops / d.fp8_flops if self.shape.fp8 and d.fp8_flops else 1.0
         self.tokens = FreshTokens()
         self.num_layers = self.shape.num_layers
         #: `batch_seconds`' sums by a compiled loop, or None: numpy (experiments/engine/compiled.py)
@@ -268,7 +281,7 @@ class CostModelExecutor:
     def step_seconds(self, batch: list[BatchItem]) -> float:
         s, d = self.shape, self.device
         tokens = sum(item[1] for item in batch)
-        flops = 2.0 * s.num_params * tokens
+        flops = 2.0 * s.num_params * tokens * self.matmul_scale
         kv_read = 0
         for _, n, ctx in batch:
             # QK^T and PV over the context plus the causal half of the new tokens
@@ -299,7 +312,9 @@ class CostModelExecutor:
         b = contexts.size
         j = np.arange(k, dtype=np.float64)
         ctx_sum = float(contexts.sum()) + b * j
-        flops = 2.0 * s.num_params * b + 4.0 * s.num_layers * s.num_heads * s.head_dim * (ctx_sum + b)
+        flops = 2.0 * s.num_params * b * self.matmul_scale + 4.0 * s.num_layers * s.num_heads * s.head_dim * (
+            ctx_sum + b
+        )
         nbytes = s.weights_read(b) + (ctx_sum + 2 * b) * s.kv_bytes_per_token
         compute = flops / (d.peak_flops * d.flops_efficiency)
         memory = nbytes / (d.mem_bandwidth * d.bandwidth_efficiency)
@@ -314,7 +329,7 @@ class CostModelExecutor:
         # (the rule takes contiguous int64 arrays: the engine's rows are; a caller's other
         # integers are converted, not refused)
         new, starts = np.ascontiguousarray(new, dtype=np.int64), np.ascontiguousarray(starts, dtype=np.int64)
-        flops, tokens, kv_read = self.kernels.price_rows(new, starts, per_token, 2.0 * s.num_params)
+        flops, tokens, kv_read = self.kernels.price_rows(new, starts, per_token, 2.0 * s.num_params * self.matmul_scale)
         nbytes = s.weights_read(int(tokens)) + (int(kv_read) + int(tokens)) * s.kv_bytes_per_token
         compute = float(flops) / (d.peak_flops * d.flops_efficiency)
         memory = nbytes / (d.mem_bandwidth * d.bandwidth_efficiency)

@@ -14,10 +14,16 @@ writes `report.md` and `calibration.json` (per source and timing model: `name`, 
   profiles' `all_reduce` rows, against the roofline's ring model and, held out as above,
   the profile's interpolation.
 
+- `dynamo-h200-prefill`, `dynamo-h200-decode`: vLLM's TTFT of one request by prompt length,
+  and its ITL by batch and context, measured on one H200 with Llama-3.1-8B-Instruct-FP8 by
+  NVIDIA Dynamo's SLA profiler (shipped as test data in the ai-dynamo 1.6.1 wheel;
+  `experiments/timing/sources/`, Apache-2.0). The roofline predicts a prefill as its chunks
+  of 8,192 tokens, a decode step as one of `min(batch, 1024)` requests (vLLM's default
+  `max_num_seqs` on such a GPU); no profile exists for this model and GPU.
+
 Not yet here (each is a gap the report names): vidur's attention times (stored with Git
-LFS, unavailable), NVIDIA Dynamo's mocker timing (its wheel is not in this environment),
-published end-to-end vLLM/SGLang serving benchmarks, and this project's own GPU runs
-(`scripts/gpu_check.sh` writes a profile where a GPU is lent).
+LFS, unavailable), published end-to-end vLLM/SGLang serving benchmarks, and this
+project's own GPU runs (`scripts/gpu_check.sh` writes a profile where a GPU is lent).
 """
 
 from __future__ import annotations
@@ -31,10 +37,10 @@ from typing import Any
 
 import numpy as np
 
-from experiments.engine.executors import DEVICE_PROFILES, DeviceProfile
+from experiments.engine.executors import DEVICE_PROFILES, CostModelExecutor, DeviceProfile, ModelShape
 from experiments.runs.output_dir import write_file_atomically
 from experiments.timing.profile import Curve, StepProfile, load_profile, shipped_profiles
-from experiments.timing.zoo import ModelSpec
+from experiments.timing.zoo import ModelSpec, resolve_model
 
 #: the timing models calibrated, as the command line names them
 MODELS = ("roofline", "profile")
@@ -94,13 +100,14 @@ def calibrate(tables: dict[tuple[str, str], Path] | None = None) -> dict[str, An
             entry = summary(f"{source} / {model}", np.concatenate(every) if every else np.zeros(0))
             entry.update(source=source, timing_model=model, per_table=per_table)
             sources.append(entry)
+    sources += dynamo_sources()
     return {
         "schema_version": 1,
         "sources": sources,
         "tables": {f"{m} on {g}": Path(p.path).name for (m, g), p in sorted(profiles.items())},
         "not_yet": [
             "vidur attention times (attention.csv is stored with Git LFS and was not available)",
-            "NVIDIA Dynamo mocker timing (the ai-dynamo wheels are not installed here)",
+            "a profile for the Dynamo source's model and GPU (Llama-3.1-8B FP8 on H200): none is shipped",
             "published vLLM/SGLang serving benchmarks (end to end, with their citation)",
             "this project's own GPU measurements (scripts/gpu_check.sh, when a GPU is lent)",
         ],
@@ -125,6 +132,42 @@ def headline(executor: str) -> str:
         f"(p90 {lin['p90_abs_pct_error']:.2g}%), all-reduce {ar['median_abs_pct_error']:.2g}% "
         "(reports/calibration; attention is not yet calibrated)."
     )
+
+
+#: the measured serving points shipped as calibration sources (experiments/timing/sources/)
+SOURCES_DIR = Path(__file__).parent / "sources"
+#: vLLM's defaults the Dynamo source ran with: a step's token budget and its running limit
+PREFILL_CHUNK, MAX_NUM_SEQS = 8192, 1024
+
+
+def dynamo_sources() -> list[dict[str, Any]]:
+    """The roofline against Dynamo's H200 measurements, prefill (TTFT) and decode (ITL)."""
+    path = SOURCES_DIR / "dynamo_h200_llama3.1-8b-fp8.csv"
+    rows = [line.split(",") for line in path.read_text().splitlines() if line and not line.startswith(("#", "kind"))]
+    cost = CostModelExecutor(ModelShape.from_spec(resolve_model("llama3.1-8b-fp8")), "h200")
+    out = []
+    for kind in ("prefill", "decode"):
+        measured, predicted = [], []
+        for _, tokens, context, batch, ms in (r for r in rows if r[0] == kind):
+            measured.append(float(ms))
+            if kind == "prefill":
+                t = int(tokens)
+                chunks = [(min(PREFILL_CHUNK, t - s), s) for s in range(0, t, PREFILL_CHUNK)]
+                predicted.append(1e3 * sum(cost.batch_seconds(np.array([n]), np.array([s])) for n, s in chunks))
+            else:
+                b = min(int(batch), MAX_NUM_SEQS)
+                predicted.append(1e3 * cost.batch_seconds(np.ones(b, dtype=np.int64), np.full(b, int(context))))
+        errs = errors(np.array(measured), np.array(predicted))
+        entry = summary(f"dynamo-h200-{kind} / roofline", errs)
+        entry.update(
+            source=f"dynamo-h200-{kind}",
+            timing_model="roofline",
+            per_table=[summary("llama3.1-8b-fp8 on h200", errs)],
+            measured_ms=measured,
+            predicted_ms=[round(p, 4) for p in predicted],
+        )
+        out.append(entry)
+    return out
 
 
 def _errors_of(profile: StepProfile, op: str, model: str) -> np.ndarray:

@@ -45,7 +45,13 @@ class ModelSpec:
     qkv_bias: bool = False
     experts: int = 0  # 0: dense
     experts_per_token: int = 0
-    dtype_bytes: int = 2  # bf16
+    dtype_bytes: int = 2  # bf16: the KV cache's, and the weights' unless `fp8_weights`
+    #: FP8 weights (one byte each; matmuls at the GPU's FP8 rate where it has one)
+    fp8_weights: bool = False
+
+    @property
+    def param_bytes(self) -> int:
+        return 1 if self.fp8_weights else self.dtype_bytes
 
     @property
     def is_moe(self) -> bool:
@@ -105,8 +111,9 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class GpuSpec:
-    """Datasheet figures: dense bf16 FLOP/s, memory bandwidth and size, and the GPU-to-GPU
-    link's one-way bandwidth (NVLink: half the bidirectional figure the datasheets quote)."""
+    """Datasheet figures: dense bf16 FLOP/s, memory bandwidth and size, the GPU-to-GPU
+    link's one-way bandwidth (NVLink: half the bidirectional figure the datasheets quote),
+    and dense FP8 FLOP/s (0: no FP8 tensor cores)."""
 
     name: str
     peak_flops: float
@@ -114,6 +121,7 @@ class GpuSpec:
     memory_bytes: int
     link_bandwidth: float
     aliases: tuple[str, ...] = ()
+    fp8_flops: float = 0.0
 
 
 # Hugging Face config.json values (the repository named by hf_id).
@@ -122,6 +130,18 @@ MODELS: dict[str, ModelSpec] = {
     for m in (
         ModelSpec("llama3-8b", "meta-llama/Meta-Llama-3-8B", 32, 4096, 32, 8, 128, 14336, 128256),
         ModelSpec("llama3-70b", "meta-llama/Meta-Llama-3-70B", 80, 8192, 64, 8, 128, 28672, 128256),
+        ModelSpec(
+            "llama3.1-8b-fp8",
+            "nvidia/Llama-3.1-8B-Instruct-FP8",
+            32,
+            4096,
+            32,
+            8,
+            128,
+            14336,
+            128256,
+            fp8_weights=True,
+        ),  # fmt: skip  (Llama-3.1-8B's shape, FP8 weights, bf16 KV: the model of Dynamo's H200 profile)
         ModelSpec("llama2-7b", "meta-llama/Llama-2-7b-hf", 32, 4096, 32, 32, 128, 11008, 32000),
         ModelSpec("llama2-70b", "meta-llama/Llama-2-70b-hf", 80, 8192, 64, 8, 128, 28672, 32000),
         ModelSpec("qwen-72b", "Qwen/Qwen-72B", 80, 8192, 64, 64, 128, 24576, 152064, qkv_bias=True),
@@ -148,8 +168,8 @@ MODELS: dict[str, ModelSpec] = {
 GPUS: dict[str, GpuSpec] = {
     g.name: g
     for g in (
-        GpuSpec("h200", 989e12, 4.8e12, 141 * GB, 450e9, ("h200-141gb", "h200-sxm", "nvidia-h200")),
-        GpuSpec("h100", 989e12, 3.35e12, 80 * GB, 450e9, ("h100-80gb", "h100-sxm", "nvidia-h100")),
+        GpuSpec("h200", 989e12, 4.8e12, 141 * GB, 450e9, ("h200-141gb", "h200-sxm", "nvidia-h200"), 1979e12),
+        GpuSpec("h100", 989e12, 3.35e12, 80 * GB, 450e9, ("h100-80gb", "h100-sxm", "nvidia-h100"), 1979e12),
         GpuSpec("a100", 312e12, 2.039e12, 80 * GB, 300e9, ("a100-80gb", "a100-sxm4-80gb", "nvidia-a100")),
         GpuSpec("a100-40gb", 312e12, 1.555e12, 40 * GB, 300e9, ("a100-sxm4-40gb",)),
     )
