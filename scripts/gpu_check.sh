@@ -13,9 +13,11 @@
 #   4. the benchmark (experiments/bench/gpu_attention_bench.py): decode 64 x 4k at page sizes
 #      1/16/64, llama3-8b prefill of 8k tokens with 0/50/90 % cached; CUDA-event timing, the
 #      FlashInfer backend each wrapper resolved, device/driver/CUDA versions; JSON.
-# Results go to $OUT (the device tool brings them back; 4 files) or reports/gpu/.
+#   5. a step profile of the GPU (experiments/timing/measure.py): llama3-8b's layer outside
+#      attention by token count, a table --executor profile --profile FILE reads.
+# Results go to $OUT (the device tool brings them back; 5 files) or reports/gpu/.
 # Env: PYTHON (default python3), BENCH_ARGS (extra benchmark flags, e.g. "--no-model"),
-#      SKIP_TESTS=1 / SKIP_BENCH=1, ALLOW_JIT=1 (let FlashInfer compile what is not prebuilt:
+#      SKIP_TESTS=1 / SKIP_BENCH=1 / SKIP_PROFILE=1, GPU_NAME (the profile's device, default h200), ALLOW_JIT=1 (let FlashInfer compile what is not prebuilt:
 #      needs nvcc, minutes), SITE (install dir, default /tmp/site), DRY_RUN=1 (print the
 #      steps, run nothing; what CI runs).
 # Uses the machine's own torch (the project's CPU pin is not installed there). Nothing here
@@ -80,6 +82,13 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
   step "benchmark"
   # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
   run "$PY" experiments/bench/gpu_attention_bench.py --output "$DEST/gpu_attention_bench_${STAMP}_${COMMIT}.json" ${BENCH_ARGS:-} || status=1
+fi
+if [ "${SKIP_PROFILE:-0}" != 1 ]; then
+  # 5. a step profile of this GPU in the shipped format (experiments/timing/measure.py): one
+  #    llama3-8b layer's linear work by token count, CUDA events; GPU_NAME is the zoo's name
+  step "profile ${GPU_NAME:-h200}"
+  run "$PY" -m experiments.timing.measure --model llama3-8b --device "${GPU_NAME:-h200}" \
+    --output "$DEST/llama3-8b__${GPU_NAME:-h200}_${STAMP}_${COMMIT}.csv" || status=1
 fi
 step "done: status $status; files in $DEST"
 ls -l "$DEST" | tee -a "$LOG"

@@ -240,3 +240,27 @@ def test_calibration_reports_every_source_with_its_errors():
         assert s["points"] > 0 and 0 <= s["median_abs_pct_error"] <= s["p90_abs_pct_error"]
     dynamo = next(s for s in result["sources"] if s["source"] == "dynamo-h200-prefill")
     assert len(dynamo["measured_ms"]) == len(dynamo["predicted_ms"]) == 17
+
+
+def test_a_measured_profile_is_written_in_the_shipped_format_and_times_a_step(tmp_path):
+    pytest.importorskip("torch")
+    from experiments.timing.measure import main as measure
+
+    out = tmp_path / "llama2-7b__cpu.csv"
+    assert (
+        measure(
+            ["--model", "llama2-7b", "--device", "cpu", "--tokens", "1", "2", "--repeats", "1", "--output", str(out)]
+        )
+        == 0
+    )
+    p = load_profile(out)
+    assert p.device == "cpu" and p.model.name == "llama2-7b" and "measure.py" in p.header["source"]
+    ex = ProfileExecutor(p, device_profile("cpu"))
+    assert ex.batch_seconds(np.array([2]), np.array([0])) > 0
+    assert measure(
+        ["--model", "llama2-7b", "--device", "h100", "--tokens", "1", "2", "--output", str(tmp_path / "x.csv")]
+    ) in (0, 3)
+    assert (
+        measure(["--model", "llama2-7b", "--device", "cpu", "--tokens", "1", "--output", str(tmp_path / "y.csv")]) == 3
+    )
+    assert not (tmp_path / "y.csv").exists()

@@ -18,6 +18,7 @@ import numpy as np
 from experiments.cli.args import device_name, model_name, positive_int
 from experiments.engine.executors import CostModelExecutor, device_profile
 from experiments.errors import UsageError
+from experiments.report.render import sig3
 from experiments.runs.sizing import model_shape
 from experiments.timing.profile import load_profile, shipped_profile
 from experiments.timing.profile_executor import PARTS, ProfileExecutor
@@ -113,8 +114,8 @@ def cmd_predict_step(args: argparse.Namespace) -> int:
         print(json.dumps(out))
     else:
         order = [p for p in PARTS if p in parts] + [p for p in parts if p not in PARTS]
-        print(f"{args.model} on {args.tp} x {args.device}, {args.executor}: {step_ms:.3g} ms")
+        print(f"{args.model} on {args.tp} x {args.device}, {args.executor}: {sig3(step_ms)} ms")
         for name in order:
-            print(f"  {name}: {1e3 * parts[name]:.3g} ms")
+            print(f"  {name}: {sig3(1e3 * parts[name])} ms")
         print(f"  ({source})")
     return 0

@@ -177,7 +177,10 @@ def _header(text: str, name: str) -> tuple[dict[str, str], int, list[str]]:
 
 def _identity(header: dict[str, str], name: str) -> tuple[ModelSpec, str]:
     try:
-        return resolve_model(header["model"]), resolve_gpu(header["device"]).name
+        device = (
+            "cpu" if header["device"] == "cpu" else resolve_gpu(header["device"]).name
+        )  # (cpu: a test machine's table)
+        return resolve_model(header["model"]), device
     except ZooError as exc:
         raise ProfileError(f"{name}: {exc}") from None
 
