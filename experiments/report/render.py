@@ -360,10 +360,14 @@ def uncertainty_lines(results: dict[str, Any]) -> list[str]:
     if saturated:
         worst = max(saturated, key=lambda c: c["serving"]["saturation"]["last_tenth_ttft_s"])
         sat = worst["serving"]["saturation"]
-        names = ", ".join(f"{label(c)} at {c['config']['capacity_tokens']:,}" for c in saturated)
+        if len(saturated) == len(results["cells"]):
+            where = f"every cell ({len(saturated)})"
+        else:
+            names = ", ".join(f"{label(c)} at {c['config']['capacity_tokens']:,}" for c in saturated)
+            where = f"{len(saturated)} of {len(results['cells'])} cells ({names})"
         lines += [
-            f"**Saturated**: the offered load exceeds what the replicas serve in {len(saturated)} of "
-            f"{len(results['cells'])} cells ({names}): the median TTFT of the last tenth of arrivals is "
+            f"**Saturated**: the offered load exceeds what the replicas serve in {where}: the median TTFT "
+            "of the last tenth of arrivals is "
             f"{sig3(sat['last_tenth_ttft_s'])} s against {sig3(sat['first_tenth_ttft_s'])} s for the first tenth "
             f"({label(worst)}). Queueing dominates there: the comparison is of queues, not caches "
             "(`--time-scale`, `--request-rate` or more `--replicas` lower the load).",
