@@ -171,3 +171,42 @@ def test_a_run_whose_queue_grows_is_saturated():
     s = saturation(growing)
     assert s["saturated"] and s["last_tenth_ttft_s"] > 4 * s["first_tenth_ttft_s"]
     assert not saturation(growing[:20])["saturated"]  # too few requests to tell
+
+
+def test_a_changed_profile_table_is_a_new_cell(tmp_path):
+    from experiments.runs.provenance import provenance
+
+    table = tmp_path / "t.csv"
+    table.write_text("a")
+    first = provenance({}, str(table))["profile_sha256"]
+    table.write_text("b")
+    assert provenance({}, str(table))["profile_sha256"] != first
+    assert "profile_sha256" not in provenance({})
+
+
+def test_a_users_own_profile_is_named_in_the_report_without_a_borrowed_calibration(tmp_path):
+    from experiments.timing.profile import shipped_profiles
+
+    mine = tmp_path / "mine.csv"
+    mine.write_text(shipped_profiles()[("llama3-70b", "a100")].read_text())
+    out = tmp_path / "out"
+    args = ["compare", *SMALL, "--backend", "apc", "--capacity-tokens", "20000", "--model", "llama3-70b"]
+    assert (
+        main(
+            [
+                *args,
+                "--device",
+                "a100",
+                "--tp",
+                "4",
+                "--executor",
+                "profile",
+                "--profile",
+                str(mine),
+                "--output-dir",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    assert "your measured profile table `mine.csv`" in (out / "report.md").read_text()

@@ -137,7 +137,7 @@ def _compare_locked(plan: Comparison) -> int:
     for cap in plan.capacities:
         check_capacity(workload, cap, page_size)
     started = time.perf_counter()
-    template = dataclasses.replace(plan.template, provenance=provenance(workload.config))
+    template = dataclasses.replace(plan.template, provenance=provenance(workload.config, plan.template.profile))
     cells = cells_over(template, plan.variants, plan.capacities, plan.shapes, plan.sizing)
     skipped = left_out(plan.shapes, plan.variants)
     if skipped:  # nothing left out silently: say which default pairs cannot run

@@ -349,7 +349,12 @@ def uncertainty_lines(results: dict[str, Any]) -> list[str]:
     cfg = results["settings"]
     if "executor" not in cfg or cfg.get("protocol") == "replay":
         return []
-    lines = ["Timing: " + timing_statement(cfg["executor"]) + " Latencies are given to three significant figures.", ""]
+    lines = [
+        "Timing: "
+        + timing_statement(cfg["executor"], cfg.get("profile"))
+        + " Latencies are given to three significant figures.",
+        "",
+    ]
     if (results.get("run_config") or {}).get("force_capacity"):
         lines += [
             f"Capacities beyond what one replica's GPUs hold beside the weights were run anyway (`--force-capacity`): "
@@ -376,8 +381,17 @@ def uncertainty_lines(results: dict[str, Any]) -> list[str]:
     return lines
 
 
-def timing_statement(executor: str) -> str:
-    """What the executor's step times rest on, with its calibration error where one is known."""
+def timing_statement(executor: str, profile: str | None = None) -> str:
+    """What the executor's step times rest on, with its calibration error where one is known
+    (a user's own profile table has none known here: the interpolation's error on the
+    shipped tables is said instead)."""
+    if executor == "profile" and profile is not None:
+        from experiments.timing.calibration import interpolation_error
+
+        return (
+            f"your measured profile table `{Path(profile).name}`, interpolated (no calibration of it is known here; "
+            f"on the shipped tables the interpolation is within {interpolation_error():.2g}% median of held-out points)."
+        )
     if executor == "fixed":
         return "a constant step time (no model of the batch: no calibration applies)."
     if executor == "model":

@@ -82,11 +82,14 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def provenance(workload_config: dict[str, Any]) -> dict[str, str]:
-    """The code version and, for each input file the workload read, its content digest."""
+def provenance(workload_config: dict[str, Any], profile: str | None = None) -> dict[str, str]:
+    """The code version and, for each input file the workload read and the profile table the
+    executor reads (`--profile`), its content digest: a changed table is a new cell."""
     out = {"code": code_version()}
     for key in INPUT_FILE_KEYS:
         value = workload_config.get(key)
         if isinstance(value, str) and Path(value).exists():
             out[f"{key}_sha256"] = file_digest(Path(value))
+    if profile is not None and Path(profile).is_file():
+        out["profile_sha256"] = file_digest(Path(profile))
     return out

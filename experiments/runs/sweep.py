@@ -85,7 +85,7 @@ def _grid(plan: SweepPlan) -> list[tuple[str, int, list[int], list[CellConfig]]]
     for wname, knobs in plan.workloads.items():
         base = dataclasses.replace(t, workload=wname, knobs=knobs)
         wl = build_workload(base)
-        base = dataclasses.replace(base, provenance=provenance(wl.config))
+        base = dataclasses.replace(base, provenance=provenance(wl.config, base.profile))
         for page in plan.page_sizes:
             at_page = dataclasses.replace(base, page_size=page)
             sized = fixed[page] if fixed else caps_given.cells(page, t.model, t.device, wl, tp=t.tp or 1)

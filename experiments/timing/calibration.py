@@ -115,10 +115,15 @@ def calibrate(tables: dict[tuple[str, str], Path] | None = None) -> dict[str, An
 
 
 @functools.cache
+def calibrate_once() -> dict[str, Any]:
+    """`calibrate()` of the shipped tables, once per process (reports ask for it per document)."""
+    return calibrate()
+
+
 def headline(executor: str) -> str:
     """One sentence for a report: the timing model and its error against the measured
     layer times (vidur's), as `make calibration` computes it."""
-    result = calibrate()
+    result = calibrate_once()
     model = "roofline" if executor == "cost" else "profile"
     by = {s["source"]: s for s in result["sources"] if s["timing_model"] == model}
     lin, ar = by["vidur-linear"], by["vidur-all-reduce"]
@@ -140,6 +145,13 @@ def headline(executor: str) -> str:
         f"(p90 {lin['p90_abs_pct_error']:.2g}%), all-reduce {ar['median_abs_pct_error']:.2g}%{served} "
         "(reports/calibration; attention alone is not yet calibrated)."
     )
+
+
+def interpolation_error() -> float:
+    """The profile executor's median error on the shipped tables' held-out layer times."""
+    return next(
+        s for s in calibrate_once()["sources"] if s["source"] == "vidur-linear" and s["timing_model"] == "profile"
+    )["median_abs_pct_error"]
 
 
 #: the measured serving points shipped as calibration sources (experiments/timing/sources/)
