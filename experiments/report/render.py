@@ -344,8 +344,9 @@ def _executor(cfg: dict[str, Any]) -> str:
 
 def uncertainty_lines(results: dict[str, Any]) -> list[str]:
     """The timing model and how far it is from measurements (experiments/timing/
-    calibration.py), and a warning for each serving cell whose offered load exceeded what
-    it served (`metrics.saturation`)."""
+    calibration.py); a line when capacities were forced past the device's memory; one
+    warning naming the serving cells whose offered load exceeded what they served
+    (`metrics.saturation`), with the worst one's numbers."""
     cfg = results["settings"]
     if "executor" not in cfg or cfg.get("protocol") == "replay":
         return []
