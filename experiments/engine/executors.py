@@ -269,6 +269,8 @@ class CostModelExecutor:
         #: device with FP8 tensor cores at twice the rate; 1.0 otherwise (exact: x * 1.0 == x)
         d = self.device
         self.matmul_scale = d.peak_flops / d.fp8_flops if self.shape.fp8 and d.fp8_flops else 1.0
+        #: every weight is read each step (dense), or None: the experts the tokens touch
+        self.dense_weight_bytes = None if self.shape.experts else self.shape.num_params * self.shape.bytes_per_param
         self.tokens = FreshTokens()
         self.num_layers = self.shape.num_layers
         #: `batch_seconds`' sums by a compiled loop, or None: numpy (experiments/engine/compiled.py)
@@ -330,10 +332,13 @@ class CostModelExecutor:
         # integers are converted, not refused)
         new, starts = np.ascontiguousarray(new, dtype=np.int64), np.ascontiguousarray(starts, dtype=np.int64)
         flops, tokens, kv_read = self.kernels.price_rows(new, starts, per_token, 2.0 * s.num_params * self.matmul_scale)
-        nbytes = s.weights_read(int(tokens)) + (int(kv_read) + int(tokens)) * s.kv_bytes_per_token
+        # (a dense model on one GPU, the engine's hot path: its weight bytes, and no all-reduce)
+        weights = self.dense_weight_bytes if self.dense_weight_bytes is not None else s.weights_read(int(tokens))
+        nbytes = weights + (int(kv_read) + int(tokens)) * s.kv_bytes_per_token
         compute = float(flops) / (d.peak_flops * d.flops_efficiency)
         memory = nbytes / (d.mem_bandwidth * d.bandwidth_efficiency)
-        return max(compute, memory) + d.step_overhead_s + self.all_reduce_seconds(int(tokens))
+        seconds = max(compute, memory) + d.step_overhead_s
+        return seconds if s.tp == 1 else seconds + self.all_reduce_seconds(int(tokens))
 
     def fresh_tokens(self, k: int) -> list[int]:
         return self.tokens.take(k)
