@@ -35,7 +35,7 @@ from attention.config import PRESETS
 from experiments.bounds.oracle import page_keys
 from experiments.engine.executors import DEVICE_PROFILES, ModelShape
 from experiments.errors import InputError
-from experiments.timing.zoo import MODELS, ZooError, resolve_model
+from experiments.timing.zoo import MODELS, UnknownName, ZooError, resolve_model
 from experiments.workloads.generators import Workload
 
 #: bytes in a GB, as `--capacity-gb` and the device datasheets count them
@@ -61,9 +61,10 @@ def model_shape(name: str, tp: int = 1) -> ModelShape:
     or its Hugging Face id), or a preset of `attention.config.PRESETS` (`tiny`: one device), no torch."""
     try:
         return ModelShape.from_spec(resolve_model(name), tp)
+    except UnknownName:
+        pass  # not in the zoo: a preset, or unknown (below)
     except ZooError as exc:
-        if not str(exc).startswith("unknown model"):
-            raise SizingError(str(exc)) from None  # (a degree the heads do not allow)
+        raise SizingError(str(exc)) from None  # (a degree the heads do not allow)
     if name not in PRESETS:
         raise SizingError(f"unknown model {name!r}; choose one of: {', '.join(sorted({*MODELS, *PRESETS}))}")
     if tp != 1:

@@ -27,6 +27,10 @@ class ZooError(InputError, ValueError):
     """An unknown model or device name, or a parallel degree the model cannot take."""
 
 
+class UnknownName(ZooError):
+    """A model or GPU name the zoo does not have (under any alias)."""
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A Llama-style decoder (gated MLP, RMS norms, grouped-query attention), or a
@@ -186,7 +190,7 @@ def resolve_model(name: str) -> ModelSpec:
     for m in MODELS.values():
         if k in (m.name, m.hf_id.lower(), m.hf_id.lower().split("/")[-1]):
             return m
-    raise ZooError(f"unknown model {name!r}; the zoo has {', '.join(MODELS)} (or their Hugging Face ids)")
+    raise UnknownName(f"unknown model {name!r}; the zoo has {', '.join(MODELS)} (or their Hugging Face ids)")
 
 
 def resolve_gpu(name: str) -> GpuSpec:
@@ -195,6 +199,6 @@ def resolve_gpu(name: str) -> GpuSpec:
     for g in GPUS.values():
         if k == g.name or k in g.aliases:
             return g
-    raise ZooError(
+    raise UnknownName(
         f"unknown GPU {name!r}; known: {', '.join(GPUS)} (also {', '.join(a for g in GPUS.values() for a in g.aliases)})"
     )
