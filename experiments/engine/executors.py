@@ -15,6 +15,8 @@ commits) and, for a sequence whose chunk reaches its last known token, produces 
 token. What an executor can do beyond that is declared, never probed:
 `supports_decode_windows` (it prices k decode steps at once: `decode_step_seconds`) and
 `samples_fresh_tokens` (a forked sample's first token is `fresh_tokens(1)`, not its parent's).
+Those that sample fresh ids (all but the model) share `FreshIdExecutor`: one id counter and
+the rule for which items sample; `experiments/timing/profile_executor.py` is one more.
 """
 
 from __future__ import annotations
@@ -100,6 +102,30 @@ class FreshTokens:
     def take_one(self) -> int:
         self.next_id += 1
         return self.next_id - 1
+
+
+class FreshIdExecutor:
+    """What every executor whose samples are fresh ids shares (`samples_fresh_tokens`): the
+    ids from one `FreshTokens` counter, a step's samples (one id for each item whose chunk
+    reaches its last known token), and page copies that cost nothing it models. Each
+    subclass says only what a step costs (`step`, from `sampled`)."""
+
+    samples_fresh_tokens: ClassVar[bool] = True
+    tokens: FreshTokens
+
+    def apply_copies(self, ops: list[CopyOp]) -> None:
+        pass  # a page copy is a few µs of bandwidth (or no tensors at all): counted by the cache's copied_pages
+
+    def fresh_tokens(self, k: int) -> list[int]:
+        return self.tokens.take(k)
+
+    def fresh_token_run(self, k: int) -> range:
+        return self.tokens.take_run(k)
+
+    def sampled(self, batch: list[BatchItem]) -> list[int | None]:
+        """Each item's sampled id, or None where its chunk stops short of its last token."""
+        take = self.tokens.take_one
+        return [take() if start + n == len(seq) else None for seq, n, start in batch]
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,12 +277,11 @@ def llama3_8b_shape() -> ModelShape:
     return ModelShape.from_spec(MODELS["llama3-8b"])
 
 
-class CostModelExecutor:
+class CostModelExecutor(FreshIdExecutor):
     """Roofline time per step; tokens are fresh ids (`2_000_000_000 + n`)."""
 
     kind: ClassVar[str] = "cost-model"
     supports_decode_windows: ClassVar[bool] = True
-    samples_fresh_tokens: ClassVar[bool] = True
 
     def __init__(
         self, shape: ModelShape | None = None, device: DeviceProfile | str = "h200", kernel: str = "auto"
@@ -276,9 +301,6 @@ class CostModelExecutor:
         #: `batch_seconds`' sums by a compiled loop, or None: numpy (experiments/engine/compiled.py)
         self.kernels = engine_kernels(kernel)
         self.kernel = self.kernels.name
-
-    def apply_copies(self, ops: list[CopyOp]) -> None:
-        pass  # a page copy is a few µs of bandwidth; counted by the cache's copied_pages
 
     def step_seconds(self, batch: list[BatchItem]) -> float:
         s, d = self.shape, self.device
@@ -340,19 +362,11 @@ class CostModelExecutor:
         seconds = max(compute, memory) + d.step_overhead_s
         return seconds if s.tp == 1 else seconds + self.all_reduce_seconds(int(tokens))
 
-    def fresh_tokens(self, k: int) -> list[int]:
-        return self.tokens.take(k)
-
-    def fresh_token_run(self, k: int) -> range:
-        return self.tokens.take_run(k)
-
     def step(self, batch: list[BatchItem]) -> tuple[float, list[int | None]]:
-        take = self.tokens.take_one
-        out: list[int | None] = [take() if start + n == len(seq) else None for seq, n, start in batch]
-        return self.step_seconds(batch), out
+        return self.step_seconds(batch), self.sampled(batch)
 
 
-class FixedStepExecutor:
+class FixedStepExecutor(FreshIdExecutor):
     """A constant `step_seconds` per non-empty step, whatever the batch (`--executor fixed
     --step-ms X`): scheduling decisions can then be compared with a real scheduler run with
     the same constant (tests/fixtures/vllm_0_33: 20 ms) independently of any cost model.
@@ -360,7 +374,6 @@ class FixedStepExecutor:
 
     kind: ClassVar[str] = "fixed"
     supports_decode_windows: ClassVar[bool] = True
-    samples_fresh_tokens: ClassVar[bool] = True
     #: no model behind the constant step: Llama-3-8B's 32 layers, the project's default model
     num_layers: ClassVar[int] = 32
 
@@ -370,54 +383,32 @@ class FixedStepExecutor:
         self.step_seconds = float(step_seconds)
         self.tokens = FreshTokens()
 
-    def apply_copies(self, ops: list[CopyOp]) -> None:
-        pass  # part of the constant step
-
     def decode_step_seconds(self, contexts: np.ndarray, k: int) -> np.ndarray:
         return np.full(k, self.step_seconds)
 
     def batch_seconds(self, new: np.ndarray, starts: np.ndarray) -> float:
         return self.step_seconds
 
-    def fresh_tokens(self, k: int) -> list[int]:
-        return self.tokens.take(k)
-
-    def fresh_token_run(self, k: int) -> range:
-        return self.tokens.take_run(k)
-
     def step(self, batch: list[BatchItem]) -> tuple[float, list[int | None]]:
-        take = self.tokens.take_one
-        out: list[int | None] = [take() if start + n == len(seq) else None for seq, n, start in batch]
-        return (self.step_seconds if batch else 0.0), out
+        return (self.step_seconds if batch else 0.0), self.sampled(batch)
 
 
-class ReplayExecutor:
+class ReplayExecutor(FreshIdExecutor):
     """The replay protocol's executor: no time and no tensors (replay counts cache work
     only); generated tokens are fresh ids, as the cost model's."""
 
     kind: ClassVar[str] = "replay"
     supports_decode_windows: ClassVar[bool] = False  # replay takes no steps to window
-    samples_fresh_tokens: ClassVar[bool] = True
     num_layers: ClassVar[int] = 1  # no steps, no overlap
 
     def __init__(self) -> None:
         self.tokens = FreshTokens()
 
-    def apply_copies(self, ops: list[CopyOp]) -> None:
-        pass  # no KV tensors: a copy is counted by the cache's copied_pages
-
     def decode_step_seconds(self, contexts: np.ndarray, k: int) -> np.ndarray:
         return np.zeros(k)
 
-    def fresh_tokens(self, k: int) -> list[int]:
-        return self.tokens.take(k)
-
-    def fresh_token_run(self, k: int) -> range:
-        return self.tokens.take_run(k)
-
     def step(self, batch: list[BatchItem]) -> tuple[float, list[int | None]]:
-        take = self.tokens.take_one
-        return 0.0, [take() if start + n == len(seq) else None for seq, n, start in batch]
+        return 0.0, self.sampled(batch)
 
 
 class ModelExecutor:

@@ -22,8 +22,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from cachelib.types import CopyOp
-from experiments.engine.executors import BatchItem, DeviceProfile, FreshTokens, ModelShape
+from experiments.engine.executors import BatchItem, DeviceProfile, FreshIdExecutor, FreshTokens, ModelShape
 from experiments.timing.profile import ProfileError, StepProfile
 from experiments.timing.zoo import resolve_model
 
@@ -31,12 +30,11 @@ from experiments.timing.zoo import resolve_model
 PARTS = ("linear", "attention", "all_reduce", "lm_head", "overhead")
 
 
-class ProfileExecutor:
+class ProfileExecutor(FreshIdExecutor):
     """Step times from a measured profile; tokens are fresh ids, as the cost model's."""
 
     kind: ClassVar[str] = "profile"
     supports_decode_windows: ClassVar[bool] = True
-    samples_fresh_tokens: ClassVar[bool] = True
 
     def __init__(self, profile: StepProfile, device: DeviceProfile, tp: int = 1, model: str | None = None) -> None:
         if model is not None and resolve_model(model).name != profile.model.name:
@@ -154,16 +152,5 @@ class ProfileExecutor:
         )
         return fixed + s.num_layers * per_layer
 
-    def apply_copies(self, ops: list[CopyOp]) -> None:
-        pass  # a page copy is a few µs of bandwidth; counted by the cache's copied_pages
-
-    def fresh_tokens(self, k: int) -> list[int]:
-        return self.tokens.take(k)
-
-    def fresh_token_run(self, k: int) -> range:
-        return self.tokens.take_run(k)
-
     def step(self, batch: list[BatchItem]) -> tuple[float, list[int | None]]:
-        take = self.tokens.take_one
-        out: list[int | None] = [take() if start + n == len(seq) else None for seq, n, start in batch]
-        return self.step_seconds(batch), out
+        return self.step_seconds(batch), self.sampled(batch)
