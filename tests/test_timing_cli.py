@@ -15,6 +15,11 @@ from experiments.report.render import sig3
 SMALL = ["--workload", "no_sharing", "--knob", "num_requests=20", "--no-progress", "--protocol", "serving"]
 
 
+def compare(capacity: int, *options: str) -> list[str]:
+    """A small serving comparison of apc at `capacity` tokens, with `options`."""
+    return ["compare", *SMALL, "--backend", "apc", "--capacity-tokens", str(capacity), *options]
+
+
 def test_predict_step_answers_in_json_with_its_parts(capsys):
     rc = main(
         ["predict-step", "--model", "meta-llama/Meta-Llama-3-70B", "--device", "A100-80GB", "--tp", "4",
@@ -72,7 +77,7 @@ def rc_of(argv: list[str]) -> int:
 
 def test_a_capacity_beyond_the_devices_memory_is_refused_unless_forced(tmp_path, capsys):
     out = tmp_path / "out"
-    args = ["compare", *SMALL, "--backend", "apc", "--capacity-tokens", "2000000", "--output-dir", str(out)]
+    args = compare(2000000, "--output-dir", str(out))
     assert main(args) == EXIT_BAD_INPUT
     err = capsys.readouterr().err
     assert "a KV capacity of 2,000,000 tokens takes 262.1 GB beside 16.1 GB of llama3-8b weights on h200" in err
@@ -86,18 +91,7 @@ def test_a_capacity_beyond_the_devices_memory_is_refused_unless_forced(tmp_path,
 
 def test_a_model_whose_weights_do_not_fit_is_refused_even_when_forced(tmp_path, capsys):
     out = tmp_path / "out"
-    args = [
-        "compare",
-        *SMALL,
-        "--backend",
-        "apc",
-        "--capacity-tokens",
-        "20000",
-        "--model",
-        "llama3-70b",
-        "--device",
-        "a100",
-    ]
+    args = compare(20000, "--model", "llama3-70b", "--device", "a100")
     assert main([*args, "--force-capacity", "--output-dir", str(out)]) == EXIT_BAD_INPUT
     assert (
         "llama3-70b's weights take 141.1 GB on each of 1 x a100, which has 80 GB: they do not fit (--tp 2 or more"
@@ -108,35 +102,14 @@ def test_a_model_whose_weights_do_not_fit_is_refused_even_when_forced(tmp_path, 
 
 def test_a_forced_capacity_is_run_and_said(tmp_path):
     out = tmp_path / "out"
-    args = [
-        "compare",
-        *SMALL,
-        "--backend",
-        "apc",
-        "--capacity-tokens",
-        "2000000",
-        "--force-capacity",
-        "--output-dir",
-        str(out),
-    ]
+    args = compare(2000000, "--force-capacity", "--output-dir", str(out))
     assert main(args) == 0
     assert "`--force-capacity`" in (out / "report.md").read_text()
 
 
 def test_the_profile_executor_runs_a_comparison_and_a_bad_table_writes_nothing(tmp_path, capsys):
     out = tmp_path / "out"
-    base = [
-        "compare",
-        *SMALL,
-        "--backend",
-        "apc",
-        "--capacity-tokens",
-        "20000",
-        "--model",
-        "llama3-70b",
-        "--device",
-        "a100",
-    ]
+    base = compare(20000, "--model", "llama3-70b", "--device", "a100")
     assert main([*base, "--tp", "4", "--executor", "profile", "--output-dir", str(out)]) == 0
     assert "profile table" in (out / "report.md").read_text()
     bad = tmp_path / "bad.csv"
@@ -190,7 +163,7 @@ def test_a_users_own_profile_is_named_in_the_report_without_a_borrowed_calibrati
     mine = tmp_path / "mine.csv"
     mine.write_text(shipped_profiles()[("llama3-70b", "a100")].read_text())
     out = tmp_path / "out"
-    args = ["compare", *SMALL, "--backend", "apc", "--capacity-tokens", "20000", "--model", "llama3-70b"]
+    args = compare(20000, "--model", "llama3-70b")
     assert (
         main(
             [

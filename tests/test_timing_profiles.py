@@ -117,12 +117,10 @@ def test_a_shipped_profile_replays_its_own_grid_and_predicts_held_out_points(mod
     for tp, curve in p.linear.items():
         assert np.allclose(curve(curve.x), curve.y, rtol=0.02)  # its own grid, within 2% (exactly, in fact)
         # every other point held out, the rest interpolated: the median error on the held-out ones
-        from experiments.timing.profile import Curve
+        from experiments.timing.calibration import held_out
 
-        kept = Curve(curve.x[::2], curve.y[::2])
-        held_x, held_y = curve.x[1::2], curve.y[1::2]
-        inside = held_x < kept.x[-1]
-        err = np.abs(kept(held_x[inside]) - held_y[inside]) / held_y[inside]
+        _, measured, predicted = held_out(curve)
+        err = np.abs(predicted - measured) / measured
         assert np.median(err) <= 0.10, (tp, np.median(err))
 
 
