@@ -205,8 +205,8 @@ def add_run_arguments(p: argparse.ArgumentParser, many_backends: bool) -> None:
 
 
 def add_execution_options(p: argparse.ArgumentParser) -> None:
-    """How a cell runs: the protocol, the executor and its device and model, the serving
-    policy and its budget."""
+    """How a cell runs: the protocol, what times its steps (`add_step_timing_options`), the
+    serving policy and its budget."""
     p.add_argument(
         "--protocol",
         default=defaults.PROTOCOL,
@@ -214,6 +214,35 @@ def add_execution_options(p: argparse.ArgumentParser) -> None:
         help="replay = requests in trace order, one at a time (the bounds' protocol); serving = continuous "
         "batching on a virtual clock; both",
     )
+    add_step_timing_options(p)
+    p.add_argument(
+        "--token-budget",
+        type=positive_int,
+        default=defaults.TOKEN_BUDGET,
+        help="serving: tokens scheduled per step at most (vLLM's max_num_batched_tokens)",
+    )
+    p.add_argument(
+        "--max-running",
+        type=positive_int,
+        default=defaults.MAX_RUNNING,
+        help="serving: requests running at once at most (vLLM's max_num_seqs)",
+    )
+    p.add_argument(
+        "--scheduler",
+        default=defaults.SCHEDULER,
+        choices=SCHEDULERS,
+        help="serving's scheduling policy: vllm = vLLM 0.33 V1 scheduler's decisions (the default)",
+    )
+    p.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="vLLM's async scheduling: two batches in flight, admissions slip a step",
+    )
+
+
+def add_step_timing_options(p: argparse.ArgumentParser) -> None:
+    """What times a serving step: the executor, its model and device, tensor parallelism,
+    a profile table, the capacity check against the device's memory (docs/timing.md)."""
     p.add_argument(
         "--executor",
         default=defaults.EXECUTOR,
@@ -262,29 +291,6 @@ def add_execution_options(p: argparse.ArgumentParser) -> None:
         help="model executor's kernel (auto: flashinfer when CUDA and flashinfer are present)",
     )
     p.add_argument("--device-calibration", metavar="JSON", help="calibrate the cost model from a GPU benchmark JSON")
-    p.add_argument(
-        "--token-budget",
-        type=positive_int,
-        default=defaults.TOKEN_BUDGET,
-        help="serving: tokens scheduled per step at most (vLLM's max_num_batched_tokens)",
-    )
-    p.add_argument(
-        "--max-running",
-        type=positive_int,
-        default=defaults.MAX_RUNNING,
-        help="serving: requests running at once at most (vLLM's max_num_seqs)",
-    )
-    p.add_argument(
-        "--scheduler",
-        default=defaults.SCHEDULER,
-        choices=SCHEDULERS,
-        help="serving's scheduling policy: vllm = vLLM 0.33 V1 scheduler's decisions (the default)",
-    )
-    p.add_argument(
-        "--async-scheduling",
-        action="store_true",
-        help="vLLM's async scheduling: two batches in flight, admissions slip a step",
-    )
 
 
 def add_capacity_options(p: argparse.ArgumentParser) -> None:

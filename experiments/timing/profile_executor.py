@@ -73,7 +73,10 @@ class ProfileExecutor(FreshIdExecutor):
         """Seconds of each part of a step whose items compute `new[i]` tokens from `starts[i]`
         (items with `new[i] == 0` are not in the step)."""
         on = new > 0
-        new, starts = new[on].astype(np.int64), starts[on].astype(np.int64)
+        new, starts = (
+            new[on].astype(np.int64, copy=False),
+            starts[on].astype(np.int64, copy=False),
+        )  # (masking copied them)
         tokens = int(new.sum())
         if not tokens:
             return dict.fromkeys(PARTS, 0.0)
